@@ -1,0 +1,124 @@
+/**
+ * The backend interface (SPI) that every lock store implements and from which
+ * `DistributedLock.make` builds the user-facing service. It is deliberately small: a backend
+ * grants, renews and releases; timeouts, renewal scheduling, loss detection, interruption of
+ * guarded bodies and name validation are written once, in `DistributedLock`.
+ *
+ * @since 0.1.0
+ */
+import type * as Duration from "effect/Duration"
+import type * as Effect from "effect/Effect"
+import type * as Option from "effect/Option"
+import type { FencingToken } from "./FencingToken.js"
+import type { Lease, LockMode } from "./Lease.js"
+import type { LockBackendError, LostReason } from "./LockError.js"
+
+/**
+ * What `DistributedLock` asks a backend for.
+ *
+ * The backend's `acquire` runs **uninterruptibly**: only the steps it wraps in `interruptible`
+ * (or `waitUntilDeadline`) can be interrupted, so a grant can never be dropped between the store
+ * granting it and `DistributedLock` registering its release. Every such step must leave no grant
+ * behind when it is interrupted.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface AcquireRequest {
+  readonly name: string
+  readonly mode: LockMode
+  /** `once`: a single attempt that never waits for the lock. `wait`: until granted or deadline. */
+  readonly attempt: "once" | "wait"
+  /** Lease length, already clamped to the backend's bounds. Session-bound backends ignore it. */
+  readonly ttl: Duration.Duration
+  /** Clock time (ms) past which the caller no longer wants the lock; `None` waits forever. */
+  readonly deadline: Option.Option<number>
+  /** Runs a step interruptibly. The step must clean up after itself if interrupted. */
+  readonly interruptible: <A, E, R>(step: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+  /**
+   * Runs a waiting step interruptibly, cut off at the deadline (`None` when it passed first).
+   * The step's result may be discarded when the deadline strikes as it completes, so use it only
+   * for steps that grant nothing (a wake-up signal, a sleep) — never for the granting statement.
+   */
+  readonly waitUntilDeadline: <A, E, R>(step: Effect.Effect<A, E, R>) => Effect.Effect<Option.Option<A>, E, R>
+  /** The backend calls this when it learns the grant is gone (session died, revoked). */
+  readonly onLost: (reason: LostReason) => Effect.Effect<void>
+}
+
+/**
+ * The outcome of one acquire: granted, busy (a `once` attempt found it held), or the deadline
+ * passed before it was granted.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export type AcquireResult<G> =
+  | { readonly _tag: "Granted"; readonly grant: G }
+  | { readonly _tag: "Busy" }
+  | { readonly _tag: "TimedOut" }
+
+/**
+ * What the backend hands back for a grant.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface Grant {
+  readonly token: FencingToken
+  /**
+   * For lease backends: the local Clock time (ms) before which the lease is certainly valid in
+   * the store (measured from *before* the granting statement was sent). `None` for session-bound
+   * locks, which need no renewal.
+   */
+  readonly validUntil: Option.Option<number>
+  /**
+   * Gives the grant back. It must be owner-scoped (never release someone else's grant) and
+   * bounded; where release cannot be proven, the backend destroys the session holding it.
+   */
+  readonly release: Effect.Effect<void, LockBackendError>
+}
+
+/**
+ * The outcome of renewing one grant.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export type RenewOutcome =
+  | { readonly _tag: "Renewed"; readonly validUntil: number }
+  | { readonly _tag: "Lost"; readonly reason: Extract<LostReason, "expired" | "stolen" | "revoked"> }
+
+/**
+ * A lock store.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface LockBackend<G extends Grant = Grant> {
+  /** Short name for spans, metrics and `inspect` (`memory`, `pg-advisory`, `pg-lease`). */
+  readonly backend: string
+  /** Longest lock name accepted, in UTF-8 bytes. */
+  readonly maxNameBytes: number
+  /** Lease length when the caller gives none. */
+  readonly defaultTtl: Duration.Duration
+  /** Shortest lease the store can keep safely; shorter requests are clamped up to it. */
+  readonly minTtl: Duration.Duration
+  /** Takes the lock, or reports busy or timed out. See `AcquireRequest` for interruption rules. */
+  readonly acquire: (request: AcquireRequest) => Effect.Effect<AcquireResult<G>, LockBackendError>
+  /**
+   * Renews a batch of grants in as few store operations as the backend can (one statement for a
+   * whole batch on PgLease). Returns one outcome per grant, in order. Only called for grants with
+   * a `validUntil`.
+   */
+  readonly renew: (grants: ReadonlyArray<G>) => Effect.Effect<ReadonlyArray<RenewOutcome>, LockBackendError>
+  /** Most grants `renew` is given at once. */
+  readonly renewBatchSize: number
+}
+
+/**
+ * A lease as `DistributedLock` exposes it, for backends that want to hand it to user code.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export type { Lease }

@@ -1,0 +1,11 @@
+/**
+ * effect-lock: distributed locks for Effect 3.
+ *
+ * @since 0.1.0
+ */
+export * as DistributedLock from "./DistributedLock.js"
+export * as FencingToken from "./FencingToken.js"
+export * as Lease from "./Lease.js"
+export * as LockBackend from "./LockBackend.js"
+export * as LockError from "./LockError.js"
+export * as MemoryBackend from "./MemoryBackend.js"

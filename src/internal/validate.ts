@@ -1,0 +1,39 @@
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import { InvalidLockName } from "../LockError.js"
+
+/** Rejects names no backend can store faithfully. */
+export const validateName = (name: string, maxBytes: number): Effect.Effect<string, InvalidLockName> => {
+  if (typeof name !== "string") {
+    return Effect.fail(new InvalidLockName({ name: String(name), reason: "a lock name must be a string" }))
+  }
+  if (name.length === 0) {
+    return Effect.fail(new InvalidLockName({ name, reason: "a lock name must not be empty" }))
+  }
+  // Lone surrogates cannot be encoded as UTF-8: two different names would map to the same bytes.
+  if (!name.isWellFormed()) {
+    return Effect.fail(new InvalidLockName({ name, reason: "a lock name must be well-formed Unicode text" }))
+  }
+  // PostgreSQL text cannot hold NUL; refuse it everywhere so names behave alike on every backend.
+  if (name.includes("\u0000")) {
+    return Effect.fail(new InvalidLockName({ name, reason: "a lock name must not contain NUL characters" }))
+  }
+  const bytes = Buffer.byteLength(name, "utf8")
+  if (bytes > maxBytes) {
+    return Effect.fail(
+      new InvalidLockName({ name, reason: `a lock name is at most ${maxBytes} UTF-8 bytes, this one has ${bytes}` })
+    )
+  }
+  return Effect.succeed(name)
+}
+
+/** Decodes an optional duration; `undefined` means "not given". */
+export const decodeDuration = (input: Duration.DurationInput | undefined): Duration.Duration | undefined =>
+  input === undefined ? undefined : Duration.decode(input)
+
+/** Clamps a lease length into the backend's bounds. */
+export const clampTtl = (
+  ttl: Duration.Duration,
+  min: Duration.Duration,
+  max: Duration.Duration
+): Duration.Duration => Duration.max(min, Duration.min(max, ttl))

@@ -1,0 +1,265 @@
+/**
+ * Helpers for test files that use the real PostgreSQL started by `globalSetup.ts`.
+ *
+ * Every test file works in its own fresh database (`useTestDatabase`), so files running in
+ * parallel never see each other's locks or rows, and `assertNoLeaks` can prove per file that no
+ * advisory lock and no held lease row outlived the file's tests.
+ */
+import type { SqlClient, SqlError } from "@effect/sql"
+import { PgClient } from "@effect/sql-pg"
+import { Effect, Layer, Redacted } from "effect"
+import * as Crypto from "node:crypto"
+import pg from "pg"
+import { afterAll, beforeAll, inject } from "vitest"
+
+/** application_name of the harness's own raw sessions, so tests can tell them apart from the library's. */
+export const HARNESS_APPLICATION_NAME = "effect-lock-test-harness"
+
+/** How long `assertNoLeaks` waits for backends of just-closed sessions to exit and drop their locks. */
+const DEFAULT_SETTLE_MS = 2_000
+const POLL_MS = 50
+const MAX_IDENTIFIER_LENGTH = 63
+
+/** Superuser URL of the test server (its `postgres` database), provided by the global setup. */
+export const adminUrl = (): string => {
+  const url = inject("pgAdminUrl")
+  if (typeof url !== "string" || url === "") {
+    throw new Error("pgAdminUrl was not provided: is test/support/globalSetup.ts listed in vitest.config.ts globalSetup?")
+  }
+  return url
+}
+
+/**
+ * Runs `f` on a fresh raw `pg.Client` and always closes it. The 'error' listener is attached
+ * before connect: without one a terminated backend crashes the Node process.
+ */
+export const withClient = async <A>(url: string, f: (client: pg.Client) => Promise<A>): Promise<A> => {
+  const client = new pg.Client({ connectionString: url, application_name: HARNESS_APPLICATION_NAME })
+  client.on("error", () => {})
+  await client.connect()
+  try {
+    return await f(client)
+  } finally {
+    await client.end().catch(() => {})
+  }
+}
+
+const databaseUrl = (base: string, database: string): string => {
+  const url = new URL(base)
+  url.pathname = `/${encodeURIComponent(database)}`
+  return url.toString()
+}
+
+const databaseNameFor = (label: string): string => {
+  const random = Crypto.randomBytes(5).toString("hex")
+  const sanitized = label.toLowerCase().replace(/[^a-z0-9_]+/g, "_").replace(/^_+|_+$/g, "") || "db"
+  const room = MAX_IDENTIFIER_LENGTH - "el__".length - random.length
+  return `el_${sanitized.slice(0, room)}_${random}`
+}
+
+/** A database created for one test file. */
+export interface TestDatabase {
+  readonly url: string
+  readonly name: string
+  /** Drops the database, terminating any session still connected to it. */
+  readonly drop: () => Promise<void>
+}
+
+/** Creates a fresh database `el_<label>_<random>` on the test server. */
+export const createTestDatabase = async (label: string): Promise<TestDatabase> => {
+  const admin = adminUrl()
+  const name = databaseNameFor(label)
+  await withClient(admin, (client) => client.query(`create database ${client.escapeIdentifier(name)}`))
+  return {
+    name,
+    url: databaseUrl(admin, name),
+    drop: () =>
+      withClient(admin, async (client) => {
+        await client.query(`drop database if exists ${client.escapeIdentifier(name)} with (force)`)
+      })
+  }
+}
+
+/** One advisory lock row of `pg_locks` in the checked database, with who holds or waits for it. */
+export interface AdvisoryLockRow {
+  readonly pid: number
+  readonly application_name: string | null
+  readonly classid: number
+  readonly objid: number
+  readonly objsubid: number
+  readonly granted: boolean
+  readonly mode: string
+  readonly state: string | null
+  readonly query: string | null
+}
+
+const advisoryLocksQuery = `
+  select l.pid, a.application_name, l.classid, l.objid, l.objsubid, l.granted, l.mode, a.state, a.query
+  from pg_locks l
+  left join pg_stat_activity a on a.pid = l.pid
+  where l.locktype = 'advisory'
+    and l.database = (select oid from pg_database where datname = current_database())
+  order by l.pid, l.classid, l.objid`
+
+const queryAdvisoryLocks = async (client: pg.Client): Promise<ReadonlyArray<AdvisoryLockRow>> =>
+  (await client.query<AdvisoryLockRow>(advisoryLocksQuery)).rows
+
+/** Advisory locks (granted or awaited) in the database at `url`, from `pg_locks`. */
+export const advisoryLocks = (url: string): Promise<ReadonlyArray<AdvisoryLockRow>> =>
+  withClient(url, queryAdvisoryLocks)
+
+/** Sessions connected to the database at `url` with this application_name. */
+export const countSessions = (url: string, applicationName: string): Promise<number> =>
+  withClient(url, async (client) => {
+    const result = await client.query<{ n: number }>(
+      `select count(*)::int as n from pg_stat_activity
+       where datname = current_database() and application_name = $1 and pid <> pg_backend_pid()`,
+      [applicationName]
+    )
+    return result.rows[0]?.n ?? 0
+  })
+
+/** Terminates every session of the database at `url` with this application_name; returns how many. */
+export const terminateBackends = (url: string, applicationName: string): Promise<number> =>
+  withClient(url, async (client) => {
+    const result = await client.query<{ n: number }>(
+      `select count(*) filter (where pg_terminate_backend(pid))::int as n from pg_stat_activity
+       where datname = current_database() and application_name = $1 and pid <> pg_backend_pid()`,
+      [applicationName]
+    )
+    return result.rows[0]?.n ?? 0
+  })
+
+/** Tables in user schemas that look like lease tables (`owner` and `expires_at` columns). */
+const discoverLeaseTables = async (client: pg.Client): Promise<ReadonlyArray<string>> => {
+  const result = await client.query<{ table: string }>(
+    `select c.oid::regclass::text as table
+     from pg_class c
+     join pg_namespace n on n.oid = c.relnamespace
+     where c.relkind in ('r', 'p')
+       and n.nspname not in ('pg_catalog', 'information_schema') and n.nspname not like 'pg_toast%'
+       and exists (select 1 from pg_attribute a where a.attrelid = c.oid and a.attname = 'owner' and not a.attisdropped)
+       and exists (select 1 from pg_attribute a where a.attrelid = c.oid and a.attname = 'expires_at' and not a.attisdropped)`
+  )
+  return result.rows.map((row) => row.table)
+}
+
+const heldLeases = async (client: pg.Client, tables: ReadonlyArray<string>): Promise<ReadonlyArray<string>> => {
+  const held: Array<string> = []
+  for (const table of tables) {
+    // to_regclass tolerates a table the tests never created; its text form is safely quoted.
+    const found = await client.query<{ rel: string | null }>("select to_regclass($1)::text as rel", [table])
+    const rel = found.rows[0]?.rel
+    if (rel === null || rel === undefined) continue
+    const rows = await client.query<{ row: unknown }>(
+      `select to_jsonb(t) as row from ${rel} t where t.owner is not null and t.expires_at > now()`
+    )
+    for (const { row } of rows.rows) held.push(`${rel}: ${JSON.stringify(row)}`)
+  }
+  return held
+}
+
+/** Options of `assertNoLeaks`. */
+export interface AssertNoLeaksOptions {
+  /** Lease tables to check; tables that do not exist are ignored. Default: every table with `owner` and `expires_at` columns. */
+  readonly leaseTables?: ReadonlyArray<string>
+  /** How long to keep re-checking before failing, for backends that are still exiting. Default 2000 ms. */
+  readonly settleMs?: number
+}
+
+/**
+ * Throws if the database at `url` still has an advisory lock (granted or awaited) or a held lease
+ * row (owner set, not yet expired). Backends of sessions closed a moment ago may still be exiting,
+ * so it re-checks for `settleMs` before failing.
+ */
+export const assertNoLeaks = (url: string, options?: AssertNoLeaksOptions): Promise<void> =>
+  withClient(url, async (client) => {
+    const deadline = Date.now() + (options?.settleMs ?? DEFAULT_SETTLE_MS)
+    for (;;) {
+      const locks = await queryAdvisoryLocks(client)
+      const tables = options?.leaseTables ?? (await discoverLeaseTables(client))
+      const leases = await heldLeases(client, tables)
+      if (locks.length === 0 && leases.length === 0) return
+      if (Date.now() >= deadline) {
+        const database = (await client.query<{ db: string }>("select current_database() as db")).rows[0]?.db
+        const lines = [
+          `leak check failed in database ${database}:`,
+          ...locks.map(
+            (l) =>
+              `  advisory lock pid=${l.pid} application_name=${JSON.stringify(l.application_name)} ` +
+              `classid=${l.classid} objid=${l.objid} objsubid=${l.objsubid} granted=${l.granted} mode=${l.mode} ` +
+              `state=${l.state} query=${JSON.stringify(l.query)}`
+          ),
+          ...leases.map((lease) => `  held lease ${lease}`)
+        ]
+        throw new Error(lines.join("\n"))
+      }
+      await new Promise((resolve) => setTimeout(resolve, POLL_MS))
+    }
+  })
+
+/** Handle returned by `useTestDatabase`; its getters are valid inside tests and hooks that run after its `beforeAll`. */
+export interface UsedTestDatabase {
+  readonly url: string
+  readonly name: string
+}
+
+/**
+ * Gives the calling test file its own database: created in `beforeAll`, leak-checked and dropped
+ * in `afterAll` (a leak fails the file). Call it at the top of the file, before any `layer(...)`,
+ * so the file's pools are closed (afterAll hooks run in reverse order) before the leak check.
+ */
+export const useTestDatabase = (label: string, options?: AssertNoLeaksOptions): UsedTestDatabase => {
+  let database: TestDatabase | undefined
+  const current = (): TestDatabase => {
+    if (database === undefined) {
+      throw new Error(
+        `test database "${label}" read before its beforeAll ran: pass the handle itself ` +
+          "(PgTest.layer(db)) rather than db.url where the value is needed at collection time"
+      )
+    }
+    return database
+  }
+  beforeAll(async () => {
+    database = await createTestDatabase(label)
+  })
+  afterAll(async () => {
+    if (database === undefined) return
+    try {
+      await assertNoLeaks(database.url, options)
+    } finally {
+      await database.drop()
+    }
+  })
+  return {
+    get url() {
+      return current().url
+    },
+    get name() {
+      return current().name
+    }
+  }
+}
+
+/** A URL, or something that yields one once the database exists (a `useTestDatabase` handle or a thunk). */
+export type UrlSource = string | { readonly url: string } | (() => string)
+
+const resolveUrl = (source: UrlSource): string =>
+  typeof source === "string" ? source : typeof source === "function" ? source() : source.url
+
+/** Effect layers against the test server. */
+export const PgTest = {
+  /**
+   * `PgClient`/`SqlClient` from @effect/sql-pg on the given database. The URL is read when the
+   * layer is built, so a `useTestDatabase` handle can be passed to `layer(...)` at collection time.
+   * Use with `layer(PgTest.layer(db), { excludeTestServices: true })` or `it.live`: against a real
+   * server, sleeps and retries must not run on the TestClock.
+   */
+  layer: (
+    url: UrlSource,
+    config?: Omit<PgClient.PgClientConfig, "url">
+  ): Layer.Layer<PgClient.PgClient | SqlClient.SqlClient, SqlError.SqlError> =>
+    Layer.unwrapEffect(
+      Effect.sync(() => PgClient.layer({ ...config, url: Redacted.make(resolveUrl(url)) }))
+    )
+}
