@@ -166,7 +166,7 @@ export interface Options {
 }
 
 /** Shortest lease the memory store keeps; shorter requests are clamped up to it. */
-const MIN_TTL = Duration.millis(10)
+const MIN_TTL = Duration.millis(100)
 /** Same bound as the database backends, so names behave alike everywhere. */
 const MAX_NAME_BYTES = 1024
 

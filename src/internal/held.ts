@@ -187,16 +187,16 @@ export const makeRegistry = <G extends Grant>(
         )
         const outcomes = yield* backend.renew(batch.map((h) => h.grant)).pipe(
           Effect.timeout(Duration.millis(budget)),
-          Effect.tapError((error) =>
-            Effect.logDebug("lease renewal failed; retrying").pipe(Effect.annotateLogs({ error: String(error) }))
+          // A failed or defective renewal is retried until the safety deadline; it must never stop the loop.
+          Effect.catchAllCause((cause) =>
+            Effect.logDebug("lease renewal failed; retrying", cause).pipe(Effect.as(undefined))
           ),
-          Effect.option,
           Effect.withSpan("effect-lock.renew", {
             attributes: { "lock.backend": backend.backend, "lock.count": batch.length }
           })
         )
         for (let i = 0; i < batch.length; i++) {
-          yield* applyOutcome(batch[i]!, Option.isSome(outcomes) ? outcomes.value[i] : undefined, now)
+          yield* applyOutcome(batch[i]!, outcomes?.[i], now)
         }
         for (const held of batch) if (held.renewing === done) held.renewing = undefined
         yield* Deferred.succeed(done, undefined)

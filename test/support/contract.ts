@@ -1,0 +1,270 @@
+/**
+ * The guarantees every backend keeps, written once and run against each backend: the memory
+ * backend under TestClock, the PostgreSQL ones with short real durations.
+ */
+import { describe, expect, it } from "@effect/vitest"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import type * as Scope from "effect/Scope"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import type { LockBackend } from "effect-lock/LockBackend"
+import { type Faults, makeFaults, withFaults } from "./faults.js"
+
+export interface ContractTarget {
+  /** Runs tests on the TestClock (`scoped`) or on real time (`scopedLive`). */
+  readonly clock: "test" | "live"
+  /** Lease length used by the ttl tests (at least the backend's floor). */
+  readonly ttl: Duration.Duration
+  /** Builds the backend of one "process"; each call is a separate process of the cluster. */
+  // biome-ignore: each backend has its own grant type; the suite only passes grants back to it.
+  readonly makeBackend: Effect.Effect<LockBackend<any>, unknown, Scope.Scope>
+  /** Live holders of `name` in the store, read from the store itself (not from a process). */
+  readonly storeHolders: (name: string) => Effect.Effect<number, unknown>
+  /** Lets time pass: TestClock.adjust, or a real sleep. */
+  readonly advance: (duration: Duration.Duration) => Effect.Effect<void>
+  /** Lets forked fibers (and the store) reach their next wait. */
+  readonly settle: Effect.Effect<void>
+  /** Largest name the backend accepts, in UTF-8 bytes. */
+  readonly maxNameBytes: number
+  /** The backend's lease floor. */
+  readonly minTtl: Duration.Duration
+}
+
+let counter = 0
+/** A name no other test (or earlier run against the same store) uses. */
+export const freshName = (prefix: string) => `${prefix}-${process.pid}-${Date.now().toString(36)}-${counter++}`
+
+export const contractSuite = (label: string, target: ContractTarget) => {
+  const test = target.clock === "test" ? it.scoped : it.scopedLive
+  const ttlMillis = Duration.toMillis(target.ttl)
+
+  const node = (faults: Faults = makeFaults()) =>
+    Effect.flatMap(target.makeBackend, (backend) => DistributedLock.make(withFaults(backend, faults)))
+
+  const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
+
+  describe(`${label}: the backend contract`, () => {
+    test("a held lock excludes other processes until it is released", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("exclusive")
+        const held = yield* Effect.scoped(
+          Effect.gen(function*() {
+            const lease = yield* a.acquire(name)
+            expect(yield* lease.isHeld).toBe(true)
+            const other = yield* Effect.scoped(b.tryAcquire(name))
+            expect(Option.isNone(other)).toBe(true)
+            return lease
+          })
+        )
+        expect(yield* held.isHeld).toBe(false)
+        const after = yield* Effect.scoped(Effect.map(b.tryAcquire(name), Option.isSome))
+        expect(after).toBe(true)
+        expect(yield* target.storeHolders(name)).toBe(0)
+      }))
+
+    test("fencing tokens strictly increase per name across processes", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("tokens")
+        const tokens: Array<bigint> = []
+        for (let i = 0; i < 6; i++) {
+          const service = i % 2 === 0 ? a : b
+          tokens.push(yield* Effect.scoped(Effect.map(service.acquire(name), (lease) => lease.token)))
+        }
+        for (let i = 1; i < tokens.length; i++) expect(tokens[i]! > tokens[i - 1]!).toBe(true)
+      }))
+
+    test("timeout bounds the wait and fails with LockTimeout naming the lock and the wait", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("timeout")
+        yield* a.acquire(name)
+        const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name, { timeout: Duration.millis(300) })))
+        yield* target.settle
+        yield* target.advance(Duration.millis(400))
+        const exit = yield* Fiber.await(waiter)
+        expect(Exit.isFailure(exit)).toBe(true)
+        const error = yield* Effect.flip(exit)
+        expect(error._tag).toBe("LockTimeout")
+        if (error._tag === "LockTimeout") {
+          expect(error.name).toBe(name)
+          expect(Duration.toMillis(error.waited)).toBeGreaterThanOrEqual(300)
+          expect(error.message).toContain(`"${name}"`)
+        }
+      }))
+
+    test("a zero or negative timeout makes one attempt", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("once")
+        const free = yield* Effect.scoped(Effect.map(b.acquire(name, { timeout: 0 }), (l) => l.name))
+        expect(free).toBe(name)
+        yield* a.acquire(name)
+        const busy = yield* Effect.flip(Effect.scoped(b.acquire(name, { timeout: Duration.millis(-5) })))
+        expect(busy._tag).toBe("LockTimeout")
+      }))
+
+    test("without a timeout a waiter waits until the holder lets go, then gets it", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("waits")
+        const release = yield* Effect.makeLatch(false)
+        const holder = yield* Effect.fork(Effect.scoped(Effect.zipRight(a.acquire(name), release.await)))
+        yield* target.settle
+        const waiter = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name), (l) => l.token)))
+        yield* target.settle
+        yield* target.advance(Duration.times(target.ttl, 2))
+        expect(Option.isNone(yield* Fiber.poll(waiter))).toBe(true)
+        yield* release.open
+        yield* Fiber.join(holder)
+        const token = yield* Fiber.join(waiter)
+        expect(token > 0n).toBe(true)
+      }))
+
+    test("locks are not re-entrant: the same process asking again waits", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("reentrant")
+        yield* a.acquire(name)
+        const again = yield* Effect.scoped(a.tryAcquire(name))
+        expect(Option.isNone(again)).toBe(true)
+      }))
+
+    test("shared holders coexist; exclusive excludes them and they exclude exclusive", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("shared")
+        const s1 = yield* a.tryAcquire(name, { mode: "shared" })
+        const s2 = yield* b.tryAcquire(name, { mode: "shared" })
+        expect(Option.isSome(s1) && Option.isSome(s2)).toBe(true)
+        const x = yield* Effect.scoped(b.tryAcquire(name, { mode: "exclusive" }))
+        expect(Option.isNone(x)).toBe(true)
+        const c = yield* node()
+        const other = freshName("exclusive-first")
+        yield* c.acquire(other)
+        const s3 = yield* Effect.scoped(a.tryAcquire(other, { mode: "shared" }))
+        expect(Option.isNone(s3)).toBe(true)
+      }))
+
+    test("withLock interrupts the body when the lease is lost, with the token and a reason", () =>
+      Effect.gen(function*() {
+        const faults = makeFaults()
+        const a = yield* node(faults)
+        const name = freshName("lost")
+        const stopped = yield* Effect.makeLatch(false)
+        let token = -1n
+        const run = yield* Effect.fork(
+          Effect.gen(function*() {
+            const lease = yield* DistributedLock.acquire(name, { ttl: target.ttl })
+            token = lease.token
+            return yield* DistributedLock.guard(lease, Effect.never.pipe(Effect.onInterrupt(() => stopped.open)))
+          }).pipe(Effect.scoped, provide(a))
+        )
+        yield* target.settle
+        faults.failRenew = true
+        yield* target.advance(target.ttl)
+        const error = yield* Effect.flip(Fiber.join(run))
+        expect(error._tag).toBe("LockLost")
+        if (error._tag === "LockLost") {
+          expect(error.token).toBe(token)
+          expect(error.reason).toBe("renewal-failed")
+          expect(error.name).toBe(name)
+        }
+        yield* stopped.await
+      }))
+
+    test("renewal keeps a lease alive far past its ttl", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("renewed")
+        const lease = yield* a.acquire(name, { ttl: target.ttl })
+        for (let i = 0; i < 4; i++) {
+          yield* target.advance(Duration.millis(ttlMillis / 2))
+          yield* target.settle
+        }
+        expect(yield* lease.isHeld).toBe(true)
+        const other = yield* Effect.scoped(b.tryAcquire(name))
+        expect(Option.isNone(other)).toBe(true)
+      }))
+
+    test("a holder whose renewals fail is told before its lease can expire in the store", () =>
+      Effect.gen(function*() {
+        const faults = makeFaults()
+        const a = yield* node(faults)
+        const name = freshName("margin")
+        const lease = yield* a.acquire(name, { ttl: target.ttl })
+        faults.failRenew = true
+        const lostAt = yield* Effect.fork(
+          Effect.flatMap(Effect.flip(lease.lost), () => Effect.clockWith((c) => c.currentTimeMillis))
+        )
+        const heldInStore = yield* Effect.fork(
+          Effect.gen(function*() {
+            yield* Fiber.await(lostAt)
+            return yield* target.storeHolders(name)
+          })
+        )
+        yield* target.advance(Duration.millis(ttlMillis * 0.9))
+        yield* target.settle
+        expect(yield* lease.isHeld).toBe(false)
+        // When the holder learned of the loss the store still held its lease: it was told first.
+        expect(yield* Fiber.poll(heldInStore)).toEqual(Option.some(Exit.succeed(1)))
+      }))
+
+    test("a holder that was taken over can neither renew nor release the new holder's lease", () =>
+      Effect.gen(function*() {
+        const faults = makeFaults()
+        const a = yield* node(faults)
+        const b = yield* node()
+        const name = freshName("takeover")
+        faults.hangRenew = true
+        const stale = yield* Effect.fork(
+          Effect.scoped(Effect.zipRight(a.acquire(name, { ttl: target.ttl }), Effect.never))
+        )
+        yield* target.settle
+        const takeover = yield* Effect.fork(b.acquire(name, { ttl: target.ttl }))
+        yield* target.advance(Duration.millis(ttlMillis * 1.5))
+        yield* target.settle
+        const fresh = yield* Fiber.join(takeover)
+        // The stale holder's scope closes: its release must not touch the new holder's lease.
+        yield* Fiber.interrupt(stale)
+        expect(yield* fresh.isHeld).toBe(true)
+        expect(yield* target.storeHolders(name)).toBe(1)
+        const c = yield* node()
+        const third = yield* Effect.scoped(c.tryAcquire(name))
+        expect(Option.isNone(third)).toBe(true)
+      }))
+
+    test("bad names fail with InvalidLockName, never a defect", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const names = ["", "x".repeat(target.maxNameBytes + 1), "bad\uD800surrogate", "nul\u0000byte"]
+        for (const name of names) {
+          const error = yield* Effect.flip(Effect.scoped(a.acquire(name)))
+          expect(error._tag).toBe("InvalidLockName")
+        }
+        const longest = yield* Effect.scoped(Effect.map(a.acquire("y".repeat(target.maxNameBytes)), (l) => l.name))
+        expect(longest.length).toBe(target.maxNameBytes)
+      }))
+
+    test("a zero or negative ttl is clamped up to the backend's floor and still renewed", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("ttl-floor")
+        const lease = yield* a.acquire(name, { ttl: Duration.millis(-10) })
+        yield* target.advance(Duration.times(target.minTtl, 3))
+        yield* target.settle
+        expect(yield* lease.isHeld).toBe(true)
+      }))
+  })
+}
