@@ -98,9 +98,13 @@ export class LockBackendError extends Schema.TaggedError<LockBackendError>("effe
 }
 
 const causeMessage = (cause: unknown): string => {
-  if (cause instanceof Error) return cause.message
-  if (typeof cause === "object" && cause !== null && "message" in cause) return String(cause.message)
-  return String(cause)
+  const own = typeof cause === "object" && cause !== null && "message" in cause ? String(cause.message) : String(cause)
+  // SqlError says only "Failed to execute statement"; the driver error it wraps says why.
+  const inner = typeof cause === "object" && cause !== null && "cause" in cause ? cause.cause : undefined
+  if (typeof inner === "object" && inner !== null && "message" in inner && String(inner.message) !== own) {
+    return `${own}: ${String(inner.message)}`
+  }
+  return own
 }
 
 /**

@@ -1,0 +1,464 @@
+import { SqlClient } from "@effect/sql"
+import { describe, expect, it, layer } from "@effect/vitest"
+import { Array as Arr, Deferred, Duration, Effect, Either, Fiber, Random, Tracer } from "effect"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import * as Fence from "effect-lock/Fence"
+import * as FencingToken from "effect-lock/FencingToken"
+import { LockBackendError, StaleFencingToken } from "effect-lock/LockError"
+import * as MemoryBackend from "effect-lock/MemoryBackend"
+import { PgTest, useTestDatabase } from "./support/pg.js"
+
+// First, so that their afterAll (leak check, drop) runs after every pool of this file is closed.
+const db = useTestDatabase("fence")
+// Databases where no fence table exists yet, for the first-use races on the default table.
+const freshForAutocommit = useTestDatabase("fence_first_use")
+const freshForTransactions = useTestDatabase("fence_first_use_tx")
+
+/** Enough connections for 20 concurrent transactions plus the test's own statements. */
+const POOL = { maxConnections: 30 } as const
+
+const token = (n: number | bigint) => FencingToken.make(BigInt(n))
+
+/** The token the fence table holds for `resource`, or undefined when it has no row. */
+const recorded = (resource: string, table = Fence.DEFAULT_TABLE) =>
+  Effect.flatMap(SqlClient.SqlClient, (sql) =>
+    Effect.map(
+      sql.unsafe<{ token: string }>(`select token::text as token from ${table} where resource = $1`, [resource]),
+      ([row]) => (row === undefined ? undefined : BigInt(row.token))
+    ))
+
+const tableExists = (table: string) =>
+  Effect.flatMap(SqlClient.SqlClient, (sql) =>
+    Effect.map(sql<{ rel: string | null }>`select to_regclass(${table})::text as rel`, ([row]) => row?.rel != null))
+
+/** A random pause of up to `maxMs`, drawn from the live Random. */
+const jitter = (maxMs: number) => Effect.flatMap(Random.nextIntBetween(0, maxMs + 1), (ms) => Effect.sleep(Duration.millis(ms)))
+
+/** A table of guarded writes: each row is written in the transaction that passed `Fence.check`. */
+const writesTable = (name: string) =>
+  Effect.flatMap(SqlClient.SqlClient, (sql) =>
+    sql.unsafe(
+      `create table ${name} (id bigserial primary key, resource text not null, token bigint not null, body text not null)`
+    ))
+
+/** The fenced write pattern: check the token, then write, in one transaction. */
+const fencedWrite = (table: string, resource: string, presented: FencingToken.FencingToken, body: string) =>
+  Effect.flatMap(SqlClient.SqlClient, (sql) =>
+    sql.withTransaction(
+      Effect.zipRight(
+        Fence.check(resource, presented),
+        sql.unsafe(`insert into ${table} (resource, token, body) values ($1, $2, $3)`, [resource, presented.toString(), body])
+      )
+    ))
+
+const writesOf = (table: string) =>
+  Effect.flatMap(SqlClient.SqlClient, (sql) =>
+    sql.unsafe<{ token: string; body: string }>(`select token::text as token, body from ${table} order by id`))
+
+/** The SQL statements `effect` sends through @effect/sql (BEGIN/COMMIT are not statements of its own). */
+const statementsOf = <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+  Effect.flatMap(Effect.tracer, (native) => {
+    const texts: Array<string> = []
+    const tracer = Tracer.make({
+      context: (f, fiber) => native.context(f, fiber),
+      span: (name, parent, context, links, startTime, kind, options) => {
+        const span = native.span(name, parent, context, links, startTime, kind, options)
+        if (name !== "sql.execute") return span
+        return new Proxy(span, {
+          get: (target, key) => {
+            if (key === "attribute") {
+              return (attribute: string, value: unknown) => {
+                if (attribute === "db.query.text") texts.push(String(value).split("\n")[0]!)
+                target.attribute(attribute, value)
+              }
+            }
+            const value: unknown = Reflect.get(target, key, target)
+            return typeof value === "function" ? value.bind(target) : value
+          }
+        })
+      }
+    })
+    return Effect.map(Effect.withTracer(Effect.either(effect), tracer), (result) => ({ result, texts }))
+  })
+
+layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence", (it) => {
+  it.effect("accepts increasing and equal tokens and records the highest", () =>
+    Effect.gen(function*() {
+      yield* Fence.check("orders", token(1))
+      yield* Fence.check("orders", token(2))
+      yield* Fence.check("orders", token(2))
+      yield* Fence.check("orders", token(7))
+      expect(yield* recorded("orders")).toBe(7n)
+      // Resources are fenced independently.
+      yield* Fence.check("invoices", token(3))
+      expect(yield* recorded("invoices")).toBe(3n)
+      expect(yield* recorded("orders")).toBe(7n)
+      // Tokens keep their full 64-bit precision.
+      const big = 2n ** 62n + 1n
+      yield* Fence.check("orders", token(big))
+      expect(yield* recorded("orders")).toBe(big)
+      const stale = yield* Effect.flip(Fence.check("orders", token(big - 1n)))
+      expect(stale).toMatchObject({ presented: big - 1n, current: big })
+    }))
+
+  it.effect("rejects a lower token with StaleFencingToken carrying resource, presented and current", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      yield* Fence.check("ledger", token(5))
+      const error = yield* Effect.flip(Fence.check("ledger", token(3)))
+      expect(error).toBeInstanceOf(StaleFencingToken)
+      expect(error).toMatchObject({ _tag: "StaleFencingToken", resource: "ledger", presented: 3n, current: 5n })
+      expect(error.message).toBe(`stale fencing token for "ledger": presented 3, but 5 was already accepted`)
+      // The same inside a transaction.
+      const inTransaction = yield* Effect.flip(sql.withTransaction(Fence.check("ledger", token(4))))
+      expect(inTransaction).toMatchObject({ _tag: "StaleFencingToken", resource: "ledger", presented: 4n, current: 5n })
+      expect(yield* recorded("ledger")).toBe(5n)
+    }))
+
+  it.effect("a refused check inside a transaction lets the caller roll back its write; an accepted one rolls back with it", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      yield* writesTable("doc_writes")
+      yield* Fence.check("doc", token(4))
+
+      // Written first, then refused: the caller's transaction rolls the write back.
+      const refused = yield* Effect.flip(
+        sql.withTransaction(
+          Effect.zipRight(
+            sql`insert into doc_writes (resource, token, body) values ('doc', 3, 'stale')`,
+            Fence.check("doc", token(3))
+          )
+        )
+      )
+      expect(refused).toMatchObject({ _tag: "StaleFencingToken", presented: 3n, current: 4n })
+      expect(yield* writesOf("doc_writes")).toEqual([])
+
+      // An accepted token is recorded only if the caller's transaction commits.
+      const failed = yield* Effect.flip(sql.withTransaction(Effect.zipRight(Fence.check("doc", token(9)), Effect.fail("boom"))))
+      expect(failed).toBe("boom")
+      expect(yield* recorded("doc")).toBe(4n)
+
+      // A refusal is a typed failure, not an SQL error: the transaction stays usable if the caller recovers.
+      yield* sql.withTransaction(
+        Fence.check("doc", token(2)).pipe(
+          Effect.catchTag("StaleFencingToken", (stale) =>
+            sql`insert into doc_writes (resource, token, body) values ('doc', ${stale.current.toString()}, 'noted')`)
+        )
+      )
+      yield* fencedWrite("doc_writes", "doc", token(4), "fresh")
+      expect(yield* writesOf("doc_writes")).toEqual([{ token: "4", body: "noted" }, { token: "4", body: "fresh" }])
+    }))
+
+  it.scoped("a paused holder that lost its lock cannot write after the new holder did (tokens from the memory backend)", () =>
+    Effect.gen(function*() {
+      yield* writesTable("report_writes")
+      const store = yield* MemoryBackend.makeStore
+      // Two "processes" of one cluster.
+      const processA = yield* Effect.flatMap(MemoryBackend.makeBackend({ store }), DistributedLock.make)
+      const processB = yield* Effect.flatMap(MemoryBackend.makeBackend({ store }), DistributedLock.make)
+
+      const leaseA = yield* DistributedLock.acquire("report").pipe(
+        Effect.provideService(DistributedLock.DistributedLock, processA)
+      )
+      // A pauses here (a GC pause, a partition) and does not look at its lease; meanwhile the
+      // lock is taken from it and B takes over.
+      yield* MemoryBackend.revoke(store, "report")
+      const leaseB = yield* DistributedLock.acquire("report").pipe(
+        Effect.provideService(DistributedLock.DistributedLock, processB)
+      )
+      expect(leaseB.token > leaseA.token).toBe(true)
+      yield* fencedWrite("report_writes", "report", leaseB.token, "from B")
+
+      // A wakes up and writes with its old token.
+      const stale = yield* Effect.flip(fencedWrite("report_writes", "report", leaseA.token, "from A"))
+      expect(stale).toBeInstanceOf(StaleFencingToken)
+      expect(stale).toMatchObject({ resource: "report", presented: leaseA.token, current: leaseB.token })
+      expect(yield* writesOf("report_writes")).toEqual([{ token: leaseB.token.toString(), body: "from B" }])
+    }))
+
+  it.scoped("a stale holder whose transaction is still open delays the new holder's check, never overwrites it", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      yield* writesTable("ticket_writes")
+      const store = yield* MemoryBackend.makeStore
+      const processA = yield* Effect.flatMap(MemoryBackend.makeBackend({ store }), DistributedLock.make)
+      const processB = yield* Effect.flatMap(MemoryBackend.makeBackend({ store }), DistributedLock.make)
+      const leaseA = yield* DistributedLock.acquire("ticket").pipe(
+        Effect.provideService(DistributedLock.DistributedLock, processA)
+      )
+
+      // A passes its check, then pauses with its transaction open.
+      const checked = yield* Deferred.make<void>()
+      const resume = yield* Deferred.make<void>()
+      const writerA = yield* Effect.fork(
+        sql.withTransaction(
+          Effect.gen(function*() {
+            yield* Fence.check("ticket", leaseA.token)
+            yield* Deferred.succeed(checked, undefined)
+            yield* Deferred.await(resume)
+            yield* sql`insert into ticket_writes (resource, token, body) values ('ticket', ${leaseA.token.toString()}, 'from A')`
+          })
+        )
+      )
+      yield* Deferred.await(checked)
+
+      yield* MemoryBackend.revoke(store, "ticket")
+      const leaseB = yield* DistributedLock.acquire("ticket").pipe(
+        Effect.provideService(DistributedLock.DistributedLock, processB)
+      )
+      const writerB = yield* Effect.fork(fencedWrite("ticket_writes", "ticket", leaseB.token, "from B"))
+      // B's check waits on the resource's row, locked by A's open transaction.
+      yield* Effect.sleep(Duration.millis(300))
+      expect(writerB.unsafePoll()).toBeNull()
+
+      yield* Deferred.succeed(resume, undefined)
+      yield* Fiber.join(writerA)
+      yield* Fiber.join(writerB)
+      // Commit order is token order: A's write (checked before the takeover) first, then B's.
+      expect(yield* writesOf("ticket_writes")).toEqual([
+        { token: leaseA.token.toString(), body: "from A" },
+        { token: leaseB.token.toString(), body: "from B" }
+      ])
+      expect(yield* recorded("ticket")).toBe(leaseB.token)
+      const late = yield* Effect.flip(fencedWrite("ticket_writes", "ticket", leaseA.token, "from A again"))
+      expect(late).toMatchObject({ _tag: "StaleFencingToken", presented: leaseA.token, current: leaseB.token })
+    }))
+
+  it.effect("concurrent transactions commit only in token order: a lower token never commits after a higher one", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      yield* sql`create table race_writes (id bigserial primary key, resource text not null, token bigint not null, seen_max bigint not null)`
+      const WRITERS = 20
+      for (let round = 0; round < 3; round++) {
+        const resource = `race-${round}`
+        const tokens = Arr.fromIterable(yield* Random.shuffle(Arr.range(1, WRITERS)))
+        const outcomes = yield* Effect.forEach(
+          tokens,
+          (n) =>
+            jitter(15).pipe(
+              Effect.zipRight(
+                sql.withTransaction(
+                  Effect.gen(function*() {
+                    yield* Fence.check(resource, token(n))
+                    yield* jitter(5)
+                    // seen_max: the highest token among the writes committed before this one was made
+                    // (READ COMMITTED: the statement sees every transaction committed before it starts).
+                    yield* sql`insert into race_writes (resource, token, seen_max)
+                      select ${resource}, ${n}, coalesce(max(token), 0) from race_writes where resource = ${resource}`
+                    yield* jitter(5)
+                  })
+                )
+              ),
+              Effect.either,
+              Effect.map((result) => ({ n, result }))
+            ),
+          { concurrency: "unbounded" }
+        )
+
+        const accepted = outcomes.filter((o) => Either.isRight(o.result)).map((o) => o.n)
+        const refused = outcomes.flatMap((o) => (Either.isLeft(o.result) ? [{ n: o.n, error: o.result.left }] : []))
+        for (const { n, error } of refused) {
+          expect(error).toBeInstanceOf(StaleFencingToken)
+          const stale = error as StaleFencingToken
+          expect(stale.presented).toBe(BigInt(n))
+          expect(stale.current > stale.presented).toBe(true)
+        }
+        const rows = yield* sql<{ token: string; seen_max: string }>`
+          select token::text as token, seen_max::text as seen_max from race_writes where resource = ${resource} order by id`
+        // Exactly the accepted writes committed.
+        expect(rows.map((r) => Number(r.token)).sort((a, b) => a - b)).toEqual([...accepted].sort((a, b) => a - b))
+        // No write committed after a write with a higher token had committed.
+        for (const row of rows) expect(BigInt(row.token) >= BigInt(row.seen_max)).toBe(true)
+        // The highest token always wins, and the fence ends on the highest committed token.
+        expect(accepted).toContain(WRITERS)
+        expect(yield* recorded(resource)).toBe(BigInt(WRITERS))
+      }
+    }))
+
+  it.effect("first use under contention: 8 fibers per fresh table, with and without transactions, for 10 tables", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      for (let round = 0; round < 10; round++) {
+        const fence = yield* Fence.make({ table: `contended_fences_${round}` })
+        const results = yield* Effect.all(
+          Arr.makeBy(8, (i) => {
+            const check = fence.check(`resource-${i}`, token(1))
+            return Effect.either(i % 2 === 0 ? check : sql.withTransaction(check))
+          }),
+          { concurrency: "unbounded" }
+        )
+        expect(results.filter(Either.isLeft)).toEqual([])
+        const [{ n }] = yield* sql.unsafe<{ n: number }>(`select count(*)::int as n from contended_fences_${round}`)
+        expect(n).toBe(8)
+      }
+    }))
+
+  it.effect("an accepted check is one statement, in a transaction or not; a refusal reads the current token once more", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      yield* Fence.check("counted", token(1))
+      const outside = yield* statementsOf(Fence.check("counted", token(2)))
+      expect(outside.texts).toEqual([expect.stringMatching(/^insert into "effect_lock_fences"/)])
+      const inside = yield* statementsOf(sql.withTransaction(Fence.check("counted", token(3))))
+      expect(inside.texts).toEqual([expect.stringMatching(/^insert into "effect_lock_fences"/)])
+      const refused = yield* statementsOf(sql.withTransaction(Fence.check("counted", token(1))))
+      expect(Either.isLeft(refused.result)).toBe(true)
+      expect(refused.texts).toEqual([
+        expect.stringMatching(/^insert into "effect_lock_fences"/),
+        expect.stringMatching(/^select token::text as token from "effect_lock_fences"/)
+      ])
+
+      // A table this process has not seen yet: the first check in a transaction pays for a
+      // savepoint and for learning who created it; the next ones are one statement again.
+      yield* sql`create table preexisting_fences (resource text primary key, token bigint not null, updated_at timestamptz not null default now())`
+      const fence = yield* Fence.make({ table: "preexisting_fences" })
+      const first = yield* statementsOf(sql.withTransaction(fence.check("counted", token(1))))
+      expect(first.texts).toEqual([
+        "savepoint effect_lock_fence",
+        expect.stringMatching(/^insert into "preexisting_fences"/),
+        "release savepoint effect_lock_fence",
+        "select txid_current()::text as xact"
+      ])
+      const next = yield* statementsOf(sql.withTransaction(fence.check("counted", token(2))))
+      expect(next.texts).toEqual([expect.stringMatching(/^insert into "preexisting_fences"/)])
+    }))
+
+  it.effect("a table created in a transaction that rolls back is created again by the next check", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      const fence = yield* Fence.make({ table: "rolled_back_fences" })
+      // Two checks in the transaction that creates the table, then it rolls back.
+      const failed = yield* Effect.flip(
+        sql.withTransaction(
+          Effect.gen(function*() {
+            yield* fence.check("a", token(1))
+            yield* fence.check("b", token(1))
+            return yield* Effect.fail("rolled back")
+          })
+        )
+      )
+      expect(failed).toBe("rolled back")
+      expect(yield* tableExists("rolled_back_fences")).toBe(false)
+      // The next transaction does not trust a table it never saw committed.
+      yield* sql.withTransaction(fence.check("a", token(2)))
+      expect(yield* tableExists("rolled_back_fences")).toBe(true)
+      yield* sql.withTransaction(fence.check("a", token(3)))
+      expect(yield* recorded("a", "rolled_back_fences")).toBe(3n)
+    }))
+
+  it.effect("a dropped table: the check in a transaction fails with LockBackendError, the next check recreates it", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      const fence = yield* Fence.make({ table: "dropped_fences" })
+      yield* fence.check("x", token(1))
+      yield* sql`drop table dropped_fences`
+      const error = yield* Effect.flip(sql.withTransaction(fence.check("x", token(2))))
+      expect(error).toBeInstanceOf(LockBackendError)
+      expect(error).toMatchObject({ operation: "fence-check", name: "x" })
+      yield* sql.withTransaction(fence.check("x", token(2)))
+      expect(yield* recorded("x", "dropped_fences")).toBe(2n)
+      // Outside a transaction a missing table is recreated on the spot.
+      yield* sql`drop table dropped_fences`
+      yield* fence.check("x", token(1))
+      expect(yield* recorded("x", "dropped_fences")).toBe(1n)
+    }))
+
+  it.effect("custom tables: validated identifiers, schema-qualified and case-preserving names, a layer", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      for (const bad of ["", "fences; drop table x", "a.b.c", "1fences", `"quoted"`, "x".repeat(64)]) {
+        const error = yield* Effect.flip(Fence.make({ table: bad }))
+        expect(error).toBeInstanceOf(LockBackendError)
+        expect(error.operation).toBe("configure")
+      }
+      yield* sql`create schema fencing`
+      const qualified = yield* Fence.make({ table: "fencing.AppFences" })
+      yield* sql.withTransaction(qualified.check("r", token(2)))
+      expect(yield* recorded("r", `fencing."AppFences"`)).toBe(2n)
+
+      const viaLayer = yield* Effect.provide(
+        Effect.flatMap(Fence.Fence, (fence) => Effect.as(fence.check("r", token(5)), fence.table)),
+        Fence.layer({ table: "layer_fences" })
+      )
+      expect(viaLayer).toBe("layer_fences")
+      expect(yield* recorded("r", "layer_fences")).toBe(5n)
+
+      // ensureTable: idempotent, also when called concurrently, in transactions or not.
+      const ensured = yield* Fence.make({ table: "ensured_fences", createTable: false })
+      yield* Effect.all(
+        Arr.makeBy(6, (i) => (i % 2 === 0 ? ensured.ensureTable : sql.withTransaction(ensured.ensureTable))),
+        { concurrency: "unbounded" }
+      )
+      yield* ensured.check("r", token(1))
+      yield* Fence.ensureTable
+      expect(yield* tableExists(Fence.DEFAULT_TABLE)).toBe(true)
+    }))
+
+  it.effect("createTable: false never creates it: a missing table is a LockBackendError until the migration runs", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      const fence = yield* Fence.make({ table: "migrated_fences", createTable: false })
+      const outside = yield* Effect.flip(fence.check("m", token(1)))
+      expect(outside).toBeInstanceOf(LockBackendError)
+      expect(outside).toMatchObject({ operation: "fence-check", name: "m" })
+      // The driver's error is kept as the cause, never the failure itself.
+      expect(outside.cause).toMatchObject({ _tag: "SqlError", cause: { code: "42P01" } })
+      const inside = yield* Effect.flip(sql.withTransaction(fence.check("m", token(1))))
+      expect(inside).toBeInstanceOf(LockBackendError)
+      expect(yield* tableExists("migrated_fences")).toBe(false)
+
+      expect(fence.migration).toBe(
+        `create table if not exists "migrated_fences" (\n  resource text primary key,\n  token bigint not null,\n` +
+          `  updated_at timestamptz not null default now()\n);\n`
+      )
+      expect(Fence.migration).toBe(fence.migration.replace("migrated_fences", Fence.DEFAULT_TABLE))
+      yield* sql.unsafe(fence.migration)
+      yield* sql.unsafe(fence.migration) // idempotent
+      yield* sql.withTransaction(fence.check("m", token(1)))
+      expect(yield* recorded("m", "migrated_fences")).toBe(1n)
+    }))
+})
+
+describe("Fence on a database without its table", () => {
+  it.live("8 fibers checking at once outside transactions create the default table; no catalog race escapes", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      expect(yield* tableExists(Fence.DEFAULT_TABLE)).toBe(false)
+      const results = yield* Effect.all(
+        Arr.makeBy(8, (i) => Effect.either(Fence.check(`first-${i}`, token(i)))),
+        { concurrency: "unbounded" }
+      )
+      expect(results.filter(Either.isLeft)).toEqual([])
+      const rows = yield* sql<{ resource: string; token: string }>`
+        select resource, token::text as token from effect_lock_fences order by resource`
+      expect(rows).toEqual(Arr.makeBy(8, (i) => ({ resource: `first-${i}`, token: `${i}` })))
+      // Created with its documented columns.
+      const columns = yield* sql<{ column_name: string; data_type: string; is_nullable: string }>`
+        select column_name, data_type, is_nullable from information_schema.columns
+        where table_name = 'effect_lock_fences' order by ordinal_position`
+      expect(columns).toEqual([
+        { column_name: "resource", data_type: "text", is_nullable: "NO" },
+        { column_name: "token", data_type: "bigint", is_nullable: "NO" },
+        { column_name: "updated_at", data_type: "timestamp with time zone", is_nullable: "NO" }
+      ])
+    }).pipe(Effect.provide(PgTest.layer(freshForAutocommit, POOL))))
+
+  it.live("8 transactions checking at once create the default table in their own transactions", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      expect(yield* tableExists(Fence.DEFAULT_TABLE)).toBe(false)
+      const results = yield* Effect.all(
+        Arr.makeBy(8, (i) =>
+          Effect.either(
+            sql.withTransaction(Effect.zipRight(Fence.check(`first-${i}`, token(1)), sql`select 1`))
+          )),
+        { concurrency: "unbounded" }
+      )
+      expect(results.filter(Either.isLeft)).toEqual([])
+      const [{ n }] = yield* sql<{ n: number }>`select count(*)::int as n from effect_lock_fences`
+      expect(n).toBe(8)
+      // A later transaction takes the one-statement path and still sees the table.
+      yield* sql.withTransaction(Fence.check("first-0", token(2)))
+      expect(yield* recorded("first-0")).toBe(2n)
+    }).pipe(Effect.provide(PgTest.layer(freshForTransactions, POOL))))
+})
