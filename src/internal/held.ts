@@ -69,6 +69,8 @@ export const makeRegistry = <G extends Grant>(
   Effect.gen(function*() {
     const leases = new Map<number, Held<G>>()
     const kick = yield* Queue.sliding<void>(1)
+    /** When the loop will next wake by itself; a new lease only kicks it if it is due earlier. */
+    let scheduledWake = Number.POSITIVE_INFINITY
     let nextId = 0
 
     const declareLost = (held: Held<G>, reason: LostReason): Effect.Effect<void> =>
@@ -108,7 +110,12 @@ export const makeRegistry = <G extends Grant>(
         leases.set(held.id, held)
         return held
       }).pipe(
-        Effect.tap((held) => held.validUntil === undefined ? Effect.void : kick.offer(undefined)),
+        // Kicking on every registration would rescan every lease per acquire (quadratic).
+        Effect.tap((held) =>
+          held.validUntil !== undefined && Math.min(held.renewAt, safetyDeadline(held)) < scheduledWake
+            ? kick.offer(undefined)
+            : Effect.void
+        ),
         Effect.tap(() => metrics.held(backend.backend, 1))
       )
 
@@ -215,9 +222,17 @@ export const makeRegistry = <G extends Grant>(
         }
         return
       }
-      if (live.length === 0) return yield* kick.take
-      const wakeAt = Math.min(...live.map((h) => Math.min(h.renewAt, safetyDeadline(h))))
+      if (live.length === 0) {
+        scheduledWake = Number.POSITIVE_INFINITY
+        yield* kick.take
+        scheduledWake = Number.NEGATIVE_INFINITY
+        return
+      }
+      let wakeAt = Number.POSITIVE_INFINITY
+      for (const h of live) wakeAt = Math.min(wakeAt, h.renewAt, safetyDeadline(h))
+      scheduledWake = wakeAt
       yield* Effect.raceFirst(Clock.sleep(Duration.millis(Math.max(0, wakeAt - now))), kick.take)
+      scheduledWake = Number.NEGATIVE_INFINITY
     })
 
     return {

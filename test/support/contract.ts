@@ -10,6 +10,7 @@ import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import * as DistributedLock from "effect-lock/DistributedLock"
+import type { LockMode } from "effect-lock/Lease"
 import type { LockBackend } from "effect-lock/LockBackend"
 import { type Faults, makeFaults, withFaults } from "./faults.js"
 
@@ -31,6 +32,8 @@ export interface ContractTarget {
   readonly maxNameBytes: number
   /** The backend's lease floor. */
   readonly minTtl: Duration.Duration
+  /** Modes the backend supports; default both. */
+  readonly modes?: ReadonlyArray<LockMode>
 }
 
 let counter = 0
@@ -139,7 +142,8 @@ export const contractSuite = (label: string, target: ContractTarget) => {
         expect(Option.isNone(again)).toBe(true)
       }))
 
-    test("shared holders coexist; exclusive excludes them and they exclude exclusive", () =>
+    const sharedTest = (target.modes ?? ["exclusive", "shared"]).includes("shared") ? test : test.skip
+    sharedTest("shared holders coexist; exclusive excludes them and they exclude exclusive", () =>
       Effect.gen(function*() {
         const a = yield* node()
         const b = yield* node()

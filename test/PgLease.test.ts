@@ -1,0 +1,650 @@
+import { SqlClient } from "@effect/sql"
+import { PgClient } from "@effect/sql-pg"
+import { describe, expect, it, layer } from "@effect/vitest"
+import { Clock, Config, ConfigProvider, Context, Deferred, Duration, Effect, Exit, Fiber, Layer, Option, Scope } from "effect"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import * as FencingToken from "effect-lock/FencingToken"
+import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
+import * as PgLease from "effect-lock/PgLease"
+import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process"
+import * as Path from "node:path"
+import * as Readline from "node:readline"
+import { fileURLToPath } from "node:url"
+import pg from "pg"
+import { contractSuite, freshName } from "./support/contract.js"
+import { makeFaults, withFaults } from "./support/faults.js"
+import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
+
+// First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
+const db = useTestDatabase("pglease")
+
+const repoRoot = fileURLToPath(new URL("..", import.meta.url))
+const TTL = Duration.seconds(1)
+
+// --- helpers ------------------------------------------------------------------------------------
+
+type Env = Context.Context<PgClient.PgClient | SqlClient.SqlClient>
+
+/** A pool of its own, like a separate process would have; closed with the enclosing scope. */
+const poolOn = (url: string | (() => string), applicationName?: string) =>
+  Layer.build(PgTest.layer(url, applicationName === undefined ? {} : { applicationName }))
+
+/** The same context without `PgClient`: a plain `SqlClient`, as another driver would give. */
+const sqlOnly = (env: Env): Context.Context<SqlClient.SqlClient> =>
+  Context.omit(PgClient.PgClient)(env) as Context.Context<SqlClient.SqlClient>
+
+/** A backend that sees exactly `env` (plus the caller's Scope), not the test's own context. */
+const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options) =>
+  PgLease.makeBackend({ ttl: TTL, pollInterval: Duration.millis(100), ...options }).pipe(
+    Effect.mapInputContext((outer: Context.Context<Scope.Scope>) => Context.add(env, Scope.Scope, Context.get(outer, Scope.Scope)))
+  )
+
+/** One "process": a backend on `env` under a DistributedLock service. */
+const processOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options) =>
+  Effect.flatMap(backendOn(env, options), DistributedLock.make)
+
+const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<unknown> = []) =>
+  Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((r) => r.rows)))
+
+interface Row {
+  readonly owner: string | null
+  readonly token: string
+  readonly left: number | null
+}
+
+/** The row of `name` as the server sees it, with the lease's remaining time in server ms. */
+const rowOf = (name: string, table = PgLease.DEFAULT_TABLE) =>
+  Effect.map(
+    query<Row>(
+      `select owner, token::text as token, (extract(epoch from expires_at - now()) * 1000)::float8 as left
+       from ${table} where name = $1`,
+      [name]
+    ),
+    (rows) => rows[0]
+  )
+
+/** A hand-made SPI request, for tests that drive the backend without the core. */
+const request = (name: string, attempt: "once" | "wait" = "once", ttl = TTL): AcquireRequest => ({
+  name,
+  mode: "exclusive",
+  attempt,
+  ttl,
+  deadline: Option.none(),
+  interruptible: (step) => step,
+  waitUntilDeadline: (step) => Effect.asSome(step),
+  onLost: () => Effect.void
+})
+
+const grantOf = <G extends PgLease.PgLeaseGrant>(backend: LockBackend<G>, name: string) =>
+  Effect.flatMap(backend.acquire(request(name)), (result) =>
+    result._tag === "Granted" ? Effect.succeed(result.grant) : Effect.dieMessage(`expected a grant, got ${result._tag}`))
+
+const now = Clock.currentTimeMillis
+
+const stats = (values: ReadonlyArray<number>) => {
+  const sorted = [...values].sort((a, b) => a - b)
+  const at = (q: number) => sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))]!
+  return { n: sorted.length, p50: at(0.5), p95: at(0.95), max: sorted[sorted.length - 1]! }
+}
+
+// --- the shared contract ------------------------------------------------------------------------
+
+// PgLease does not support shared mode yet (documented; it fails with LockBackendError, tested below).
+contractSuite("PgLease", {
+  clock: "live",
+  ttl: TTL,
+  makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => backendOn(env)),
+  storeHolders: (name) =>
+    Effect.map(
+      query<{ n: number }>(
+        `select count(*)::int as n from ${PgLease.DEFAULT_TABLE} where name = $1 and owner is not null and expires_at > now()`,
+        [name]
+      ),
+      (rows) => rows[0]!.n
+    ),
+  advance: (duration) => Effect.sleep(duration),
+  settle: Effect.sleep(Duration.millis(100)),
+  maxNameBytes: PgLease.defaults.maxNameBytes,
+  minTtl: PgLease.defaults.minTtl,
+  modes: ["exclusive"]
+})
+
+// --- the backend's own guarantees ---------------------------------------------------------------
+
+layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
+  it.scoped("tokens strictly increase across processes; a released row keeps its token", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const a = yield* processOn(env)
+      const b = yield* processOn(env)
+      const name = freshName("tokens")
+      const tokens: Array<FencingToken.FencingToken> = []
+      for (let i = 0; i < 6; i++) {
+        const token = yield* Effect.scoped(Effect.map((i % 2 === 0 ? a : b).acquire(name), (lease) => lease.token))
+        tokens.push(token)
+        const row = yield* rowOf(name)
+        expect(row).toEqual({ owner: null, token: String(token), left: null })
+      }
+      expect(tokens[0]).toBe(1n)
+      for (let i = 1; i < tokens.length; i++) expect(tokens[i]! > tokens[i - 1]!).toBe(true)
+    }))
+
+  it.scoped("a client clock hours off does not change the lease's expiry on the server", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const hours = Duration.toMillis(Duration.hours(5))
+      const ahead = yield* Effect.withClock(processOn(env), skewedClock(hours))
+      const behind = yield* Effect.withClock(processOn(env), skewedClock(-hours))
+      const name = freshName("skew")
+      const lease = yield* Effect.withClock(ahead.acquire(name), skewedClock(hours))
+      const fresh = yield* rowOf(name)
+      expect(fresh!.left).toBeGreaterThan(800)
+      expect(fresh!.left).toBeLessThanOrEqual(1000)
+      // Past the ttl, renewals (run on the skewed clock) keep the server's expiry ≤ 1 s ahead of its now().
+      yield* Effect.sleep(Duration.millis(1500))
+      expect(yield* lease.isHeld).toBe(true)
+      const later = yield* rowOf(name)
+      expect(later!.left).toBeGreaterThan(300)
+      expect(later!.left).toBeLessThanOrEqual(1000)
+      // A contender whose clock is 10 hours behind the holder's cannot take it early.
+      expect(Option.isNone(yield* Effect.withClock(Effect.scoped(behind.tryAcquire(name)), skewedClock(-hours)))).toBe(true)
+    }))
+
+  it.scoped("renewal tells stolen, expired and revoked apart, in batch order; a stale holder changes nothing", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const a = yield* backendOn(env)
+      const b = yield* backendOn(env)
+      const [x, y, z] = [freshName("x"), freshName("y"), freshName("z")]
+      const ax = yield* grantOf(a, x)
+      const ay = yield* grantOf(a, y)
+      const az = yield* grantOf(a, z)
+      yield* Effect.sleep(Duration.millis(1100))
+      // All three ran out on the server; nobody took them yet.
+      expect(yield* a.renew([ax])).toEqual([{ _tag: "Lost", reason: "expired" }])
+      const bx = yield* grantOf(b, x)
+      expect(bx.token > ax.token).toBe(true)
+      // `y` stays expired and untaken; `z` is taken over, then revoked by an operator.
+      const bz = yield* grantOf(b, z)
+      yield* Effect.provide(PgLease.revoke(z), env)
+      const before = yield* now
+      const outcomes = yield* a.renew([ax, ay, az])
+      expect(outcomes).toEqual([
+        { _tag: "Lost", reason: "stolen" },
+        { _tag: "Lost", reason: "expired" },
+        { _tag: "Lost", reason: "stolen" }
+      ])
+      expect(yield* b.renew([bz, bx])).toMatchObject([
+        { _tag: "Lost", reason: "revoked" },
+        { _tag: "Renewed" }
+      ])
+      const renewed = (yield* b.renew([bx]))[0]!
+      expect(renewed._tag === "Renewed" && renewed.validUntil >= before + 1000).toBe(true)
+      // The stale holder's release of `x` leaves the new holder's row alone.
+      yield* ax.release
+      expect(yield* rowOf(x)).toMatchObject({ owner: bx.owner, token: String(bx.token) })
+      yield* bx.release
+      yield* ay.release
+      expect((yield* rowOf(x))!.owner).toBeNull()
+    }))
+
+  it.scoped("a holder that stops renewing is interrupted with LockLost before the takeover; its late release touches nothing", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const faults = makeFaults()
+      faults.hangRenew = true
+      const releaseGate = yield* Deferred.make<void>()
+      const stalled = yield* backendOn(env)
+      // The stalled holder's release is held back until the takeover, to prove it is harmless late.
+      const a = yield* DistributedLock.make(delayRelease(withFaults(stalled, faults), Deferred.await(releaseGate)))
+      const b = yield* processOn(env)
+      const name = freshName("stalled")
+      const started = yield* Deferred.make<FencingToken.FencingToken>()
+      let interruptedAt = 0
+      const body = Effect.gen(function*() {
+        const lease = yield* DistributedLock.acquire(name)
+        yield* Deferred.succeed(started, lease.token)
+        return yield* DistributedLock.guard(
+          lease,
+          Effect.never.pipe(Effect.onInterrupt(() => Effect.map(now, (t) => void (interruptedAt = t))))
+        )
+      }).pipe(Effect.scoped, Effect.provideService(DistributedLock.DistributedLock, a))
+      const holder = yield* Effect.fork(body)
+      const aToken = yield* Deferred.await(started)
+      const taken = yield* b.acquire(name, { timeout: Duration.seconds(5) })
+      const takenAt = yield* now
+      yield* Deferred.succeed(releaseGate, undefined)
+      const error = yield* Effect.flip(Fiber.join(holder))
+      expect(error).toMatchObject({ _tag: "LockLost", name, token: aToken, reason: "renewal-failed" })
+      expect(interruptedAt).toBeGreaterThan(0)
+      expect(interruptedAt).toBeLessThan(takenAt)
+      expect(taken.token > aToken).toBe(true)
+      // After the late release the new holder still holds, and keeps renewing past its ttl.
+      yield* Effect.sleep(Duration.millis(1200))
+      expect(yield* taken.isHeld).toBe(true)
+      const row = yield* rowOf(name)
+      expect(row).toMatchObject({ token: String(taken.token) })
+      expect(row!.owner).not.toBeNull()
+      expect(row!.left).toBeGreaterThan(0)
+    }))
+
+  it.scoped("a waiter is woken by the release notification within milliseconds", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const a = yield* processOn(env)
+      const b = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { pollInterval: Duration.seconds(5) }))
+      const released = yield* releaseNotifications
+      const handoff = handoffWith(a, b)
+      yield* handoff(freshName("warmup"), Duration.millis(300))
+      const times: Array<number> = []
+      for (let i = 0; i < 20; i++) times.push(yield* handoff(freshName("handoff"), Duration.millis(20)))
+      const s = stats(times)
+      console.log(`PgLease handoff with LISTEN/NOTIFY (release sent → waiter granted), ms: ${JSON.stringify(s)}`)
+      // The waiter polls only every 2.5-5 s here: these times can only come from notifications.
+      expect(s.max).toBeLessThan(200)
+      expect(released.size).toBe(21)
+      // Uncontended releases send nothing: a NOTIFY would serialize their commits server-wide.
+      for (let i = 0; i < 5; i++) yield* Effect.scoped(a.acquire(freshName("quiet")))
+      yield* Effect.sleep(Duration.millis(100))
+      expect(released.size).toBe(21)
+    }))
+
+  it.scoped("without notifications a waiter still acquires by polling", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const a = yield* processOn(env)
+      const poll = Duration.millis(200)
+      const quiet = yield* processOn(env, { listen: false, pollInterval: poll })
+      const plain = yield* processOn(sqlOnly(env), { pollInterval: poll })
+      const times: Array<number> = []
+      for (const b of [quiet, plain, quiet, plain]) times.push(yield* handoffWith(a, b)(freshName("poll"), Duration.millis(20)))
+      console.log(`PgLease handoff by polling every 100-200 ms, ms: ${JSON.stringify(stats(times))}`)
+      for (const t of times) expect(t).toBeLessThan(200 + 300)
+      // listen: true needs a PgClient; a plain SqlClient cannot listen.
+      const error = yield* Effect.flip(backendOn(sqlOnly(env), { listen: true }))
+      expect(error.message).toContain("listen: true needs a PgClient")
+    }))
+
+  it.scoped("when the LISTEN connection dies, waiters fall back to polling, and listening recovers", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const a = yield* processOn(env)
+      const victim = "pglease-listen-victim"
+      const b = yield* Effect.flatMap(poolOn(() => db.url, victim), (own) =>
+        processOn(own, { pollInterval: Duration.seconds(1), listenCheckInterval: Duration.millis(300) }))
+      const listeners = Effect.map(
+        query<{ pid: number }>(
+          `select pid from pg_stat_activity where application_name = $1 and query ilike 'listen%'`,
+          [victim]
+        ),
+        (rows) => rows.map((row) => row.pid)
+      )
+      const handoff = handoffWith(a, b)
+      yield* handoff(freshName("warmup"), Duration.millis(300))
+      expect(yield* handoff(freshName("listening"), Duration.millis(20))).toBeLessThan(200)
+      const [first] = yield* listeners
+      yield* query("select pg_terminate_backend($1)", [first])
+      // The dead listener hears nothing. Its next check (≤ 0.3 s, + 1 s for the echo) distrusts
+      // it and wakes the waiter, which polls (0.5-1 s) until a new listener is up (after 1 s).
+      const deaf = yield* handoff(freshName("deaf"), Duration.millis(2000))
+      console.log(`PgLease handoff after the LISTEN backend was killed: ${deaf} ms`)
+      expect(deaf).toBeLessThan(1500)
+      // A new listener on a fresh connection hears again: polling alone could not be this fast.
+      yield* Effect.sleep(Duration.millis(500))
+      const again = yield* listeners
+      expect(again.length).toBe(1)
+      expect(again[0]).not.toBe(first)
+      const recovered: Array<number> = []
+      for (let i = 0; i < 3; i++) recovered.push(yield* handoff(freshName("recovered"), Duration.millis(300)))
+      console.log(`PgLease handoffs after the listener restarted, ms: ${recovered.join(", ")}`)
+      for (const t of recovered) expect(t).toBeLessThan(200)
+    }))
+
+  it.scoped("interrupting waiters at any point leaves no lease behind", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const a = yield* processOn(env)
+      const b = yield* processOn(env)
+      const name = freshName("sweep")
+      for (let i = 0; i < 24; i++) {
+        const holderScope = yield* Scope.make()
+        yield* Scope.extend(a.acquire(name), holderScope)
+        const waiter = yield* Effect.fork(Effect.scoped(Effect.zipRight(b.acquire(name), Effect.never)))
+        // Sweep the release and the interruption across the waiter's statement and its wait.
+        yield* Effect.sleep(Duration.millis(i % 6))
+        yield* Effect.fork(Scope.close(holderScope, Exit.void))
+        yield* Effect.sleep(Duration.millis(Math.floor(i / 6)))
+        yield* Fiber.interrupt(waiter)
+        yield* Effect.sleep(Duration.millis(5))
+      }
+      // Abandoned attempts give their rows back as soon as their statement settles.
+      yield* Effect.sleep(Duration.millis(200))
+      expect(yield* Effect.provide(PgLease.holders({ name }), env)).toEqual([])
+      const row = yield* rowOf(name)
+      expect(row?.owner).toBeNull()
+    }))
+
+  it.scoped("holding 10,000 leases renews them in batches of 1,000: one statement per batch", () =>
+    Effect.gen(function*() {
+      const counted = yield* countingPool(() => db.url)
+      // A roomy ttl: acquiring 10,000 leases keeps this process busy for seconds.
+      const backend = yield* backendOn(counted.env, { ttl: Duration.seconds(6) })
+      const calls: Array<{ size: number; before: number; statements: number }> = []
+      const service = yield* DistributedLock.make({
+        ...backend,
+        renew: (grants) =>
+          Effect.suspend(() => {
+            const before = counted.statements()
+            return Effect.tap(backend.renew(grants), () =>
+              Effect.sync(() => calls.push({ size: grants.length, before, statements: counted.statements() - before })))
+          })
+      })
+      const names = Array.from({ length: 10_000 }, (_, i) => `many-${i}`)
+      const started = Date.now()
+      // One scope per lease, so that releasing them can run concurrently too.
+      const scopes = yield* Effect.forEach(
+        names,
+        (name) => Effect.flatMap(Scope.make(), (scope) => Effect.as(Scope.extend(service.acquire(name), scope), scope)),
+        { concurrency: 32 }
+      )
+      const acquiredIn = Date.now() - started
+      // The window starts once every lease is held: from here on only renewals use this pool.
+      const windowStart = counted.statements()
+      yield* Effect.sleep(Duration.millis(2500))
+      const statements = counted.statements() - windowStart
+      const inWindow = calls.filter((call) => call.before >= windowStart)
+      const held = yield* Effect.provide(PgLease.holders(), counted.env)
+      const renewedGrants = inWindow.reduce((sum, call) => sum + call.size, 0)
+      console.log(
+        `PgLease 10,000 leases: acquired in ${acquiredIn} ms; over 2.5 s, ${statements} statements renewed ` +
+          `${renewedGrants} leases in ${inWindow.length} calls (largest ${Math.max(...inWindow.map((c) => c.size))})`
+      )
+      expect(held.filter((lease) => lease.name.startsWith("many-")).length).toBe(10_000)
+      expect(inWindow.filter((call) => call.size > 1000 || call.statements !== 1)).toEqual([])
+      // Every statement in the window was a renewal call's one statement (a call may straddle the end).
+      expect(statements - inWindow.length).toBeLessThanOrEqual(1)
+      // Renewals come every ttl/3 = 2 s, so each lease was renewed in the window: 10,000+ renewals
+      // that one statement per lease would have taken 10,000+ statements for.
+      expect(renewedGrants).toBeGreaterThanOrEqual(10_000)
+      expect(statements).toBeLessThanOrEqual(100)
+      const releaseStart = Date.now()
+      yield* Effect.forEach(scopes, (scope) => Scope.close(scope, Exit.void), { concurrency: 32, discard: true })
+      console.log(`PgLease 10,000 leases released in ${Date.now() - releaseStart} ms`)
+      expect(yield* Effect.provide(PgLease.holders(), counted.env)).toEqual([])
+    }), { timeout: 60_000 })
+
+  it.scoped("the table is created once under concurrent first use, and migration() creates the same table", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const table = "pglease_concurrent"
+      const backends = yield* Effect.forEach(
+        Array.from({ length: 6 }),
+        () => Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { table })),
+        { concurrency: "unbounded" }
+      )
+      const tokens = yield* Effect.forEach(
+        backends,
+        (service, i) => Effect.scoped(Effect.map(service.acquire(`first-${i}`), (lease) => lease.token)),
+        { concurrency: "unbounded" }
+      )
+      expect(tokens).toEqual(tokens.map(() => 1n))
+
+      const migrated = "Pglease_Migrated"
+      const sql = yield* SqlClient.SqlClient
+      yield* sql.unsafe(PgLease.migration(migrated))
+      yield* sql.unsafe(PgLease.migration(migrated))
+      const columns = (t: string) =>
+        query<{ column_name: string; data_type: string }>(
+          `select column_name, data_type from information_schema.columns where table_name = $1 order by ordinal_position`,
+          [t]
+        )
+      expect(yield* columns(migrated)).toEqual(yield* columns(table))
+      const service = yield* processOn(env, { table: migrated, createTable: false })
+      const lease = yield* Effect.scoped(service.acquire("migrated"))
+      expect(lease.token).toBe(1n)
+    }))
+
+  it.scoped("invalid options and shared mode fail with LockBackendError, never a defect", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      for (const table of ["bad-name", "a.b.c", "", "x".repeat(64), "1abc", "drop table x; --"]) {
+        const error = yield* Effect.flip(backendOn(env, { table }))
+        expect(error._tag).toBe("LockBackendError")
+        expect(error.message).toContain("PgLease")
+      }
+      expect(() => PgLease.migration("bad name")).toThrow(/plain identifier/)
+      const tooLong = yield* Effect.flip(backendOn(env, { channel: "c".repeat(64) }))
+      expect(tooLong.message).toContain("longer than 63 bytes")
+      const fromConfig = (table: string) =>
+        Layer.build(PgLease.layerConfig({ table: Config.string("LOCK_TABLE"), ttl: Config.duration("LOCK_TTL") })).pipe(
+          Effect.withConfigProvider(ConfigProvider.fromMap(new Map([["LOCK_TABLE", table], ["LOCK_TTL", "2 seconds"]])))
+        )
+      expect((yield* Effect.flip(fromConfig("bad-name")))._tag).toBe("LockBackendError")
+      const configured = Context.get(yield* fromConfig("pglease_configured"), DistributedLock.DistributedLock)
+      expect((yield* Effect.scoped(configured.acquire("configured"))).token).toBe(1n)
+      const service = yield* processOn(env)
+      const shared = yield* Effect.flip(Effect.scoped(service.acquire(freshName("shared"), { mode: "shared" })))
+      expect(shared._tag).toBe("LockBackendError")
+      expect(shared.message).toContain("does not support shared mode")
+    }))
+})
+
+// --- across OS processes ------------------------------------------------------------------------
+
+describe("PgLease across processes", () => {
+  it.live("four processes never overlap inside withLock: 4 × 50 read-modify-writes end at exactly 200", () =>
+    Effect.gen(function*() {
+      yield* query("create table if not exists lease_worker_counter (id int primary key, value int not null)")
+      yield* query("insert into lease_worker_counter values (1, 0) on conflict (id) do update set value = 0")
+      const workers = yield* Effect.acquireRelease(
+        Effect.promise(() => Promise.all(Array.from({ length: 4 }, () => startWorker(db.url)))),
+        (all) => Effect.promise(() => Promise.all(all.map((w) => w.stop())))
+      )
+      const counter = Effect.map(query<{ value: number }>("select value from lease_worker_counter where id = 1"), (r) => r[0]!.value)
+      const phase = (mode: "lock" | "nolock") =>
+        Effect.promise(async () => {
+          const started = Date.now()
+          await Promise.all(workers.map((w) => w.run(`run ${mode} 50 3`, `done ${mode}`)))
+          return Date.now() - started
+        })
+
+      const unlockedMs = yield* phase("nolock")
+      const withoutLock = yield* counter
+      yield* query("update lease_worker_counter set value = 0 where id = 1")
+      const lockedMs = yield* phase("lock")
+      const withLock = yield* counter
+      console.log(`PgLease 4 processes × 50: without lock ${withoutLock} in ${unlockedMs} ms, with lock ${withLock} in ${lockedMs} ms`)
+      expect(withoutLock).toBeLessThan(200)
+      expect(withLock).toBe(200)
+      const codes = yield* Effect.promise(() => Promise.all(workers.map((w) => w.exit())))
+      expect(codes).toEqual([0, 0, 0, 0])
+    }).pipe(Effect.scoped), { timeout: 60_000 })
+})
+
+// --- behind PgBouncer ---------------------------------------------------------------------------
+
+describeWithPgBouncer("PgLease behind PgBouncer in transaction mode", () => {
+  it.scopedLive("acquire, renew, release and takeover are correct, and waiters wake by polling", () =>
+    Effect.gen(function*() {
+      const bouncer = yield* Effect.acquireRelease(
+        Effect.promise(() => startPgBouncer({ targetUrl: db.url, poolMode: "transaction", defaultPoolSize: 3 })),
+        (b) => Effect.promise(() => b.stop())
+      )
+      const options = { pollInterval: Duration.millis(100) }
+      const envA = yield* poolOn(bouncer.url)
+      const envB = yield* poolOn(bouncer.url)
+      const a = yield* processOn(envA, options)
+      const b = yield* processOn(envB, options)
+      const name = freshName("bouncer")
+
+      // Held through the pooler past several ttls: renewals go through it.
+      const holderScope = yield* Scope.make()
+      const lease = yield* Scope.extend(a.acquire(name), holderScope)
+      yield* Effect.sleep(Duration.millis(1500))
+      expect(yield* lease.isHeld).toBe(true)
+      expect(Option.isNone(yield* Effect.scoped(b.tryAcquire(name)))).toBe(true)
+      expect((yield* rowOf(name))!.left).toBeGreaterThan(0)
+
+      // Release through the pooler wakes the polling waiter.
+      const waiter = yield* Effect.fork(b.acquire(name))
+      yield* Effect.sleep(Duration.millis(150))
+      const releasedAt = yield* now
+      yield* Scope.close(holderScope, Exit.void)
+      const next = yield* Fiber.join(waiter)
+      const handoff = (yield* now) - releasedAt
+      console.log(`PgLease handoff behind PgBouncer (transaction mode, polling every 50-100 ms): ${handoff} ms`)
+      expect(handoff).toBeLessThan(1000)
+      expect(next.token > lease.token).toBe(true)
+
+      // Takeover of a holder that stopped renewing, through the pooler.
+      const backendA = yield* backendOn(envA, options)
+      const other = freshName("bouncer-takeover")
+      const stale = yield* grantOf(backendA, other)
+      const takenStarted = yield* now
+      const taker = yield* Effect.scoped(b.acquire(other, { timeout: Duration.seconds(5) }).pipe(Effect.map((l) => l.token)))
+      expect((yield* now) - takenStarted).toBeGreaterThanOrEqual(900)
+      expect(taker > stale.token).toBe(true)
+      expect(yield* backendA.renew([stale])).toEqual([{ _tag: "Lost", reason: "stolen" }])
+      yield* stale.release
+    }), { timeout: 30_000 })
+})
+
+// --- test machinery -----------------------------------------------------------------------------
+
+/** The names whose release notified, heard by a raw LISTEN session for the rest of the scope. */
+const releaseNotifications = Effect.acquireRelease(
+  Effect.promise(async () => {
+    const client = new pg.Client({ connectionString: db.url })
+    client.on("error", () => {})
+    await client.connect()
+    const names = new Set<string>()
+    client.on("notification", (message) => {
+      if (message.payload?.startsWith("r") === true) names.add(message.payload.slice(1))
+    })
+    await client.query(`listen ${PgLease.DEFAULT_TABLE}`)
+    return { client, names }
+  }),
+  ({ client }) => Effect.promise(() => client.end().catch(() => {}))
+).pipe(Effect.map(({ names }) => names))
+
+/** A Clock that reads the real time shifted by `offsetMillis`, sleeping like the real one. */
+function skewedClock(offsetMillis: number): Clock.Clock {
+  const base = Clock.make()
+  const millis = () => base.unsafeCurrentTimeMillis() + offsetMillis
+  const nanos = () => base.unsafeCurrentTimeNanos() + BigInt(offsetMillis) * 1_000_000n
+  return {
+    [Clock.ClockTypeId]: Clock.ClockTypeId,
+    unsafeCurrentTimeMillis: millis,
+    unsafeCurrentTimeNanos: nanos,
+    currentTimeMillis: Effect.sync(millis),
+    currentTimeNanos: Effect.sync(nanos),
+    sleep: (duration) => base.sleep(duration)
+  }
+}
+
+/** Wraps a backend so that each grant's release first waits for `gate`. */
+function delayRelease<G extends PgLease.PgLeaseGrant>(backend: LockBackend<G>, gate: Effect.Effect<void>): LockBackend<G> {
+  return {
+    ...backend,
+    acquire: (req) =>
+      Effect.map(backend.acquire(req), (result) =>
+        result._tag === "Granted"
+          ? { _tag: "Granted" as const, grant: { ...result.grant, release: Effect.zipRight(gate, result.grant.release) } }
+          : result)
+  }
+}
+
+/**
+ * One handoff: `a` holds `name`, `b` waits for it; after `pause` (so that b's first attempt has
+ * failed and it waits), `a` releases. Returns ms from the release being sent to b's grant.
+ */
+function handoffWith(a: DistributedLock.Service, b: DistributedLock.Service) {
+  return (name: string, pause: Duration.Duration) =>
+    Effect.gen(function*() {
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(a.acquire(name), holderScope)
+      const granted = yield* Deferred.make<number>()
+      const waiter = yield* Effect.fork(
+        Effect.scoped(Effect.flatMap(b.acquire(name), () => Effect.flatMap(now, (t) => Deferred.succeed(granted, t))))
+      )
+      yield* Effect.sleep(pause)
+      const releasedAt = yield* now
+      yield* Scope.close(holderScope, Exit.void)
+      const at = yield* Deferred.await(granted)
+      yield* Fiber.join(waiter)
+      return at - releasedAt
+    })
+}
+
+/** A PgClient over a pool that counts every statement it sends. */
+function countingPool(url: () => string) {
+  return Effect.gen(function*() {
+    let statements = 0
+    const env = yield* Layer.build(
+      PgClient.layerFromPool({
+        acquire: Effect.acquireRelease(
+          Effect.sync(() => {
+            const pool = new pg.Pool({ connectionString: url(), max: 16 })
+            pool.on("error", () => {})
+            pool.on("connect", (client) => {
+              const original = client.query.bind(client) as (...args: Array<unknown>) => unknown
+              ;(client as unknown as { query: (...args: Array<unknown>) => unknown }).query = (...args) => {
+                statements++
+                return original(...args)
+              }
+            })
+            return pool
+          }),
+          (pool) => Effect.promise(() => pool.end())
+        )
+      })
+    )
+    return { env, statements: () => statements }
+  })
+}
+
+interface Worker {
+  readonly run: (command: string, done: string) => Promise<void>
+  readonly exit: () => Promise<number | null>
+  readonly stop: () => Promise<void>
+}
+
+/** Starts test/fixtures/lease-worker.ts in its own Node process and waits until it is connected. */
+function startWorker(url: string): Promise<Worker> {
+  const child: ChildProcessWithoutNullStreams = spawn(
+    process.execPath,
+    ["--import", "tsx", Path.join(repoRoot, "test/fixtures/lease-worker.ts"), url],
+    { cwd: repoRoot, stdio: ["pipe", "pipe", "pipe"] }
+  )
+  let stderr = ""
+  child.stderr.on("data", (chunk: Buffer) => (stderr = (stderr + chunk.toString()).slice(-4000)))
+  const lines = Readline.createInterface({ input: child.stdout })
+  const waiters: Array<{ line: string; resolve: () => void }> = []
+  lines.on("line", (line) => {
+    const index = waiters.findIndex((w) => w.line === line.trim())
+    if (index >= 0) waiters.splice(index, 1)[0]!.resolve()
+  })
+  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)))
+  const expectLine = (line: string) =>
+    new Promise<void>((resolve, reject) => {
+      waiters.push({ line, resolve })
+      void exited.then((code) => reject(new Error(`worker exited (${code}) before "${line}":\n${stderr}`)))
+    })
+  const ready = expectLine("ready")
+  return ready.then(() => ({
+    run: (command, done) => {
+      const finished = expectLine(done)
+      child.stdin.write(`${command}\n`)
+      return finished
+    },
+    exit: () => {
+      child.stdin.end("exit\n")
+      return exited
+    },
+    stop: async () => {
+      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
+      await exited
+    }
+  }))
+}
