@@ -193,6 +193,7 @@ const takeLease = <G extends Grant>(
         }
         const result = yield* backend.acquire(request)
         const now = yield* Clock.currentTimeMillis
+        yield* Effect.annotateCurrentSpan({ "lock.wait_ms": now - start, "lock.outcome": result._tag })
         switch (result._tag) {
           case "Busy":
             return Option.none<Lease>()
@@ -216,7 +217,7 @@ const takeLease = <G extends Grant>(
     )
   }).pipe(
     Effect.withSpan(kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
-      attributes: { "lock.name": rawName, "lock.backend": backend.backend }
+      attributes: { "lock.name": rawName, "lock.backend": backend.backend, "lock.mode": options?.mode ?? "exclusive" }
     })
   )
 

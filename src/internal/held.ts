@@ -86,7 +86,15 @@ export const makeRegistry = <G extends Grant>(
               Effect.annotateLogs({ "lock.name": held.name, "lock.token": String(held.grant.token), reason })
             )
           ),
-          Effect.zipRight(metrics.held(backend.backend, -1))
+          Effect.zipRight(metrics.held(backend.backend, -1)),
+          Effect.withSpan("effect-lock.lost", {
+            attributes: {
+              "lock.name": held.name,
+              "lock.token": String(held.grant.token),
+              "lock.backend": backend.backend,
+              "lock.reason": reason
+            }
+          })
         )
       })
 
