@@ -28,7 +28,8 @@ const SERVER_SETTINGS: ReadonlyArray<string> = [
   "log_disconnections=off"
 ]
 
-const freeLoopbackPort = (): Promise<number> =>
+/** A TCP port on 127.0.0.1 that nothing listens on right now. */
+export const freeLoopbackPort = (): Promise<number> =>
   new Promise((resolve, reject) => {
     const server = Net.createServer()
     server.unref()

@@ -6,11 +6,11 @@
  */
 import { spawn, type ChildProcess } from "node:child_process"
 import * as Fs from "node:fs"
-import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import pg from "pg"
 import { describe } from "vitest"
+import { freeLoopbackPort } from "../../tools/embeddedPostgres.js"
 
 const CANDIDATES = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer", "/usr/local/bin/pgbouncer", "/usr/local/sbin/pgbouncer"]
 /** PgBouncer refuses to run as root; as root it is started with `-u` as this unprivileged user. */
@@ -91,18 +91,6 @@ export interface PgBouncer {
   readonly log: () => string
   readonly stop: () => Promise<void>
 }
-
-const freeLoopbackPort = (): Promise<number> =>
-  new Promise((resolve, reject) => {
-    const server = Net.createServer()
-    server.unref()
-    server.on("error", reject)
-    server.listen(0, "127.0.0.1", () => {
-      const address = server.address()
-      const port = typeof address === "object" && address !== null ? address.port : 0
-      server.close(() => (port > 0 ? resolve(port) : reject(new Error("could not find a free port"))))
-    })
-  })
 
 const quoteUserlist = (value: string): string => `"${value.replace(/"/g, '""')}"`
 
