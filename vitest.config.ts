@@ -9,7 +9,7 @@ export default defineConfig({
     ]
   },
   test: {
-    include: ["test/**/*.test.ts"],
+    include: ["test/**/*.test.ts", "examples/**/*.test.ts"],
     globalSetup: ["test/support/globalSetup.ts"],
     testTimeout: 30_000,
     hookTimeout: 60_000,

@@ -92,7 +92,8 @@ export class LockBackendError extends Schema.TaggedError<LockBackendError>("effe
   }
 ) {
   override get message(): string {
-    const subject = this.name === undefined ? "" : ` for lock "${this.name}"`
+    // `name` is optional here, and Error.prototype.name would stand in for a missing one.
+    const subject = Object.hasOwn(this, "name") && this.name !== undefined ? ` for lock "${this.name}"` : ""
     return `lock backend failed during ${this.operation}${subject}: ${causeMessage(this.cause)}`
   }
 }

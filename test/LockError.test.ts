@@ -21,6 +21,8 @@ describe("LockError", () => {
     expect(stale.message).toBe(`stale fencing token for "orders": presented 3, but 5 was already accepted`)
     const backend = new LockError.LockBackendError({ operation: "acquire", name: "x", cause: new Error("ECONNREFUSED") })
     expect(backend.message).toBe(`lock backend failed during acquire for lock "x": ECONNREFUSED`)
+    const unnamed = new LockError.LockBackendError({ operation: "renew", cause: new Error("ECONNRESET") })
+    expect(unnamed.message).toBe("lock backend failed during renew: ECONNRESET")
     const invalid = new LockError.InvalidLockName({ name: "", reason: "a lock name must not be empty" })
     expect(invalid.message).toContain("must not be empty")
   })

