@@ -13,14 +13,16 @@ import { DistributedLock, Fence, type FencingToken, PgLease } from "effect-lock"
 const writeBalance = (token: FencingToken.FencingToken, balance: number) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
-    yield* Fence.check("example-accounts", token)
-    yield* sql`insert into example_accounts (id, balance) values (1, ${balance})
-      on conflict (id) do update set balance = excluded.balance`
-  }).pipe((write) => Effect.flatMap(SqlClient.SqlClient, (sql) => sql.withTransaction(write)))
+    yield* sql.withTransaction(Effect.gen(function*() {
+      yield* Fence.check("example-accounts", token) // StaleFencingToken once a newer token wrote
+      yield* sql`update example_accounts set balance = ${balance} where id = 1`
+    }))
+  })
 
 const program = Effect.gen(function*() {
   const sql = yield* SqlClient.SqlClient
   yield* sql`create table if not exists example_accounts (id int primary key, balance int not null)`
+  yield* sql`insert into example_accounts (id, balance) values (1, 0) on conflict (id) do nothing`
   // An old holder's token and a newer holder's token, as two successive grants give them.
   const old = yield* Effect.scoped(Effect.map(DistributedLock.acquire("example-account-1"), (l) => l.token))
   const current = yield* Effect.scoped(Effect.map(DistributedLock.acquire("example-account-1"), (l) => l.token))

@@ -201,7 +201,8 @@ describe("PgAdvisory.layer", () => {
       const releasedAt = Date.now()
       yield* Scope.close(scope, Exit.void)
       const grantedAt = yield* Fiber.join(waiter)
-      expect(grantedAt - releasedAt).toBeLessThan(250)
+      // Woken by the local release, not by the 1 s fallback retry (generous: CI machines are busy).
+      expect(grantedAt - releasedAt).toBeLessThan(800)
 
       // Shared holders coexist (in this process and across layers); exclusive waits for them.
       const other = yield* service("adv-local-2")

@@ -31,6 +31,8 @@ const RENEW_FRACTION = 1 / 3
 export const SAFETY_FRACTION = 1 / 5
 /** Leases falling due within this fraction of their ttl join the current batch. */
 const COALESCE_FRACTION = 1 / 12
+/** Renewal batches in flight at once (each is one backend call, e.g. one statement). */
+const RENEW_CONCURRENCY = 4
 /** After a failed renewal, try again after this fraction of the ttl. */
 const RETRY_FRACTION = 1 / 10
 
@@ -225,9 +227,15 @@ export const makeRegistry = <G extends Grant>(
       const live = renewable()
       const due = live.filter((h) => h.renewAt <= now + h.ttlMillis * COALESCE_FRACTION)
       if (due.length > 0) {
+        const batches: Array<ReadonlyArray<Held<G>>> = []
         for (let i = 0; i < due.length; i += backend.renewBatchSize) {
-          yield* renewBatch(due.slice(i, i + backend.renewBatchSize), now)
+          batches.push(due.slice(i, i + backend.renewBatchSize))
         }
+        // A few batches at once: one slow statement must not hold the others past their deadline.
+        yield* Effect.forEach(batches, (batch) => renewBatch(batch, now), {
+          concurrency: RENEW_CONCURRENCY,
+          discard: true
+        })
         return
       }
       if (live.length === 0) {
