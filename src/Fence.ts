@@ -49,6 +49,7 @@ import * as Option from "effect/Option"
 import * as FencingToken from "./FencingToken.js"
 import { LockBackendError, StaleFencingToken } from "./LockError.js"
 import { advisoryKey } from "./internal/lockKey.js"
+import { parseTable, type TableRef } from "./internal/sqlIdentifier.js"
 
 /**
  * The default table name.
@@ -108,9 +109,6 @@ export class Fence extends Context.Tag("effect-lock/Fence")<Fence, Service>() {}
 
 // --- SQL ----------------------------------------------------------------------------------------
 
-/** Longest PostgreSQL identifier part, in bytes (NAMEDATALEN - 1). */
-const MAX_IDENTIFIER_BYTES = 63
-const IDENTIFIER = /^[A-Za-z_][A-Za-z0-9_]*$/
 const UNDEFINED_TABLE = "42P01"
 /**
  * SQLSTATEs of a concurrent CREATE TABLE losing the catalog race to a creator that does not take
@@ -124,28 +122,7 @@ const SAVEPOINT = "effect_lock_fence"
 const MAX_REMEMBERED_CREATORS = 64
 const DDL_LOCK_NAMESPACE = "effect-lock/Fence/ddl"
 
-interface Table {
-  /** As written by the user, e.g. `app.fences`. */
-  readonly text: string
-  /** Quoted for SQL, e.g. `"app"."fences"`. */
-  readonly sql: string
-}
-
-/** Parses `table` or `schema.table`; returns the reason when the identifier is refused. */
-const parseTable = (input: string): Table | string => {
-  if (typeof input !== "string" || input.length === 0) return "the table name must be a non-empty string"
-  const parts = input.split(".")
-  if (parts.length > 2) return `"${input}" has more than one dot; use table or schema.table`
-  for (const part of parts) {
-    if (!IDENTIFIER.test(part)) {
-      return `"${part}" is not a plain identifier (letters, digits and underscores, not starting with a digit)`
-    }
-    if (Buffer.byteLength(part, "utf8") > MAX_IDENTIFIER_BYTES) return `"${part}" is longer than ${MAX_IDENTIFIER_BYTES} bytes`
-  }
-  return { text: input, sql: parts.map((part) => `"${part}"`).join(".") }
-}
-
-const createTableSql = (table: Table): string =>
+const createTableSql = (table: TableRef): string =>
   `create table if not exists ${table.sql} (
   resource text primary key,
   token bigint not null,
@@ -157,7 +134,7 @@ const createTableSql = (table: Table): string =>
  * unique index, so creators serialize on a transaction advisory lock (released at the end of
  * the enclosing transaction) and re-check. An existing table costs a catalog lookup only.
  */
-const ensureSql = (table: Table): string =>
+const ensureSql = (table: TableRef): string =>
   // The identifier was validated (no quotes), so it is safe inside a string literal.
   `do $effect_lock$
 begin
@@ -169,7 +146,7 @@ end
 $effect_lock$`
 
 /** The check, one statement: $1 resource, $2 token. Returns a row only when the token was accepted. */
-const acceptSql = (table: Table): string =>
+const acceptSql = (table: TableRef): string =>
   // Race-free in READ COMMITTED: ON CONFLICT DO UPDATE locks the conflicting row (waiting out a concurrent checker's transaction) and evaluates WHERE on its latest committed version, and the lock holds until our transaction ends.
   `insert into ${table.sql} as f (resource, token) values ($1::text, $2::bigint)
 on conflict (resource) do update set token = excluded.token, updated_at = now()
@@ -181,7 +158,7 @@ returning true as accepted`
  * predate the version its WHERE saw (a writer that committed while it waited); this one's fresh
  * snapshot sees it, and the row lock the refused upsert kept holds it there in a transaction.
  */
-const currentSql = (table: Table): string => `select token::text as token from ${table.sql} where resource = $1::text`
+const currentSql = (table: TableRef): string => `select token::text as token from ${table.sql} where resource = $1::text`
 
 // --- statements ---------------------------------------------------------------------------------
 
@@ -248,7 +225,7 @@ interface TableState {
 
 const states = new WeakMap<SqlClient.SqlClient, Map<string, TableState>>()
 
-const stateOf = (sql: SqlClient.SqlClient, table: Table): TableState => {
+const stateOf = (sql: SqlClient.SqlClient, table: TableRef): TableState => {
   let tables = states.get(sql)
   if (tables === undefined) {
     tables = new Map()
@@ -277,7 +254,7 @@ const rememberCreator = (state: TableState, xact: string): void => {
 
 // --- the fence ----------------------------------------------------------------------------------
 
-const makeService = (table: Table, createTable: boolean): Service => {
+const makeService = (table: TableRef, createTable: boolean): Service => {
   const ensure = (
     sql: SqlClient.SqlClient,
     inTransaction: boolean,
@@ -391,7 +368,7 @@ const makeService = (table: Table, createTable: boolean): Service => {
   return { table: table.text, migration: `${createTableSql(table)};\n`, check, ensureTable }
 }
 
-const defaultService = makeService(parseTable(DEFAULT_TABLE) as Table, true)
+const defaultService = makeService(parseTable(DEFAULT_TABLE) as TableRef, true)
 
 /**
  * Builds a fence over a table of your choice. Fails with a `LockBackendError` (operation
