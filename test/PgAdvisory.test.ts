@@ -1,6 +1,6 @@
 import { SqlClient } from "@effect/sql"
 import { afterAll, describe, expect, it, layer } from "@effect/vitest"
-import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Option, Scope } from "effect"
+import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Option, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import type { FencingToken } from "../src/FencingToken.js"
 import { LockBackendError, LockLost, LockTimeout, UnsafeConnectionPooling } from "../src/LockError.js"
@@ -387,6 +387,10 @@ describe("PgAdvisory.layer", () => {
       expect(again.token).toBeGreaterThan(0n)
     }))
 
+  const logged: Array<{ readonly level: string; readonly message: unknown }> = []
+  const recordingLogger = Logger.make(({ logLevel, message }) => {
+    logged.push({ level: logLevel.label, message: Array.isArray(message) ? message[0] : message })
+  })
   it.scopedLive("a silent network drop under a held lock is noticed by the heartbeat: LockLost within 2 s", () =>
     Effect.gen(function*() {
       const proxy = yield* Effect.acquireRelease(Effect.promise(() => startProxy(db.url)), (p) => Effect.promise(p.close))
@@ -407,7 +411,11 @@ describe("PgAdvisory.layer", () => {
       const result = yield* Fiber.join(running)
       expect(Date.now() - droppedAt).toBeLessThan(2_000)
       expect(Either.getLeft(result).pipe(Option.getOrUndefined)).toMatchObject({ _tag: "LockLost", reason: "connection-lost" })
-    }))
+      // The destroyed session and the lost lease are each logged once, at warning level.
+      const warnings = logged.filter((entry) => entry.level === "WARN").map((entry) => String(entry.message))
+      expect(warnings.filter((m) => m.startsWith("destroyed a lock session"))).toHaveLength(1)
+      expect(warnings.filter((m) => m.startsWith(`lost lock "dropped"`))).toHaveLength(1)
+    }).pipe(Effect.provide(Logger.replace(Logger.defaultLogger, recordingLogger))))
 
   layer(PgTest.layer(db, { maxConnections: 4 }), { excludeTestServices: true })("with the app's own work pool", (it) => {
     it.scoped("lock sessions never come from the work pool: 200 bodies on a 4-connection pool all complete", () =>

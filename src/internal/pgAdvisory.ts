@@ -301,11 +301,18 @@ export const make = (
     }
 
     /** Destroys a session whose state cannot be proven: the server drops whatever it held. */
-    const kill = (session: Session): Effect.Effect<void> =>
+    const kill = (session: Session, reason: string): Effect.Effect<void> =>
       Effect.suspend(() => {
         if (session.state === "dead") return Effect.void
+        const keys = Array.from(session.grants, (grant) => grant.keyText)
         markDead(session)
-        return metrics.sessionDestroyed(BACKEND)
+        return metrics.sessionDestroyed(BACKEND).pipe(
+          Effect.zipRight(
+            Effect.logWarning(`destroyed a lock session (${reason}); the server drops the ${keys.length} lock(s) it held`).pipe(
+              Effect.annotateLogs({ "lock.session": session.id, "lock.keys": keys.join(","), reason })
+            )
+          )
+        )
       })
 
     /**
@@ -367,7 +374,7 @@ export const make = (
       awaitSettled(sent.started.then(() => within(sent.settled, timeoutMillis))).pipe(
         Effect.tap((settled) =>
           settled._tag === "NoAnswer" || (settled._tag === "Failed" && settled.failure._tag === "Connection")
-            ? kill(session)
+            ? kill(session, settled._tag === "NoAnswer" ? "a statement got no answer in time" : "its connection failed")
             : Effect.void
         )
       )
@@ -622,7 +629,7 @@ export const make = (
         const released = settled._tag === "Ok" && settled.result.rows[0]?.released === true
         if (!released || !driver.isIdle(session.client)) {
           // The unlock is unproven: the session (and any other lock on it) is destroyed, never reused.
-          yield* kill(session)
+          yield* kill(session, "an unlock was not proven")
           return
         }
         session.grants.delete(grant)
@@ -703,7 +710,7 @@ export const make = (
       Effect.gen(function*() {
         if (session.state !== "open") return
         const settled = yield* statement(session, `select pg_advisory_unlock${suffix(mode)}($1::bigint)`, [keyText])
-        if (settled._tag !== "Ok" || !driver.isIdle(session.client)) yield* kill(session)
+        if (settled._tag !== "Ok" || !driver.isIdle(session.client)) yield* kill(session, "undoing a grant was not proven")
       })
 
     /** The try-lock statement started before an interruption could take it back: undo its grant. */
@@ -790,7 +797,7 @@ export const make = (
           if (settled._tag === "Ok" && driver.isIdle(session.client)) return yield* freeWaitSession(session)
           if (sqlCode(settled) !== "57014") break
         }
-        yield* kill(session)
+        yield* kill(session, "a cancelled wait could not be proven clean")
       })
 
     /** The wait was interrupted or went unanswered: cancel it at the server, then prove or destroy. */
@@ -803,7 +810,7 @@ export const make = (
         }
         if (settled._tag === "NoAnswer" || (settled._tag === "Failed" && settled.failure._tag === "Connection")) {
           // No outcome: the wait may still be granted later. Destroy the session; the server drops it.
-          return yield* kill(session)
+          return yield* kill(session, "a cancelled wait gave no outcome")
         }
         // Not granted (57014), or granted in the race: either way unlock_all leaves it clean.
         yield* cleanWaitSession(session)
@@ -856,7 +863,7 @@ export const make = (
           }
           case "Failed": {
             if (settled.failure._tag === "Connection") {
-              yield* kill(session)
+              yield* kill(session, "its connection failed during a wait")
               return Retry
             }
             yield* cleanWaitSession(session)
