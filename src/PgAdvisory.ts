@@ -22,12 +22,14 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { dual } from "effect/Function"
 import type * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
 import * as Redacted from "effect/Redacted"
 import type * as Scope from "effect/Scope"
 import * as DistributedLock from "./DistributedLock.js"
 import type { LockMode } from "./Lease.js"
 import type { LockBackend } from "./LockBackend.js"
 import { type InvalidLockName, LockBackendError, LockTimeout, type UnsafeConnectionPooling } from "./LockError.js"
+import * as inspect from "./internal/inspectAdvisory.js"
 import { advisoryKey } from "./internal/lockKey.js"
 import * as internal from "./internal/pgAdvisory.js"
 import { decodeDuration, validateName } from "./internal/validate.js"
@@ -302,3 +304,116 @@ export const withXactLock: {
       )
     }).pipe(Effect.withSpan("effect-lock.withXactLock", { attributes: { "lock.name": rawName } }))
 )
+
+/**
+ * Options of `listHolders`.
+ *
+ * - `fencingTable`: where session locks record their names (default `effect_lock_fencing`, as
+ *   for `layer`). Keys found there are named, whatever their namespace.
+ * - `names` / `namespace`: more names to recognise, hashed with `namespace` — for example the
+ *   names of `withXactLock`, which records none in the fencing table.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface ListHoldersOptions {
+  readonly fencingTable?: string | undefined
+  readonly names?: Iterable<string> | undefined
+  readonly namespace?: string | undefined
+}
+
+/**
+ * One advisory lock request in the database, granted or waiting, and the session behind it.
+ * Details of other roles' sessions (`clientAddress`, `since`, `state`, …) are `None` unless the
+ * reading role is a superuser or has `pg_read_all_stats`.
+ *
+ * - `key`: the signed 64-bit key (`keyOf`); `name`: the lock name when the key is known.
+ * - `granted`: `false` for a session queued behind the holders.
+ * - `since`: for a waiter, when it began waiting. PostgreSQL records no grant time, so for a
+ *   holder it is the start of the holding session: the lock was taken at that time or later.
+ * - `waitEvent`: what the session waits on right now, e.g. `Lock:advisory`.
+ * - Times are ms since the epoch, server clock.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface AdvisoryHolder {
+  readonly key: bigint
+  readonly name: Option.Option<string>
+  readonly mode: LockMode
+  readonly granted: boolean
+  readonly pid: number
+  readonly applicationName: Option.Option<string>
+  readonly clientAddress: Option.Option<string>
+  readonly user: Option.Option<string>
+  readonly since: Option.Option<number>
+  readonly state: Option.Option<string>
+  readonly waitEvent: Option.Option<string>
+}
+
+/** Names for keys: first those the caller gave, then the fencing table's for the rest. */
+const nameKeys = (
+  sql: SqlClient.SqlClient,
+  rows: ReadonlyArray<inspect.LockRow & { readonly key: bigint }>,
+  options: ListHoldersOptions | undefined
+): Effect.Effect<ReadonlyMap<bigint, string>, SqlError> =>
+  Effect.gen(function*() {
+    const names = new Map<bigint, string>()
+    const wanted = new Set(rows.map((row) => row.key))
+    for (const name of options?.names ?? []) {
+      const key = advisoryKey(name, options?.namespace)
+      if (wanted.has(key)) names.set(key, name)
+    }
+    const unnamed = Array.from(wanted).filter((key) => !names.has(key))
+    const table = rows[0]?.fencing ?? null
+    if (unnamed.length === 0 || table === null) return names
+    const stored = yield* sql.unsafe<{ key: string; name: string }>(
+      inspect.namesSql(table),
+      [unnamed.map(String)]
+    ).withoutTransform
+    for (const row of stored) names.set(BigInt(row.key), row.name)
+    return names
+  })
+
+/**
+ * The advisory locks held, and awaited, across the cluster in the current database — by any
+ * process, not only this one — with who holds them (`pg_locks` ⋈ `pg_stat_activity`), named
+ * from the fencing table. Runs on your `SqlClient`; two statements at most, no writes. For the
+ * locks this process holds, see `DistributedLock.inspect`.
+ *
+ * @since 0.1.0
+ * @category inspection
+ */
+export const listHolders = (
+  options?: ListHoldersOptions
+): Effect.Effect<ReadonlyArray<AdvisoryHolder>, LockBackendError, SqlClient.SqlClient> =>
+  Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    const table = inspect.quoteIdentifier(options?.fencingTable ?? DEFAULT_FENCING_TABLE)
+    const raw = yield* sql.unsafe<inspect.LockRow>(inspect.listSql, [table]).withoutTransform
+    const rows = raw.flatMap((row) => {
+      const mode = inspect.modeOf(row.mode)
+      return mode === undefined ? [] : [{ ...row, mode, key: inspect.keyFromLockTag(BigInt(row.classid), BigInt(row.objid)) }]
+    })
+    // pg_locks orders by the unsigned halves; readers expect signed key order, holders before waiters.
+    rows.sort((a, b) => a.key < b.key ? -1 : a.key > b.key ? 1 : Number(b.granted) - Number(a.granted) || a.pid - b.pid)
+    const names = yield* nameKeys(sql, rows, options)
+    return rows.map((row): AdvisoryHolder => ({
+      key: row.key,
+      name: Option.fromNullable(names.get(row.key)),
+      mode: row.mode,
+      granted: row.granted,
+      pid: row.pid,
+      applicationName: Option.fromNullable(row.application),
+      clientAddress: Option.fromNullable(row.client),
+      user: Option.fromNullable(row.username),
+      since: Option.fromNullable(row.granted ? row.sessionstart : row.waitstart),
+      state: Option.fromNullable(row.state),
+      waitEvent: Option.fromNullable(
+        row.waittype === null ? null : row.waitevent === null ? row.waittype : `${row.waittype}:${row.waitevent}`
+      )
+    }))
+  }).pipe(
+    Effect.mapError((cause) => new LockBackendError({ operation: "inspect", cause })),
+    Effect.withSpan("effect-lock.inspect", { attributes: { backend: "pg-advisory" } })
+  )

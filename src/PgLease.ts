@@ -556,6 +556,38 @@ export const holders = (
   })
 
 /**
+ * The leases held right now across the cluster, with who holds each (application, host, pid),
+ * its fencing token and its times: `holders` for inspection tools. A table that does not exist
+ * yet holds no lease, so it gives an empty list rather than an error. Failures are
+ * `LockBackendError { operation: "inspect" }`.
+ *
+ * @since 0.1.0
+ * @category inspection
+ */
+export const listHolders = (
+  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
+): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
+  Effect.gen(function*() {
+    const table = resolveTable(options?.table)
+    if (typeof table === "string") return yield* configError(table)
+    const { run } = statements(yield* SqlClient.SqlClient)
+    const found = yield* run<{ present: boolean }>(
+      "inspect",
+      options?.name,
+      "select to_regclass($1::text) is not null as present",
+      [table.sql]
+    )
+    if (found[0]?.present !== true) return []
+    return yield* holders(options).pipe(
+      Effect.mapError((error) =>
+        error.operation === "holders"
+          ? new LockBackendError({ operation: "inspect", ...(options?.name === undefined ? {} : { name: options.name }), cause: error.cause })
+          : error
+      )
+    )
+  }).pipe(Effect.withSpan("effect-lock.inspect", { attributes: { backend: "pg-lease" } }))
+
+/**
  * Takes the lock `name` away from whoever holds it and wakes waiters. The holder learns at its
  * next renewal (within ttl/3) and fails with `LockLost { reason: "revoked" }`; until then it
  * may still be working, so revoke only what you know to be stuck. Returns whether a lease was held.
