@@ -23,7 +23,7 @@ import { LockBackendError, LockLost, LockTimeout } from "./LockError.js"
 import type { InvalidLockName, LostReason } from "./LockError.js"
 import { makeRegistry, type Registry } from "./internal/held.js"
 import * as metrics from "./internal/metrics.js"
-import { clampTtl, decodeDuration, validateName } from "./internal/validate.js"
+import { clampTtl, decodeDuration, validateMode, validateName } from "./internal/validate.js"
 
 /**
  * Options for one acquisition.
@@ -146,14 +146,7 @@ const takeLease = <G extends Grant>(
 ): Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope> =>
   Effect.gen(function*() {
     const name = yield* validateName(rawName, backend.maxNameBytes)
-    const mode = options?.mode ?? "exclusive"
-    if (mode !== "exclusive" && mode !== "shared") {
-      return yield* new LockBackendError({
-        operation: "acquire",
-        name,
-        cause: new Error(`unknown lock mode ${JSON.stringify(mode)}; use "exclusive" or "shared"`)
-      })
-    }
+    const mode = yield* validateMode(name, options?.mode)
     const ttl = clampTtl(decodeDuration(options?.ttl) ?? backend.defaultTtl, backend.minTtl, MAX_TTL)
     const start = yield* Clock.currentTimeMillis
     const { attempt, deadline } = plan(kind, decodeDuration(options?.timeout), start)

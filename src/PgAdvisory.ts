@@ -32,7 +32,7 @@ import { type InvalidLockName, LockBackendError, LockTimeout, type UnsafeConnect
 import * as inspect from "./internal/inspectAdvisory.js"
 import { advisoryKey } from "./internal/lockKey.js"
 import * as internal from "./internal/pgAdvisory.js"
-import { decodeDuration, validateName } from "./internal/validate.js"
+import { decodeDuration, validateMode, validateName } from "./internal/validate.js"
 
 /**
  * Options of the session-lock layer.
@@ -271,14 +271,7 @@ export const withXactLock: {
   ): Effect.Effect<A, E | LockTimeout | InvalidLockName | LockBackendError, R | SqlClient.SqlClient> =>
     Effect.gen(function*() {
       const name = yield* validateName(rawName, MAX_NAME_BYTES)
-      const mode = options?.mode ?? "exclusive"
-      if (mode !== "exclusive" && mode !== "shared") {
-        return yield* new LockBackendError({
-          operation: "acquire",
-          name,
-          cause: new Error(`unknown lock mode ${JSON.stringify(mode)}; use "exclusive" or "shared"`)
-        })
-      }
+      const mode = yield* validateMode(name, options?.mode)
       const sql = yield* SqlClient.SqlClient
       const key = advisoryKey(name, options?.namespace)
       // The body's failures and defects are marked so they pass through unchanged; everything

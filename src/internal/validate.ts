@@ -1,6 +1,7 @@
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import { InvalidLockName } from "../LockError.js"
+import type { LockMode } from "../Lease.js"
+import { InvalidLockName, LockBackendError } from "../LockError.js"
 
 /** Rejects names no backend can store faithfully. */
 export const validateName = (name: string, maxBytes: number): Effect.Effect<string, InvalidLockName> => {
@@ -37,3 +38,15 @@ export const clampTtl = (
   min: Duration.Duration,
   max: Duration.Duration
 ): Duration.Duration => Duration.max(min, Duration.min(max, ttl))
+
+/** The mode asked for, `exclusive` when absent; anything else is a typed error (callers may be untyped JS). */
+export const validateMode = (name: string, mode: LockMode | undefined): Effect.Effect<LockMode, LockBackendError> =>
+  mode === undefined || mode === "exclusive" || mode === "shared"
+    ? Effect.succeed(mode ?? "exclusive")
+    : Effect.fail(
+      new LockBackendError({
+        operation: "acquire",
+        name,
+        cause: new Error(`unknown lock mode ${JSON.stringify(mode)}; use "exclusive" or "shared"`)
+      })
+    )
