@@ -21,7 +21,8 @@ import type { HeldLock, Lease, LockMode } from "./Lease.js"
 import type { AcquireRequest, Grant, LockBackend } from "./LockBackend.js"
 import { LockBackendError, LockLost, LockTimeout } from "./LockError.js"
 import type { InvalidLockName, LostReason } from "./LockError.js"
-import { makeRegistry, type Registry } from "./internal/held.js"
+import { type Held, makeRegistry, pollLost, type Registry, safetyDeadlineOf } from "./internal/held.js"
+import { monotonicMillis } from "./internal/clock.js"
 import * as metrics from "./internal/metrics.js"
 import { clampTtl, decodeDuration, validateMode, validateName } from "./internal/validate.js"
 
@@ -97,6 +98,9 @@ export const make = <G extends Grant>(backend: LockBackend<G>): Effect.Effect<Se
   Effect.gen(function*() {
     const registry = yield* makeRegistry(backend, { releaseTimeout: RELEASE_TIMEOUT })
     yield* Effect.forkScoped(registry.run)
+    // Closing the service tells every holder its lease is gone (renewals stop here) and releases
+    // it, rather than leaving bodies running on leases that will silently expire.
+    yield* Effect.addFinalizer(() => registry.close)
     const take = (kind: "acquire" | "try") => (name: string, options?: AcquireOptions) =>
       takeLease(backend, registry, kind, name, options)
     return {
@@ -148,63 +152,77 @@ const takeLease = <G extends Grant>(
     const name = yield* validateName(rawName, backend.maxNameBytes)
     const mode = yield* validateMode(name, options?.mode)
     const ttl = clampTtl(decodeDuration(options?.ttl) ?? backend.defaultTtl, backend.minTtl, MAX_TTL)
-    const start = yield* Clock.currentTimeMillis
+    const start = yield* monotonicMillis
     const { attempt, deadline } = plan(kind, decodeDuration(options?.timeout), start)
     const scope = yield* Effect.scope
-    const lost = yield* Deferred.make<never, LockLost>()
+    if (registry.isClosed()) {
+      return yield* new LockBackendError({ operation: "acquire", name, cause: new Error("the lock service was closed") })
+    }
 
     // Grant and registration of its release are one uninterruptible step; only the backend's
     // explicitly interruptible waits can be interrupted, and those leave no grant behind.
     return yield* Effect.uninterruptibleMask((restore) =>
       Effect.gen(function*() {
-        let held: Parameters<Registry<G>["release"]>[0] | undefined
-        let lostEarly: LostReason | undefined
-        const request: AcquireRequest = {
-          name,
-          mode,
-          attempt,
-          ttl,
-          deadline,
-          interruptible: restore,
-          waitUntilDeadline: (step) =>
-            Option.match(deadline, {
-              onNone: () => Effect.asSome(restore(step)),
-              onSome: (at) =>
-                Effect.flatMap(Clock.currentTimeMillis, (now) => restore(Effect.timeout(step, Math.max(0, at - now)))).pipe(
-                  Effect.map(Option.some),
-                  Effect.catchTag("TimeoutException", () => Effect.succeedNone)
-                )
-            }),
-          onLost: (reason) =>
-            Effect.suspend(() => {
-              if (held === undefined) {
-                lostEarly = reason
-                return Effect.void
-              }
-              return registry.declareLost(held, reason)
-            })
-        }
-        const result = yield* backend.acquire(request)
-        const now = yield* Clock.currentTimeMillis
-        yield* Effect.annotateCurrentSpan({ "lock.wait_ms": now - start, "lock.outcome": result._tag })
-        switch (result._tag) {
-          case "Busy":
-            return Option.none<Lease>()
-          case "TimedOut":
-            yield* metrics.timedOut(backend.backend)
-            return yield* new LockTimeout({ name, waited: Duration.millis(now - start) })
-          case "Granted": {
-            const registered = yield* registry.register(
-              { name, mode, grant: result.grant, ttl, since: now },
-              lost
-            )
-            held = registered
-            yield* Scope.addFinalizer(scope, registry.release(registered))
-            if (lostEarly !== undefined) yield* registry.declareLost(registered, lostEarly)
-            yield* metrics.acquired(backend.backend, now - start)
-            yield* Effect.annotateCurrentSpan("lock.token", String(result.grant.token))
-            return Option.some(registry.toLease(registered))
+        while (true) {
+          // Per attempt: a loss reported for a grant that was never handed out concerns only it.
+          const attemptState: { held?: Held<G>; lostEarly?: LostReason; discarded: boolean } = { discarded: false }
+          const request: AcquireRequest = {
+            name,
+            mode,
+            attempt,
+            ttl,
+            deadline,
+            interruptible: restore,
+            waitUntilDeadline: (step) =>
+              Option.match(deadline, {
+                onNone: () => Effect.asSome(restore(step)),
+                onSome: (at) =>
+                  Effect.flatMap(monotonicMillis, (now) => restore(Effect.timeout(step, Math.max(0, at - now)))).pipe(
+                    Effect.map(Option.some),
+                    Effect.catchTag("TimeoutException", () => Effect.succeedNone)
+                  )
+              }),
+            onLost: (reason) =>
+              Effect.suspend(() => {
+                if (attemptState.discarded) return Effect.void
+                if (attemptState.held === undefined) {
+                  attemptState.lostEarly = reason
+                  return Effect.void
+                }
+                return registry.declareLost(attemptState.held, reason)
+              })
           }
+          const result = yield* backend.acquire(request)
+          const now = yield* monotonicMillis
+          yield* Effect.annotateCurrentSpan({ "lock.wait_ms": now - start, "lock.outcome": result._tag })
+          if (result._tag === "Busy") return Option.none<Lease>()
+          if (result._tag === "Granted") {
+            const validUntil = Option.getOrUndefined(result.grant.validUntil)
+            const closed = registry.isClosed()
+            // A grant whose answer came after its safety deadline, or that was lost before it was
+            // handed out, is given back: a holder must never start work on a lease already gone.
+            if (closed || attemptState.lostEarly !== undefined || now >= safetyDeadlineOf(validUntil, Duration.toMillis(ttl))) {
+              attemptState.discarded = true
+              yield* registry.discard(name, result.grant)
+              if (closed) {
+                return yield* new LockBackendError({ operation: "acquire", name, cause: new Error("the lock service was closed") })
+              }
+              const outOfTime = attempt === "once" || Option.exists(deadline, (at) => now >= at)
+              if (!outOfTime) continue
+            } else {
+              const registered = yield* registry.register(
+                { name, mode, grant: result.grant, ttl, since: yield* Clock.currentTimeMillis },
+                yield* Deferred.make<never, LockLost>()
+              )
+              attemptState.held = registered
+              yield* Scope.addFinalizer(scope, registry.release(registered))
+              yield* metrics.acquired(backend.backend, now - start)
+              yield* Effect.annotateCurrentSpan("lock.token", String(result.grant.token))
+              return Option.some(registry.toLease(registered))
+            }
+          }
+          yield* metrics.timedOut(backend.backend)
+          return yield* new LockTimeout({ name, waited: Duration.millis(Math.max(0, now - start)) })
         }
       })
     )
@@ -262,18 +280,24 @@ export const inspect: Effect.Effect<ReadonlyArray<HeldLock>, never, DistributedL
 export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effect.Effect<A, E | LockLost, R> =>
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
-      const body = yield* Effect.fork(restore(self))
+      // A lease already known lost never starts the body.
+      const known = yield* pollLost(lease)
+      if (Option.isSome(known)) return yield* Effect.fail(known.value)
       let lostWith: LockLost | undefined
+      const started = yield* Deferred.make<Fiber.RuntimeFiber<A, E>>()
+      // The watcher is running before the body starts, so no step of the body precedes it.
       const watcher = yield* Effect.fork(
         restore(
           Effect.catchAll(lease.lost, (error) =>
-            Effect.suspend(() => {
+            Effect.flatMap(Deferred.await(started), (body) => {
               lostWith = error
               // The body is interrupted and awaited here, so it stops before anyone releases.
               return Fiber.interrupt(body)
             }))
         )
       )
+      const body = yield* Effect.fork(restore(self))
+      yield* Deferred.succeed(started, body)
       const exit = yield* restore(Fiber.await(body)).pipe(
         // The caller was interrupted: stop the body and wait until it has stopped.
         Effect.onInterrupt(() => Effect.zipRight(Fiber.interrupt(body), Fiber.interrupt(watcher)))
@@ -346,7 +370,7 @@ export const tryWithLock: {
 /**
  * Options for `singleton`.
  *
- * - `ttl`, `mode`: as for `acquire` (the wait itself is unbounded).
+ * - `ttl`: as for `acquire` (the wait itself is unbounded; the lock is always exclusive).
  * - `restartAfter`: pause after the effect succeeds before competing again (default 1 s).
  * - `retryBase` / `retryMax`: capped exponential backoff for backend errors while competing
  *   (default 100 ms doubling up to 10 s).
@@ -389,6 +413,7 @@ export const singleton = <A, E, R>(
     name,
     options?.ttl === undefined ? {} : { ttl: options.ttl }
   )
+  const backoff = (failures: number) => Duration.min(retryMax, Duration.times(retryBase, 2 ** Math.min(failures, 30)))
   const loop = (failures: number): Effect.Effect<never, E | InvalidLockName, R | DistributedLock> =>
     round.pipe(
       Effect.matchEffect({
@@ -399,14 +424,14 @@ export const singleton = <A, E, R>(
             case "InvalidLockName":
               return Effect.fail(error)
             case "LockLost":
-              return Effect.zipRight(
-                Effect.logWarning(`singleton "${name}" lost its lock; competing again`),
-                loop(0)
+              // Competes again at once after one loss; repeated losses back off like errors.
+              return Effect.logWarning(`singleton "${name}" lost its lock; competing again`).pipe(
+                Effect.zipRight(failures === 0 ? Effect.void : Effect.sleep(backoff(failures - 1))),
+                Effect.zipRight(loop(failures + 1))
               )
             default: {
-              const delay = Duration.min(retryMax, Duration.times(retryBase, 2 ** Math.min(failures, 30)))
               return Effect.logWarning(`singleton "${name}" could not compete: ${error.message}`).pipe(
-                Effect.zipRight(Effect.sleep(delay)),
+                Effect.zipRight(Effect.sleep(backoff(failures))),
                 Effect.zipRight(loop(failures + 1))
               )
             }

@@ -31,7 +31,10 @@ export interface AcquireRequest {
   readonly attempt: "once" | "wait"
   /** Lease length, already clamped to the backend's bounds. Session-bound backends ignore it. */
   readonly ttl: Duration.Duration
-  /** Clock time (ms) past which the caller no longer wants the lock; `None` waits forever. */
+  /**
+   * Time past which the caller no longer wants the lock, in milliseconds on the Clock's monotonic
+   * timeline (`currentTimeNanos` / 1e6, as `internal/clock.ts` reads it); `None` waits forever.
+   */
   readonly deadline: Option.Option<number>
   /** Runs a step interruptibly. The step must clean up after itself if interrupted. */
   readonly interruptible: <A, E, R>(step: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
@@ -66,9 +69,9 @@ export type AcquireResult<G> =
 export interface Grant {
   readonly token: FencingToken
   /**
-   * For lease backends: the local Clock time (ms) before which the lease is certainly valid in
-   * the store (measured from *before* the granting statement was sent). `None` for session-bound
-   * locks, which need no renewal.
+   * For lease backends: the monotonic Clock time (ms, same timeline as `deadline`) before which
+   * the lease is certainly valid in the store (measured from *before* the granting statement was
+   * sent). `None` for session-bound locks, which need no renewal.
    */
   readonly validUntil: Option.Option<number>
   /**

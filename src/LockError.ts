@@ -16,7 +16,8 @@ import { FencingTokenFromSelf } from "./FencingToken.js"
  * - `connection-lost`: the database session holding it died.
  * - `renewal-failed`: renewals could not reach the store before the local deadline minus the
  *   safety margin, so the lease is given up before it can expire.
- * - `revoked`: an operator or test took it away.
+ * - `revoked`: an operator or test took it away, or the layer providing the lock service was
+ *   closed while the lease was held.
  *
  * @since 0.1.0
  * @category models
@@ -72,7 +73,7 @@ const describeReason = (reason: LostReason): string => {
     case "renewal-failed":
       return "renewals could not reach the store before the lease's safety margin"
     case "revoked":
-      return "it was revoked"
+      return "it was revoked (or its lock service was shut down)"
   }
 }
 

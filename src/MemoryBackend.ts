@@ -15,6 +15,7 @@ import * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as DistributedLock from "./DistributedLock.js"
+import { monotonicMillis } from "./internal/clock.js"
 import * as FencingToken from "./FencingToken.js"
 import type { LockMode } from "./Lease.js"
 import type { AcquireRequest, AcquireResult, Grant, LockBackend, RenewOutcome } from "./LockBackend.js"
@@ -72,6 +73,7 @@ export interface StoredLease {
   readonly name: string
   readonly token: FencingToken.FencingToken
   readonly mode: LockMode
+  /** When the lease runs out unless renewed, on the Clock's monotonic timeline (ms). */
   readonly expiresAt: number
 }
 
@@ -83,7 +85,7 @@ export interface StoredLease {
  * @category inspection
  */
 export const holders = (store: Store): Effect.Effect<ReadonlyArray<StoredLease>> =>
-  Effect.map(Clock.currentTimeMillis, (now) => {
+  Effect.map(monotonicMillis, (now) => {
     const out: Array<StoredLease> = []
     for (const [name, entry] of store[StoreTypeId].entries) {
       for (const holder of entry.holders.values()) {
@@ -191,7 +193,7 @@ export const makeBackend = (options?: Options): Effect.Effect<LockBackend<Memory
 
     const tryGrant = (entry: Entry, request: AcquireRequest, owner: number) =>
       Effect.gen(function*() {
-        const now = yield* Clock.currentTimeMillis
+        const now = yield* monotonicMillis
         yield* purgeExpired(entry, now)
         if (!compatible(entry, request.mode)) return Option.none<MemoryGrant>()
         const ttlMillis = Duration.toMillis(request.ttl)
@@ -222,7 +224,7 @@ export const makeBackend = (options?: Options): Effect.Effect<LockBackend<Memory
           const granted = yield* tryGrant(entry, request, owner)
           if (Option.isSome(granted)) return { _tag: "Granted", grant: granted.value } as const
           if (request.attempt === "once") return { _tag: "Busy" } as const
-          const now = yield* Clock.currentTimeMillis
+          const now = yield* monotonicMillis
           const nextExpiry = Math.min(...Array.from(entry.holders.values(), (h) => h.expiresAt))
           // Wake when a holder leaves or when the earliest lease runs out, whichever is first.
           const woke = yield* request.waitUntilDeadline(
@@ -254,7 +256,7 @@ export const makeBackend = (options?: Options): Effect.Effect<LockBackend<Memory
       minTtl: MIN_TTL,
       renewBatchSize: 10_000,
       acquire,
-      renew: (grants) => Effect.map(Clock.currentTimeMillis, (now) => grants.map((grant) => renewOne(grant, now)))
+      renew: (grants) => Effect.map(monotonicMillis, (now) => grants.map((grant) => renewOne(grant, now)))
     }
   })
 

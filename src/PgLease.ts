@@ -8,7 +8,9 @@
  * uuid per acquisition, null when free), `token` (the fencing counter), `expires_at`, and who
  * holds or last held it (`acquired_at`, `holder_application`, `holder_host`, `holder_pid`).
  * Rows are never deleted — a released row keeps its token — so tokens increase forever per name.
- * `waiting_since` records that someone waits, so that only contended releases notify.
+ * Operators must not delete rows either: a deleted row's name starts again at token 1, below
+ * tokens a `Fence` has already seen. `waiting_since` records that someone waits, so that only
+ * contended releases notify.
  *
  * **Statements.** Every operation is ONE autocommit statement, so it is correct behind a
  * transaction pooler: acquire is an upsert that takes a free or expired row and bumps the token;
@@ -18,10 +20,30 @@
  * lease expired and was taken can neither renew nor release the new holder's lease — and
  * notifies waiters in the same statement.
  *
+ * **Transactions.** Lock statements never run in the caller's transaction: a `withLock` inside
+ * `sql.withTransaction` still takes, renews and releases its row in autocommit statements of
+ * its own, on other pool connections (so the pool needs a connection besides the transaction's),
+ * and a rollback of the caller's transaction undoes neither the grant's token bump nor the
+ * release. The inspection and operator functions (`holders`, `listHolders`, `revoke`) are
+ * ordinary statements: inside a transaction they run in it — they read its snapshot, and a
+ * revoke takes effect when it commits. Neither bumps a token, so a rollback there is harmless.
+ * Prefer the transaction inside the lock, `withLock(sql.withTransaction(body), name)`: with the
+ * lock inside, it is released before the transaction commits, so the next holder may start
+ * before the body's writes are visible.
+ *
+ * **Durability of tokens.** A token is only as durable as the commit that bumped it: with
+ * `synchronous_commit = off` (for the role, database or server) a crash can lose the last
+ * grants' commits and the token repeats after recovery; likewise a failover to an asynchronous
+ * replica. Keep `synchronous_commit` at `on` or above where leases guard fenced writes (an
+ * autocommit statement cannot `set local` it, so this backend cannot set it for you).
+ *
  * **Time.** Expiry is computed and compared with the server's `now()` only; the ttl travels as
- * milliseconds. The local Clock only measures durations: a grant or renewal is valid locally
- * until (Clock time before the statement was sent) + ttl, which is never later than the
- * server's expiry. A client clock hours off changes nothing.
+ * milliseconds. The local clock only measures durations, on the monotonic timeline
+ * (`Clock.currentTimeNanos`), never the wall clock that NTP may step: a grant or renewal is
+ * valid locally until (monotonic time before the statement was sent) + ttl, which is never
+ * later than the server's expiry — also when the answer arrives late (then little or none of
+ * it is left, and `DistributedLock` gives such a grant back at once). A client clock hours off
+ * changes nothing.
  *
  * **Renewal and loss.** `DistributedLock` renews every ttl/3 and gives a lease up
  * (`LockLost { reason: "renewal-failed" }`) when ttl/5 is left on its local deadline without a
@@ -41,7 +63,6 @@
  */
 import * as SqlClient from "@effect/sql/SqlClient"
 import type { PgClient } from "@effect/sql-pg/PgClient"
-import * as Clock from "effect/Clock"
 import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
 import * as Context from "effect/Context"
@@ -61,6 +82,7 @@ import * as DistributedLock from "./DistributedLock.js"
 import * as FencingToken from "./FencingToken.js"
 import type { AcquireRequest, AcquireResult, Grant, LockBackend, RenewOutcome } from "./LockBackend.js"
 import { LockBackendError } from "./LockError.js"
+import { monotonicMillis } from "./internal/clock.js"
 import * as Sql from "./internal/pgLeaseSql.js"
 import * as Wake from "./internal/pgLeaseWake.js"
 
@@ -129,6 +151,8 @@ const DEFAULT_TTL = Duration.seconds(30)
 const MIN_TTL = Duration.seconds(1)
 const DEFAULT_POLL = Duration.millis(500)
 const DEFAULT_CHECK = Duration.seconds(5)
+/** How long closing the layer waits for abandoned attempts to give their rows back. */
+const SHUTDOWN_GIVE_BACK = Duration.seconds(3)
 const DEFAULT_STATEMENT_TIMEOUT = Duration.seconds(5)
 const DEFAULT_APPLICATION = "effect-lock"
 /**
@@ -167,6 +191,9 @@ const sqlState = (error: LockBackendError): string | undefined => {
  * The SQL that creates the lease table, for applications that run their own migrations (then
  * pass `createTable: false`). Idempotent. Throws on an invalid identifier (a programming error).
  *
+ * Never delete rows of this table (no cleanup job, no `truncate`): a row carries its name's
+ * fencing counter, and a deleted name starts again at token 1 — a stale token to every `Fence`.
+ *
  * @since 0.1.0
  * @category migrations
  */
@@ -185,12 +212,26 @@ interface Statements {
   ) => Effect.Effect<ReadonlyArray<A>, LockBackendError>
 }
 
-const statements = (sql: SqlClient.SqlClient): Statements => ({
-  run: <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>) =>
-    sql.unsafe<A>(text, params).withoutTransform.pipe(
+/**
+ * `own`: each statement runs outside any transaction of the caller (lock operations); otherwise
+ * it runs wherever the caller runs it (inspection and operator tools).
+ */
+const statements = (sql: SqlClient.SqlClient, placement: "own" | "caller's"): Statements => ({
+  run: <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>) => {
+    const statement = sql.unsafe<A>(text, params).withoutTransform.pipe(
       Effect.mapError((cause) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause }))
     )
+    return placement === "own" ? Sql.outsideTransaction(statement) : statement
+  }
 })
+
+/**
+ * Forks into `scope` a fiber that does not inherit the caller's transaction connection: the
+ * backend's own fibers (grant statement, give-back of an abandoned attempt) outlive the
+ * caller's transaction, and must never send a statement on its connection.
+ */
+const forkOutside = <A, E, R>(self: Effect.Effect<A, E, R>, scope: Scope.Scope) =>
+  Sql.outsideTransaction(Effect.forkIn(self, scope))
 
 type Attempt =
   | { readonly _tag: "Granted"; readonly grant: PgLeaseGrant }
@@ -222,7 +263,19 @@ export const makeBackend = (
       return yield* configError("listen: true needs a PgClient in the context (or use listen: \"auto\" to poll without one)")
     }
     const scope = yield* Effect.scope
-    const { run } = statements(sql)
+    // Give-backs of abandoned attempts are awaited (bounded) when the layer closes: cut short,
+    // they would leave a row held until its ttl runs out. Added first, so it runs last, after
+    // the grant fibers in `scope` are stopped and while the pool is still open.
+    const givingBack = new Set<Fiber.RuntimeFiber<void>>()
+    yield* Effect.addFinalizer(() =>
+      Effect.forEach(Array.from(givingBack), Fiber.await, { discard: true }).pipe(
+        Effect.timeout(SHUTDOWN_GIVE_BACK),
+        Effect.ignore,
+        Effect.zipRight(Effect.forEach(Array.from(givingBack), Fiber.interrupt, { discard: true }))
+      )
+    )
+    // Every lock statement runs in an autocommit transaction of its own, never the caller's.
+    const { run } = statements(sql, "own")
 
     const pollMillis = Duration.toMillis(Duration.decode(options?.pollInterval ?? DEFAULT_POLL))
     const checkInterval = Duration.decode(options?.listenCheckInterval ?? DEFAULT_CHECK)
@@ -284,14 +337,21 @@ export const makeBackend = (
      * row back. If the database stays unreachable, the lease simply expires after its ttl.
      */
     const abandon = (fiber: Fiber.Fiber<Attempt, LockBackendError>, name: string, owner: string, ttlMillis: number) =>
-      Effect.asVoid(Effect.forkIn(
+      Sql.outsideTransaction(Effect.forkDaemon(
         Effect.flatMap(Fiber.await(fiber), (exit) =>
           Exit.isSuccess(exit) && exit.value._tag === "Busy" ? Effect.void : releaseRow(name, owner).pipe(
             Effect.retry(Schedule.exponential(Duration.millis(50)).pipe(Schedule.upTo(Duration.millis(ttlMillis)))),
             Effect.ignore
-          )).pipe(Effect.interruptible),
-        scope
-      ))
+          )).pipe(Effect.interruptible)
+      )).pipe(
+        Effect.tap((giveBack) =>
+          Effect.sync(() => {
+            givingBack.add(giveBack)
+            giveBack.addObserver(() => givingBack.delete(giveBack))
+          })
+        ),
+        Effect.asVoid
+      )
 
     const grantStatement = (
       name: string,
@@ -301,8 +361,10 @@ export const makeBackend = (
     ): Effect.Effect<Attempt, LockBackendError> =>
       Effect.gen(function*() {
         yield* ensureTable
-        // Local time before sending: the server's expiry is at least this plus the ttl.
-        const sentAt = yield* Clock.currentTimeMillis
+        // Monotonic time before sending: the server's expiry is at least this plus the ttl, also
+        // when the answer comes late (a row lock, a slow network). `validUntil` is never measured
+        // from the answer's arrival: the core compares it with the arrival to drop a late grant.
+        const sentAt = yield* monotonicMillis
         const rows = yield* run<{ token: string | null; wait: number | null }>("acquire", name, text.acquire, [
           name,
           owner,
@@ -312,7 +374,7 @@ export const makeBackend = (
           process.pid,
           mark
         ])
-        const receivedAt = yield* Clock.currentTimeMillis
+        const receivedAt = yield* monotonicMillis
         const row = rows[0]
         if (row !== undefined && row.token !== null) {
           return {
@@ -357,7 +419,8 @@ export const makeBackend = (
      */
     const attempt = (request: AcquireRequest, first: boolean): Effect.Effect<Attempt, LockBackendError> =>
       Effect.gen(function*() {
-        const now = yield* Clock.currentTimeMillis
+        // The deadline is on the monotonic timeline (the SPI's contract).
+        const now = yield* monotonicMillis
         const remaining = Option.map(request.deadline, (deadline) => deadline - now)
         if (Option.isSome(remaining) && remaining.value <= 0 && !first) return { _tag: "TimedOut" } as const
         // A zero timeout still gets its one attempt, bounded by the statement timeout.
@@ -367,7 +430,7 @@ export const makeBackend = (
         const ttlMillis = Duration.toMillis(request.ttl)
         // A waiter marks the row wanted, so that the holder's release notifies.
         const mark = request.attempt === "wait"
-        const fiber = yield* Effect.forkIn(
+        const fiber = yield* forkOutside(
           Effect.interruptible(grantStatement(request.name, owner, ttlMillis, mark)),
           scope
         )
@@ -396,7 +459,7 @@ export const makeBackend = (
         const trusted = hub !== undefined && wakeAt !== undefined && (yield* hub.trusted)
         const jitter = yield* Random.next
         const cap = trusted ? Duration.toMillis(checkInterval) * TRUSTED_POLL_FACTOR : pollMillis * (0.5 + jitter / 2)
-        const now = yield* Clock.currentTimeMillis
+        const now = yield* monotonicMillis
         const untilExpiry = wakeAt === undefined ? Number.POSITIVE_INFINITY : wakeAt - now
         return Duration.millis(Math.max(0, Math.min(cap, untilExpiry)))
       })
@@ -432,8 +495,8 @@ export const makeBackend = (
 
     const renew = (grants: ReadonlyArray<PgLeaseGrant>): Effect.Effect<ReadonlyArray<RenewOutcome>, LockBackendError> =>
       grants.length === 0 ? Effect.succeed([]) : Effect.gen(function*() {
-        // Local time before sending: the renewed expiry on the server is at least this plus the ttl.
-        const sentAt = yield* Clock.currentTimeMillis
+        // Monotonic time before sending: the renewed expiry on the server is at least this plus the ttl.
+        const sentAt = yield* monotonicMillis
         const rows = yield* run<{ idx: number; outcome: string }>("renew", undefined, text.renew, [
           grants.map((g) => g.name),
           grants.map((g) => g.owner),
@@ -532,7 +595,7 @@ export const holders = (
   Effect.gen(function*() {
     const table = resolveTable(options?.table)
     if (typeof table === "string") return yield* configError(table)
-    const { run } = statements(yield* SqlClient.SqlClient)
+    const { run } = statements(yield* SqlClient.SqlClient, "caller's")
     const rows = yield* run<{
       name: string
       token: string
@@ -570,7 +633,7 @@ export const listHolders = (
   Effect.gen(function*() {
     const table = resolveTable(options?.table)
     if (typeof table === "string") return yield* configError(table)
-    const { run } = statements(yield* SqlClient.SqlClient)
+    const { run } = statements(yield* SqlClient.SqlClient, "caller's")
     const found = yield* run<{ present: boolean }>(
       "inspect",
       options?.name,
@@ -602,7 +665,7 @@ export const revoke = (
   Effect.gen(function*() {
     const table = resolveTable(options?.table)
     if (typeof table === "string") return yield* configError(table)
-    const { run } = statements(yield* SqlClient.SqlClient)
+    const { run } = statements(yield* SqlClient.SqlClient, "caller's")
     const rows = yield* run("revoke", name, Sql.revoke(table), [
       name,
       options?.channel ?? table.relname,

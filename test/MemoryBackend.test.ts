@@ -4,9 +4,11 @@ import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
+import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
+import { monotonicMillis } from "../src/internal/clock.js"
 import { contractSuite, freshName } from "./support/contract.js"
 import { type Faults, makeFaults, withFaults } from "./support/faults.js"
 
@@ -172,6 +174,75 @@ describe("DistributedLock on the memory backend", () => {
       const error = yield* Fiber.join(lost)
       expect(error.reason).toBe("renewal-failed")
       expect(yield* MemoryBackend.holders(shared)).toHaveLength(1)
+    }))
+
+  it.scoped("one hung renewal does not delay another lease's loss past its safety deadline", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const faults = makeFaults()
+      faults.hangRenew = true
+      const a = yield* node(shared, faults)
+      yield* a.acquire("slow", { ttl: "3 seconds" })
+      yield* TestClock.adjust(Duration.millis(950))
+      const short = yield* a.acquire("short", { ttl: "300 millis" })
+      const lostAt = yield* Effect.fork(Effect.zipRight(Effect.flip(short.lost), monotonicMillis))
+      // "slow"'s renewal hangs from 1,000 ms with a 1 s budget; "short" must go at 950 + 240 ms.
+      yield* TestClock.adjust(Duration.millis(300))
+      const at = yield* Fiber.join(lostAt)
+      expect(at).toBeLessThanOrEqual(1190)
+      // Let the hung renewal reach its own budget so the test's scope can release "slow".
+      yield* TestClock.adjust(Duration.seconds(2))
+    }))
+
+  it.scoped("closing the service tells its holders, interrupts guarded bodies and releases, even mid-renewal", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const faults = makeFaults()
+      faults.renewDelay = Effect.never
+      const scope = yield* Scope.make()
+      const a = yield* Scope.extend(node(shared, faults, Duration.seconds(3)), scope)
+      const stopped = yield* Effect.makeLatch(false)
+      const run = yield* Effect.fork(
+        DistributedLock.withLock(Effect.never.pipe(Effect.onInterrupt(() => stopped.open)), "closing").pipe(provide(a))
+      )
+      yield* settle
+      yield* TestClock.adjust(Duration.millis(1100))
+      expect(faults.events).toContain("renew:start")
+      yield* Scope.close(scope, Exit.void)
+      const error = yield* Effect.flip(Fiber.join(run))
+      expect(error).toMatchObject({ _tag: "LockLost", name: "closing", reason: "revoked" })
+      yield* stopped.await
+      expect(yield* MemoryBackend.holders(shared)).toEqual([])
+      const refused = yield* Effect.flip(Effect.scoped(a.acquire("after-close")))
+      expect(refused._tag).toBe("LockBackendError")
+    }))
+
+  it.scoped("a grant that arrives after its safety deadline is given back and the acquire tries again", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const faults = makeFaults()
+      let slowAnswers = 1
+      faults.afterGrant = Effect.suspend(() => slowAnswers-- > 0 ? Effect.sleep(Duration.millis(2500)) : Effect.void)
+      const a = yield* node(shared, faults, Duration.seconds(3))
+      const taking = yield* Effect.fork(a.acquire("late"))
+      yield* settle
+      yield* TestClock.adjust(Duration.millis(2600))
+      const lease = yield* Fiber.join(taking)
+      expect(lease.token).toBe(2n)
+      expect(yield* lease.isHeld).toBe(true)
+      expect((yield* MemoryBackend.holders(shared)).map((h) => h.token)).toEqual([2n])
+    }))
+
+  it.scoped("guard never starts the body on a lease already lost", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const a = yield* node(shared)
+      const lease = yield* a.acquire("gone")
+      yield* MemoryBackend.revoke(shared, "gone")
+      let ran = false
+      const error = yield* Effect.flip(DistributedLock.guard(lease, Effect.sync(() => (ran = true))))
+      expect(error).toMatchObject({ _tag: "LockLost", reason: "revoked" })
+      expect(ran).toBe(false)
     }))
 
   it.scoped("a stolen lease is reported as stolen", () =>

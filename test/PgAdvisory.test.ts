@@ -1,10 +1,13 @@
 import { SqlClient } from "@effect/sql"
+import { PgClient } from "@effect/sql-pg"
 import { afterAll, describe, expect, it, layer } from "@effect/vitest"
-import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Option, Scope } from "effect"
+import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Option, Redacted, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import type { FencingToken } from "../src/FencingToken.js"
-import { LockBackendError, LockLost, LockTimeout, UnsafeConnectionPooling } from "../src/LockError.js"
+import type { AcquireRequest } from "../src/LockBackend.js"
+import { LockBackendError, LockLost, type LostReason, LockTimeout, UnsafeConnectionPooling } from "../src/LockError.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
+import { makeLocalKeys } from "../src/internal/localKeys.js"
 import * as Net from "node:net"
 import pg from "pg"
 import {
@@ -463,6 +466,109 @@ describe("PgAdvisory.layer", () => {
       }))
   })
 
+  /** A backend request as the core would make it, reporting losses into `lost`. */
+  const spiRequest = (name: string, mode: "shared" | "exclusive", lost: Array<LostReason>): AcquireRequest => ({
+    name,
+    mode,
+    attempt: "wait",
+    ttl: Duration.seconds(30),
+    deadline: Option.none(),
+    interruptible: (step) => step,
+    waitUntilDeadline: (step) => Effect.asSome(step),
+    onLost: (reason) => Effect.sync(() => lost.push(reason))
+  })
+
+  /** Sessions of `applicationName` blocked on a (row or transaction) lock, not an advisory one. */
+  const rowLockWaiters = (applicationName: string) =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) =>
+        (await client.query<{ n: number }>(
+          `select count(*)::int as n from pg_stat_activity a
+           where a.application_name = $1 and a.wait_event_type = 'Lock' and a.wait_event <> 'advisory'`,
+          [applicationName]
+        )).rows[0]!.n)
+    )
+
+  it.scopedLive("a shared join whose session dies during its bump reports no loss for the grant its retry gets", () =>
+    Effect.gen(function*() {
+      const backend = yield* PgAdvisory.makeBackend({ url: db.url, applicationName: "adv-join-lost", maxSessions: 1 })
+      const lost1: Array<LostReason> = []
+      const first = yield* backend.acquire(spiRequest("joined", "shared", lost1))
+      expect(first._tag).toBe("Granted")
+      // Hold the fencing row, so that the second request's bump (joining the first grant) blocks.
+      const rowLock = yield* Effect.acquireRelease(
+        Effect.promise(async () => {
+          const client = new pg.Client({ connectionString: db.url, application_name: HARNESS_APPLICATION_NAME })
+          client.on("error", () => {})
+          await client.connect()
+          await client.query("begin")
+          await client.query("select 1 from effect_lock_fencing where key = $1::bigint for update", [
+            PgAdvisory.keyOf("joined").toString()
+          ])
+          return client
+        }),
+        (client) => Effect.promise(() => client.end().catch(() => {}))
+      )
+      const lost2: Array<LostReason> = []
+      const second = yield* Effect.fork(backend.acquire(spiRequest("joined", "shared", lost2)))
+      yield* eventually(rowLockWaiters("adv-join-lost"), (n) => n > 0)
+      // The session dies under the join's bump: the first grant is lost, the join is retried and
+      // its retry blocks on the fencing row again (on a new session) until the row is let go.
+      expect(yield* Effect.promise(() => terminateBackends(db.url, "adv-join-lost"))).toBeGreaterThanOrEqual(1)
+      yield* eventually(Effect.sync(() => lost1), (reasons) => reasons.length > 0)
+      yield* eventually(rowLockWaiters("adv-join-lost"), (n) => n > 0)
+      yield* Effect.promise(() => rowLock.query("commit"))
+      const granted = yield* Fiber.join(second)
+      expect(granted._tag).toBe("Granted")
+      yield* Effect.sleep(Duration.millis(200))
+      expect(lost1).toEqual(["connection-lost"])
+      // The retry's grant is healthy: no loss may be reported for it.
+      expect(lost2).toEqual([])
+      expect((yield* locksOf("adv-join-lost")).map((row) => [row.granted, row.mode])).toEqual([[true, "ShareLock"]])
+      if (granted._tag === "Granted") yield* granted.grant.release
+      expect(yield* locksOf("adv-join-lost")).toEqual([])
+    }))
+
+  it.scopedLive("fencing bumps commit with synchronous_commit = on, even where the server default is off", () =>
+    Effect.gen(function*() {
+      yield* Effect.promise(() =>
+        withClient(db.url, (client) =>
+          client.query(
+            `create table adv_sync_fencing (key bigint primary key, name text not null, token bigint not null);
+             create table adv_sync_seen (setting text not null);
+             create function adv_sync_record() returns trigger language plpgsql as
+               $$ begin insert into adv_sync_seen values (current_setting('synchronous_commit')); return null; end $$;
+             create trigger adv_sync_record after insert or update on adv_sync_fencing
+               for each statement execute function adv_sync_record();`
+          ))
+      )
+      const url = `${db.url}?options=${encodeURIComponent("-c synchronous_commit=off")}`
+      const asyncCommit = yield* Effect.promise(() =>
+        withClient(url, async (client) => (await client.query<{ s: string }>("select current_setting('synchronous_commit') as s")).rows[0]!.s)
+      )
+      expect(asyncCommit).toBe("off")
+      const options = { fencingTable: "adv_sync_fencing", maxSessions: 2 }
+      const lock = yield* Layer.build(PgAdvisory.layer({ url, applicationName: "adv-sync", ...options })).pipe(
+        Effect.map(Context.get(DistributedLock.DistributedLock))
+      )
+      const other = yield* service("adv-sync-other", options)
+      // A try-lock on the home session, a join of a shared grant, and a blocking wait on a wait session.
+      yield* lock.acquire("sync-try", { mode: "shared" })
+      yield* lock.acquire("sync-try", { mode: "shared" })
+      const held = yield* Scope.make()
+      yield* other.acquire("sync-wait").pipe(Scope.extend(held))
+      const waiting = yield* Effect.fork(Effect.scoped(lock.acquire("sync-wait")))
+      yield* blockedAtServer("adv-sync")
+      yield* Scope.close(held, Exit.void)
+      yield* Fiber.join(waiting)
+      const seen = yield* Effect.promise(() =>
+        withClient(db.url, async (client) => (await client.query<{ setting: string }>("select setting from adv_sync_seen")).rows)
+      )
+      expect(seen.length).toBeGreaterThanOrEqual(4)
+      // The other layer's session has the server's default (on); this layer's would say off without the fix.
+      expect(seen.map((row) => row.setting)).toEqual(seen.map(() => "on"))
+    }))
+
   it.scopedLive("interruption fuzz: 1,000 acquires interrupted at random moments leave no lock and no extra session", () =>
     Effect.gen(function*() {
       const a = yield* service("adv-fuzz-a", { maxSessions: 4 })
@@ -533,6 +639,25 @@ describe("PgAdvisory.layer", () => {
       for (const lock of [a, b]) {
         for (const name of names) yield* Effect.scoped(lock.acquire(name, { timeout: "2 seconds" }))
       }
+    }))
+})
+
+describe("PgAdvisory admission (localKeys)", () => {
+  it.effect("tryAdmit is not refused by tickets whose waiters gave up", () =>
+    Effect.gen(function*() {
+      const local = makeLocalKeys()
+      const holder = Option.getOrThrow(yield* local.tryAdmit("k", "exclusive"))
+      // One waiter that stays, one behind it that gives up at once.
+      const staying = yield* Effect.fork(local.admit("k", "exclusive", (signal) => Effect.asSome(signal)))
+      yield* Effect.yieldNow()
+      expect(Option.isNone(yield* local.admit("k", "exclusive", () => Effect.succeedNone))).toBe(true)
+      expect(Option.isNone(yield* local.tryAdmit("k", "shared"))).toBe(true)
+      // The staying waiter gives up too: only abandoned tickets would be left, and they count for nothing.
+      yield* Fiber.interrupt(staying)
+      yield* local.leave(holder, true)
+      const again = yield* local.tryAdmit("k", "exclusive")
+      expect(Option.isSome(again)).toBe(true)
+      if (Option.isSome(again)) yield* local.leave(again.value, false)
     }))
 })
 
@@ -693,6 +818,125 @@ describe("PgAdvisory.withXactLock", () => {
         const error = yield* Effect.flip(PgAdvisory.withXactLock(Effect.void, ""))
         expect(error._tag).toBe("InvalidLockName")
       }))
+  })
+
+  /** A raw session holding the session advisory lock of `name` until `unlock` or the scope's end. */
+  const rawHolder = (name: string) =>
+    Effect.map(
+      Effect.acquireRelease(
+        Effect.promise(async () => {
+          const client = new pg.Client({ connectionString: db.url, application_name: HARNESS_APPLICATION_NAME })
+          client.on("error", () => {})
+          await client.connect()
+          await client.query("select pg_advisory_lock($1::bigint)", [PgAdvisory.keyOf(name).toString()])
+          return client
+        }),
+        (client) => Effect.promise(() => client.end().catch(() => {}))
+      ),
+      (client) => ({
+        pid: (client as unknown as { readonly processID: number }).processID,
+        unlock: Effect.promise(() => client.query("select pg_advisory_unlock($1::bigint)", [PgAdvisory.keyOf(name).toString()]))
+      })
+    )
+
+  /** pg_locks rows of the key of `name` (granted or awaited), in the test database. */
+  const xactLocksOf = (name: string) =>
+    Effect.map(xactLocks, (rows) => {
+      const { classid, objid } = keyParts(PgAdvisory.keyOf(name))
+      return rows.filter((row) => row.classid === classid && row.objid === objid)
+    })
+
+  layer(PgTest.layer(db, { maxConnections: 1 }), { excludeTestServices: true })("on a pool of one connection", (it) => {
+    it.scoped("interrupting a wait without timeout on a full pool completes within 1.5 s and leaves nothing behind", () =>
+      Effect.gen(function*() {
+        const holder = yield* rawHolder("xact-full-pool")
+        const waiter = yield* Effect.fork(PgAdvisory.withXactLock(Effect.void, "xact-full-pool"))
+        // The pool's only connection is the waiting transaction.
+        yield* eventually(xactLocksOf("xact-full-pool"), (rows) => rows.some((row) => !row.granted))
+        yield* Effect.sleep(Duration.millis(300))
+        const started = Date.now()
+        const interrupting = yield* Effect.fork(Fiber.interrupt(waiter))
+        // Bounded here so that a hanging interrupt fails the test instead of timing it out.
+        const done = yield* Fiber.await(interrupting).pipe(Effect.timeoutOption(Duration.seconds(4)))
+        const took = Date.now() - started
+        expect(Option.isSome(done)).toBe(true)
+        expect(took).toBeLessThan(1_500)
+        // Only the holder's lock is left: no waiting request, no grant on the pool's connection.
+        expect((yield* xactLocksOf("xact-full-pool")).map((row) => [row.pid, row.granted])).toEqual([[holder.pid, true]])
+
+        // The lock still excludes, and the pool's connection is usable again.
+        const error = yield* Effect.flip(PgAdvisory.withXactLock(Effect.void, "xact-full-pool", { timeout: "1200 millis" }))
+        expect(error).toBeInstanceOf(LockTimeout)
+        expect(error instanceof LockTimeout && Duration.toMillis(error.waited)).toBeGreaterThanOrEqual(1_190)
+        const granted = yield* Effect.fork(PgAdvisory.withXactLock(Effect.succeed("granted"), "xact-full-pool"))
+        yield* eventually(xactLocksOf("xact-full-pool"), (rows) => rows.some((row) => !row.granted))
+        yield* holder.unlock
+        expect(yield* Fiber.join(granted)).toBe("granted")
+        expect(yield* xactLocksOf("xact-full-pool")).toEqual([])
+      }))
+  })
+
+  describeWithPgBouncer("behind PgBouncer in transaction mode", () => {
+    it.scopedLive("waits across slices in one transaction: times out, is interrupted cleanly, is granted on release", () =>
+      Effect.gen(function*() {
+        const pooler = yield* Effect.acquireRelease(
+          Effect.promise(() => startPgBouncer({ targetUrl: db.url, poolMode: "transaction", defaultPoolSize: 2 })),
+          (running) => Effect.promise(() => running.stop())
+        )
+        const sqlContext = yield* Layer.build(PgClient.layer({ url: Redacted.make(pooler.url), maxConnections: 4 }))
+        const sql = Context.get(sqlContext, SqlClient.SqlClient)
+        const xact = <A, E>(body: Effect.Effect<A, E, SqlClient.SqlClient>, options?: PgAdvisory.XactLockOptions) =>
+          PgAdvisory.withXactLock(body, "xact-bouncer", options).pipe(Effect.provide(sqlContext))
+        const holder = yield* rawHolder("xact-bouncer")
+
+        const begun = Date.now()
+        const error = yield* Effect.flip(xact(Effect.void, { timeout: "1300 millis" }))
+        expect(error._tag).toBe("LockTimeout")
+        expect(Date.now() - begun).toBeGreaterThanOrEqual(1_290)
+
+        const cancelled = yield* Effect.fork(xact(Effect.void))
+        yield* Effect.sleep(Duration.millis(1_200))
+        const started = Date.now()
+        yield* Fiber.interrupt(cancelled)
+        expect(Date.now() - started).toBeLessThan(1_500)
+        expect((yield* xactLocksOf("xact-bouncer")).map((row) => [row.pid, row.granted])).toEqual([[holder.pid, true]])
+
+        const waiter = yield* Effect.fork(
+          xact(sql<{ n: number }>`select count(*)::int as n from pg_locks where locktype = 'advisory' and pid = pg_backend_pid()`)
+        )
+        yield* Effect.sleep(Duration.millis(1_200))
+        yield* holder.unlock
+        // The body runs on the backend that holds the lock: the transaction stayed on one connection.
+        expect(yield* Fiber.join(waiter)).toEqual([{ n: 1 }])
+        expect(yield* xactLocksOf("xact-bouncer")).toEqual([])
+      }))
+  })
+
+  layer(PgTest.layer(() => `${db.url}?options=${encodeURIComponent("-c statement_timeout=300")}`), {
+    excludeTestServices: true
+  })("on a pool whose sessions set a short statement_timeout", (it) => {
+    it.effect("a wait longer than the statement_timeout ends in LockTimeout; the body sees the session's setting", () =>
+      Effect.scoped(Effect.gen(function*() {
+        const sql = yield* SqlClient.SqlClient
+        const holder = yield* rawHolder("xact-statement-timeout")
+        const begun = Date.now()
+        const error = yield* Effect.flip(
+          PgAdvisory.withXactLock(Effect.void, "xact-statement-timeout", { timeout: "1500 millis" })
+        )
+        // Not a LockBackendError from the session's statement_timeout cancelling the wait (57014).
+        expect(error._tag).toBe("LockTimeout")
+        expect(Date.now() - begun).toBeGreaterThanOrEqual(1_490)
+        expect(Date.now() - begun).toBeLessThan(3_000)
+        // Granted after waiting across a slice boundary, past the session's statement_timeout.
+        const waiter = yield* Effect.fork(
+          PgAdvisory.withXactLock(sql<{ statement_timeout: string; lock_timeout: string }>`select current_setting('statement_timeout') as statement_timeout, current_setting('lock_timeout') as lock_timeout`, "xact-statement-timeout", {
+            timeout: "10 seconds"
+          })
+        )
+        yield* Effect.sleep(Duration.millis(1_300))
+        yield* holder.unlock
+        expect(yield* Fiber.join(waiter)).toEqual([{ statement_timeout: "300ms", lock_timeout: "0" }])
+      })))
   })
 
   layer(PgTest.layer(() => `${db.url}?options=${encodeURIComponent("-c lock_timeout=4321")}`), {

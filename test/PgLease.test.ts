@@ -5,6 +5,7 @@ import { Clock, Config, ConfigProvider, Context, Deferred, Duration, Effect, Exi
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as FencingToken from "effect-lock/FencingToken"
 import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
+import { monotonicMillis } from "effect-lock/internal/clock"
 import * as PgLease from "effect-lock/PgLease"
 import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process"
 import * as Path from "node:path"
@@ -149,6 +150,133 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(later!.left).toBeLessThanOrEqual(1000)
       // A contender whose clock is 10 hours behind the holder's cannot take it early.
       expect(Option.isNone(yield* Effect.withClock(Effect.scoped(behind.tryAcquire(name)), skewedClock(-hours)))).toBe(true)
+    }))
+
+  it.scoped("inside the caller's sql.withTransaction the lease commits on its own: visible while held, renewed, and a rollback never repeats a token", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const sql = yield* SqlClient.SqlClient
+      const service = yield* processOn(env)
+      const other = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own))
+      const name = freshName("in-tx")
+      const first = yield* Effect.scoped(Effect.map(service.acquire(name), (lease) => lease.token))
+      yield* query("create table if not exists lease_tx_marker (name text primary key)")
+      let held: FencingToken.FencingToken | undefined
+      // The reviewer's scenario: withLock inside the caller's transaction, the body fails, the
+      // transaction rolls back. Statements of the body run in the transaction; the lock's do not.
+      const body = Effect.gen(function*() {
+        yield* sql`insert into lease_tx_marker (name) values (${name})`
+        const [mine] = yield* DistributedLock.inspect
+        held = mine!.token
+        // Committed: another connection sees the row held, and another process cannot take it.
+        expect(yield* rowOf(name)).toMatchObject({ token: String(held) })
+        expect((yield* rowOf(name))!.owner).not.toBeNull()
+        expect(Option.isNone(yield* Effect.scoped(other.tryAcquire(name, { timeout: Duration.seconds(2) })))).toBe(true)
+        // Past the ttl: the renewal loop sees the row and keeps the lease (no LockLost).
+        yield* Effect.sleep(Duration.millis(1300))
+        const renewed = yield* rowOf(name)
+        expect(renewed).toMatchObject({ token: String(held) })
+        expect(renewed!.left).toBeGreaterThan(0)
+        return yield* Effect.fail("rollback" as const)
+      })
+      const outcome = yield* Effect.flip(
+        sql.withTransaction(DistributedLock.withLock(body, name)).pipe(
+          Effect.provideService(DistributedLock.DistributedLock, service)
+        )
+      )
+      expect(outcome).toBe("rollback")
+      expect(held).toBe(first + 1n)
+      // The transaction did roll back, yet the grant and the release stay committed.
+      expect(yield* query("select 1 from lease_tx_marker where name = $1", [name])).toEqual([])
+      expect(yield* rowOf(name)).toEqual({ owner: null, token: String(held), left: null })
+      const next = yield* Effect.scoped(Effect.map(other.acquire(name), (lease) => lease.token))
+      expect(next).toBe(held! + 1n)
+
+      // A waiter inside a transaction (its process's first wait starts the listener there too)
+      // marks the row, is woken by the release notification, and commits its grant on its own.
+      const waiter = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { pollInterval: Duration.seconds(5) }))
+      const holderScope = yield* Scope.make()
+      const holding = yield* Scope.extend(other.acquire(name), holderScope)
+      const granted = yield* Deferred.make<FencingToken.FencingToken>()
+      const waiting = yield* Effect.fork(
+        sql.withTransaction(
+          Effect.scoped(Effect.flatMap(waiter.acquire(name), (lease) => Deferred.succeed(granted, lease.token)))
+        )
+      )
+      yield* Effect.sleep(Duration.millis(300))
+      expect((yield* rowOf(name))!.owner).not.toBeNull()
+      const releasedAt = yield* now
+      yield* Scope.close(holderScope, Exit.void)
+      const token = yield* Deferred.await(granted)
+      // It polls only every 2.5-5 s: only a notification it heard can be this fast.
+      expect((yield* now) - releasedAt).toBeLessThan(1000)
+      expect(token).toBe(holding.token + 1n)
+      yield* Fiber.join(waiting)
+      expect(yield* rowOf(name)).toEqual({ owner: null, token: String(token), left: null })
+    }))
+
+  it.scoped("deadlines are measured on the monotonic clock: a wall clock stepped by hours changes neither validUntil nor a wait", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const backend = yield* backendOn(env)
+      // NTP stepped the wall clock back 5 hours; the monotonic clock did not move.
+      const stepped = steppedWallClock(-Duration.toMillis(Duration.hours(5)))
+      const name = freshName("monotonic")
+      const before = yield* monotonicMillis
+      const grant = yield* Effect.withClock(grantOf(backend, name), stepped)
+      const after = yield* monotonicMillis
+      const validUntil = Option.getOrThrow(grant.validUntil)
+      expect(validUntil).toBeGreaterThanOrEqual(before + 1000)
+      expect(validUntil).toBeLessThanOrEqual(after + 1000)
+      const renewStart = yield* monotonicMillis
+      const [renewed] = yield* Effect.withClock(backend.renew([grant]), stepped)
+      const renewEnd = yield* monotonicMillis
+      expect(renewed!._tag).toBe("Renewed")
+      const renewedUntil = renewed!._tag === "Renewed" ? renewed!.validUntil : 0
+      expect(renewedUntil).toBeGreaterThanOrEqual(renewStart + 1000)
+      expect(renewedUntil).toBeLessThanOrEqual(renewEnd + 1000)
+      yield* grant.release
+      // A waiter's deadline is on the monotonic timeline too: it gives up on time, not in 5 hours.
+      const holder = yield* Effect.flatMap(backend.acquire(request(name, "once", Duration.seconds(10))), (result) =>
+        result._tag === "Granted" ? Effect.succeed(result.grant) : Effect.dieMessage(`expected a grant, got ${result._tag}`))
+      yield* Effect.addFinalizer(() => Effect.ignore(holder.release))
+      const start = yield* monotonicMillis
+      const waited = yield* Effect.withClock(
+        backend.acquire({ ...request(name, "wait"), deadline: Option.some(start + 300) }),
+        stepped
+      ).pipe(Effect.timeoutOption(Duration.seconds(3)))
+      const elapsed = (yield* monotonicMillis) - start
+      expect(Option.map(waited, (result) => result._tag)).toEqual(Option.some("TimedOut"))
+      expect(elapsed).toBeGreaterThanOrEqual(300)
+      expect(elapsed).toBeLessThan(1500)
+      yield* holder.release
+      expect((yield* rowOf(name))!.owner).toBeNull()
+    }))
+
+  it.scoped("a grant answered past its safety margin reports validUntil from before it was sent, and gives the row back cleanly", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const backend = yield* backendOn(env)
+      const name = freshName("late")
+      const first = yield* grantOf(backend, name)
+      yield* first.release
+      // Another session holds the row lock: the grant statement waits for it, past ttl - ttl/5.
+      const unlock = yield* lockRow(name)
+      const sentBefore = yield* monotonicMillis
+      const pending = yield* Effect.fork(grantOf(backend, name))
+      yield* Effect.sleep(Duration.millis(900))
+      yield* unlock
+      const grant = yield* Fiber.join(pending)
+      const arrived = yield* monotonicMillis
+      const validUntil = Option.getOrThrow(grant.validUntil)
+      expect(grant.token).toBe(first.token + 1n)
+      // Measured from before the statement was sent, never from when its answer arrived.
+      expect(validUntil).toBeLessThanOrEqual(sentBefore + 1000 + 50)
+      expect(arrived).toBeGreaterThan(validUntil - 1000 / 5)
+      // The server's expiry is no later than the statement's start + ttl either.
+      expect((yield* rowOf(name))!.left).toBeLessThanOrEqual(1000 - 800)
+      yield* grant.release
+      expect(yield* rowOf(name)).toEqual({ owner: null, token: String(grant.token), left: null })
     }))
 
   it.scoped("renewal tells stolen, expired and revoked apart, in batch order; a stale holder changes nothing", () =>
@@ -531,7 +659,11 @@ const releaseNotifications = Effect.acquireRelease(
   ({ client }) => Effect.promise(() => client.end().catch(() => {}))
 ).pipe(Effect.map(({ names }) => names))
 
-/** A Clock that reads the real time shifted by `offsetMillis`, sleeping like the real one. */
+/**
+ * A Clock that reads the real time shifted by `offsetMillis` — wall (`currentTimeMillis`) and
+ * monotonic (`currentTimeNanos`) alike, so the skew reaches the timeline deadlines are measured
+ * on — sleeping like the real one.
+ */
 function skewedClock(offsetMillis: number): Clock.Clock {
   const base = Clock.make()
   const millis = () => base.unsafeCurrentTimeMillis() + offsetMillis
@@ -544,6 +676,44 @@ function skewedClock(offsetMillis: number): Clock.Clock {
     currentTimeNanos: Effect.sync(nanos),
     sleep: (duration) => base.sleep(duration)
   }
+}
+
+/**
+ * A Clock whose wall time (`currentTimeMillis`, `Date.now()`) was stepped by `offsetMillis`, as
+ * NTP may do, while its monotonic time (`currentTimeNanos`) runs on undisturbed.
+ */
+function steppedWallClock(offsetMillis: number): Clock.Clock {
+  const base = Clock.make()
+  const millis = () => base.unsafeCurrentTimeMillis() + offsetMillis
+  return {
+    [Clock.ClockTypeId]: Clock.ClockTypeId,
+    unsafeCurrentTimeMillis: millis,
+    unsafeCurrentTimeNanos: () => base.unsafeCurrentTimeNanos(),
+    currentTimeMillis: Effect.sync(millis),
+    currentTimeNanos: base.currentTimeNanos,
+    sleep: (duration) => base.sleep(duration)
+  }
+}
+
+/**
+ * Row-locks the lease row of `name` from a raw session (`select … for update` in an open
+ * transaction) until the returned effect commits it, or the scope closes.
+ */
+function lockRow(name: string) {
+  return Effect.gen(function*() {
+    const client = yield* Effect.acquireRelease(
+      Effect.promise(async () => {
+        const client = new pg.Client({ connectionString: db.url })
+        client.on("error", () => {})
+        await client.connect()
+        await client.query("begin")
+        await client.query(`select 1 from ${PgLease.DEFAULT_TABLE} where name = $1 for update`, [name])
+        return client
+      }),
+      (client) => Effect.promise(() => client.end().catch(() => {}))
+    )
+    return Effect.promise(() => client.query("commit").then(() => undefined))
+  })
 }
 
 /** Wraps a backend so that each grant's release first waits for `gate`. */

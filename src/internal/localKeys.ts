@@ -107,6 +107,9 @@ export const makeLocalKeys = (): LocalKeys => {
   return {
     tryAdmit: (key, mode) =>
       Effect.sync(() => {
+        // Pumped first: abandoned tickets must not count as somebody queued (a spurious Busy).
+        const existing = entries.get(key)
+        if (existing !== undefined) pump(key, existing)
         const entry = entryOf(key)
         if (entry.queue.length === 0 && admissible(entry, mode)) {
           take(entry, mode)
@@ -117,13 +120,15 @@ export const makeLocalKeys = (): LocalKeys => {
       }),
 
     admit: (key, mode, wait) =>
-      Effect.suspend(() => {
+      // Uninterruptible but for `wait` (the caller decides how interruptible that is): a queued
+      // ticket always gets its clean-up below, or it would hold up the key for good.
+      Effect.uninterruptibleMask((restore) => {
         const entry = entryOf(key)
         const ticket: Ticket = { mode, admitted: Deferred.unsafeMake<void>(FiberId.none), state: "queued" }
         entry.queue.push(ticket)
         pump(key, entry)
         if (ticket.state === "admitted") return Effect.succeed(Option.some<Admission>({ key, mode }))
-        return wait(Deferred.await(ticket.admitted)).pipe(
+        return restore(wait(Deferred.await(ticket.admitted))).pipe(
           Effect.onExit((exit) =>
             Effect.sync(() => {
               if (Exit.isSuccess(exit) && Option.isSome(exit.value)) return

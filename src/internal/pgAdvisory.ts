@@ -10,8 +10,10 @@
  *   runs releases and heartbeats, and LISTENs for release notifications;
  * - up to `maxSessions - 1` **wait** sessions. A blocking `pg_advisory_lock` runs only on a wait
  *   session that holds nothing, has nothing in flight and no try-lock whose outcome is still
- *   unrecorded (`claims`). When the wait is granted the lock stays there, and that session then
- *   serves try-locks and releases like the home session until it holds nothing again.
+ *   unrecorded (`claims`; a try-lock claims its session in the same synchronous step that selects
+ *   it, and a wait reserves one in the step that finds it free). When the wait is granted the lock
+ *   stays there, and that session then serves try-locks and releases like the home session until
+ *   it holds nothing again.
  *
  * That is the rule answering "a release must never wait behind another lock's blocked wait":
  * **a session blocked in a lock wait holds no lock**. No release is ever routed to it, nothing
@@ -41,7 +43,8 @@
  * An interrupted blocking wait is cancelled with a protocol CancelRequest (pid + secret key on a
  * throw-away socket), then its outcome is awaited for a bounded time. Whatever it was — not
  * granted, or granted in the race — `pg_advisory_unlock_all()` proves the session clean, which is
- * exact because a waiting session held nothing else. No answer: the session is destroyed (the
+ * exact because a waiting session held nothing else (should it hold anything else after all, it
+ * is destroyed instead, so no lock is dropped silently). No answer: the session is destroyed (the
  * server then drops its locks; `client_connection_check_interval` makes it notice promptly).
  * Every other statement runs uninterruptibly once sent, and is bounded; a statement without an
  * answer destroys its session.
@@ -57,9 +60,11 @@
  * ----------------
  * A release unlocks with a bounded wait; unless the unlock returned true and the session is idle
  * afterwards, the session is destroyed and every other lease on it is told `connection-lost`.
- * A session that dies ('error'/'end' events, a heartbeat without answer) tells every lease on it.
+ * A session that dies ('error'/'end' events, a heartbeat without answer) tells every lease on it —
+ * only leases handed to the core: an attempt that failed and was retried (a shared join whose
+ * bump died with its session) reports nothing, so the retry's fresh grant is not condemned.
  */
-import * as Clock from "effect/Clock"
+import { monotonicMillis } from "./clock.js"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -99,8 +104,13 @@ const CLEANUP_ATTEMPTS = 3
 const CLOSE_TIMEOUT_MS = 2_000
 /** Serializes creation of the fencing table across processes (a transaction advisory lock). */
 const DDL_KEY = advisoryKey("fencing-table", "effect-lock/internal")
-/** Session settings that let the server drop a destroyed client's queued wait promptly. */
+/** Settings of every lock session (those the server does not know are skipped). */
 const SESSION_SETTINGS: ReadonlyArray<readonly [string, string]> = [
+  // Fencing tokens must never repeat or go backwards, even across a server crash: every bump's
+  // commit waits for its WAL flush, whatever the server, database or role default says (with
+  // `off`, a crash could lose bumps that were already handed out as tokens).
+  ["synchronous_commit", "on"],
+  // These let the server drop a destroyed client's queued wait promptly.
   ["client_connection_check_interval", "500"],
   ["tcp_keepalives_idle", "5"],
   ["tcp_keepalives_interval", "2"],
@@ -160,6 +170,12 @@ interface Holder {
   readonly admission: Admission
   readonly onLost: (reason: LostReason) => Effect.Effect<void>
   state: "held" | "lost" | "released"
+  /**
+   * Handed to the core in a `Granted` result. Only then is its loss reported: a holder of an
+   * attempt that failed (and was retried) stands for no lease, and reporting its loss would
+   * condemn the fresh grant of a later attempt of the same request.
+   */
+  handed: boolean
 }
 
 type Settled =
@@ -507,7 +523,8 @@ export const make = (
       new LockBackendError({ operation: "acquire", name, cause: new Error("the PgAdvisory layer is shutting down") })
 
     /**
-     * A session for a statement that never blocks: the home session or a wait session that
+     * A session for a statement that never blocks, **claimed** for one try-lock (see
+     * `Session.claims`; `tryGrant` gives the claim back): the home session or a wait session that
      * already holds a lock, the least busy one. Empty wait sessions stay free for waits (grants
      * need no spreading for throughput: concurrent tries on one session share one statement).
      * Opens the home session if it is gone (it also carries the LISTEN).
@@ -516,16 +533,20 @@ export const make = (
       Effect.gen(function*() {
         while (true) {
           if (closing) return yield* shuttingDown(request.name)
+          const opening = sessions.some((session) => session.role === "home") ? undefined : yield* openHome()
+          // Selected and claimed in one synchronous step: between two Effect steps another fiber
+          // may run, release the session's last grant and reserve it for a blocking wait, which
+          // this try would then queue behind (and whose clean-up would drop this try's grant).
           let best: Session | undefined
-          let home = false
           for (const session of sessions) {
-            if (session.role === "home") home = true
             if (session.state !== "open" || session.waiting) continue
             if (session.role === "wait" && session.grants.size === 0) continue
             if (best === undefined || session.inflight < best.inflight) best = session
           }
-          const opening = home ? undefined : yield* openHome()
-          if (best !== undefined) return Option.some(best)
+          if (best !== undefined) {
+            best.claims += 1
+            return Option.some(best)
+          }
           const done = opening ?? (yield* openHome())
           const outcome = yield* request.waitUntilDeadline(Deferred.await(done))
           if (Option.isNone(outcome)) return Option.none()
@@ -645,14 +666,18 @@ export const make = (
         yield* local.leave(holder.admission, true)
       }).pipe(Effect.uninterruptible)
 
-    /** Records a grant the server just made on `session`, or reports that it died with it. */
+    /**
+     * Records a grant the server just made on `session`, or reports that it died with it.
+     * `fromWait`: the grant ends the session's blocking wait (a try-lock never leaves a wait).
+     */
     const recordGrant = (
       session: Session,
       key: bigint,
       keyText: string,
       token: FencingToken.FencingToken,
       request: AcquireRequest,
-      admission: Admission
+      admission: Admission,
+      fromWait: boolean
     ): Effect.Effect<Step> =>
       Effect.suspend(() => {
         // The session died after granting: the lock went with it.
@@ -660,26 +685,41 @@ export const make = (
         const grant: ServerGrant = { key, keyText, mode: request.mode, session, holders: new Set(), closed: false }
         // In the same synchronous step as leaving a wait: a session is never seen free while it holds this.
         session.grants.add(grant)
-        session.waiting = false
+        if (fromWait) session.waiting = false
         if (request.mode === "shared") sharedGrants.set(keyText, grant)
-        return attach(grant, token, request, admission)
+        return attach(grant, token, admission, newHolder(grant, request, admission))
       })
 
+    const newHolder = (grant: ServerGrant, request: AcquireRequest, admission: Admission): Holder => ({
+      grant,
+      admission,
+      onLost: request.onLost,
+      state: "held",
+      handed: false
+    })
+
+    /**
+     * Hands `holder` to the core, unless its grant closed meanwhile (its session died: the lock
+     * is gone, so the request tries again). The check and the hand-over are one synchronous step,
+     * so a loss is reported for exactly the holders that were handed out.
+     */
     const attach = (
       grant: ServerGrant,
       token: FencingToken.FencingToken,
-      request: AcquireRequest,
       admission: Admission,
-      existing?: Holder
+      holder: Holder
     ): Effect.Effect<Step> =>
-      Effect.gen(function*() {
-        const holder: Holder = existing ?? { grant, admission, onLost: request.onLost, state: "held" }
+      Effect.suspend((): Effect.Effect<Step> => {
+        if (grant.closed || holder.state !== "held") {
+          grant.holders.delete(holder)
+          return Effect.succeed(Retry)
+        }
+        holder.handed = true
         grant.holders.add(holder)
-        yield* local.granted(admission)
-        return {
+        return Effect.as(local.granted(admission), {
           _tag: "Granted",
           grant: { token, validUntil: Option.none(), release: release(holder) }
-        } as const
+        } as const)
       })
 
     /** Shared mode: joins the shared grant this process already holds, with a fresh token. */
@@ -691,12 +731,13 @@ export const make = (
       Effect.gen(function*() {
         const grant = sharedGrants.get(keyText)
         if (grant === undefined || grant.closed || grant.session.state !== "open") return undefined
-        // Registered before the bump so that a concurrent release of the last holder keeps the lock.
-        const holder: Holder = { grant, admission, onLost: request.onLost, state: "held" }
+        // Registered before the bump so that a concurrent release of the last holder keeps the lock;
+        // not handed out until the bump succeeds, so a loss meanwhile is not reported (see `handed`).
+        const holder = newHolder(grant, request, admission)
         grant.holders.add(holder)
         const settled = yield* statement(grant.session, bumpSql, [keyText, request.name])
         const token = tokenOf(settled)
-        if (token !== undefined && !grant.closed) return yield* attach(grant, token, request, admission, holder)
+        if (token !== undefined) return yield* attach(grant, token, admission, holder)
         grant.holders.delete(holder)
         yield* closeIfUnused(grant)
         if (settled._tag === "Failed" && settled.failure._tag === "Sql") {
@@ -724,10 +765,11 @@ export const make = (
       })
 
     /**
-     * One try-lock + bump statement on a non-blocking session. Waiting for its turn on the session
-     * is interruptible and bounded by the deadline (it is checkout, not the lock); once sent, the
-     * statement's outcome is awaited. A single attempt whose deadline has already passed
-     * (`timeout <= 0`) still gets its turn: the attempt itself is what was asked for.
+     * One try-lock + bump statement on a non-blocking session that `fastPathSession` claimed for
+     * it; the claim is given back once the outcome is recorded or undone. Waiting for its turn on
+     * the session is interruptible and bounded by the deadline (it is checkout, not the lock);
+     * once sent, the statement's outcome is awaited. A single attempt whose deadline has already
+     * passed (`timeout <= 0`) still gets its turn: the attempt itself is what was asked for.
      */
     const tryGrant = (
       session: Session,
@@ -736,16 +778,12 @@ export const make = (
       keyText: string,
       admission: Admission
     ): Effect.Effect<Step, LockBackendError> =>
-      Effect.suspend(() => {
-        // Claimed until the outcome is recorded or undone (see `Session.claims`).
-        session.claims += 1
-        return tryGrantClaimed(session, request, key, keyText, admission).pipe(
-          Effect.ensuring(Effect.sync(() => {
-            session.claims -= 1
-            if (isFreeWaitSession(session)) sessionsChanged.fire()
-          }))
-        )
-      })
+      tryGrantClaimed(session, request, key, keyText, admission).pipe(
+        Effect.ensuring(Effect.sync(() => {
+          session.claims -= 1
+          if (isFreeWaitSession(session)) sessionsChanged.fire()
+        }))
+      )
 
     const tryGrantClaimed = (
       session: Session,
@@ -756,7 +794,7 @@ export const make = (
     ): Effect.Effect<Step, LockBackendError> =>
       Effect.gen(function*() {
         const sent = enqueueTry(session, keyText, request.name, request.mode)
-        const now = yield* Clock.currentTimeMillis
+        const now = yield* monotonicMillis
         const expired = Option.isSome(request.deadline) && request.deadline.value <= now
         const turn = request.attempt === "once" && expired
           ? Effect.asSome(request.interruptible(Effect.promise(() => sent.started)))
@@ -767,7 +805,7 @@ export const make = (
         if (settled._tag === "Ok") {
           const token = tokenOf(settled)
           if (token === undefined) return Busy
-          return yield* recordGrant(session, key, keyText, token, request, admission)
+          return yield* recordGrant(session, key, keyText, token, request, admission, false)
         }
         // No answer / connection lost: the session was destroyed, any grant on it went with it.
         if (settled._tag === "NoAnswer" || settled.failure._tag === "Connection") return Retry
@@ -789,15 +827,26 @@ export const make = (
      * Proves a wait session clean after a wait that ended without a usable grant. The session
      * held nothing before the wait, so `pg_advisory_unlock_all()` undoes exactly that wait's grant
      * if it happened. A stray cancel can hit this statement: it is idempotent, so run it again.
+     *
+     * Defence in depth: should the session hold (or be about to record) any other lock — a
+     * recorded grant, or a try-lock whose outcome is not recorded yet — unlock_all would drop it
+     * silently. Then the session is destroyed instead, so its leases are told `connection-lost`.
      */
     const cleanWaitSession = (session: Session): Effect.Effect<void> =>
       Effect.gen(function*() {
-        for (let attempt = 0; attempt < CLEANUP_ATTEMPTS && session.state === "open"; attempt++) {
+        const holdsOthers = () => session.grants.size > 0 || session.claims > 0
+        for (let attempt = 0; attempt < CLEANUP_ATTEMPTS && session.state === "open" && !holdsOthers(); attempt++) {
           const settled = yield* statement(session, "select pg_advisory_unlock_all()")
-          if (settled._tag === "Ok" && driver.isIdle(session.client)) return yield* freeWaitSession(session)
+          // Re-checked after: a grant recorded while the statement ran may have been dropped by it.
+          if (settled._tag === "Ok" && driver.isIdle(session.client) && !holdsOthers()) {
+            return yield* freeWaitSession(session)
+          }
           if (sqlCode(settled) !== "57014") break
         }
-        yield* kill(session, "a cancelled wait could not be proven clean")
+        yield* kill(
+          session,
+          holdsOthers() ? "a wait session to clean up held other locks" : "a cancelled wait could not be proven clean"
+        )
       })
 
     /** The wait was interrupted or went unanswered: cancel it at the server, then prove or destroy. */
@@ -824,7 +873,7 @@ export const make = (
       admission: Admission
     ): Effect.Effect<Step, LockBackendError> =>
       Effect.gen(function*() {
-        const now = yield* Clock.currentTimeMillis
+        const now = yield* monotonicMillis
         const remaining = Option.map(request.deadline, (at) => at - now)
         if (Option.isSome(remaining) && remaining.value <= 0) {
           yield* freeWaitSession(session)
@@ -855,7 +904,7 @@ export const make = (
                 cause: new Error("the grant statement returned no fencing token")
               })
             }
-            return yield* recordGrant(session, key, keyText, token, request, admission)
+            return yield* recordGrant(session, key, keyText, token, request, admission, true)
           }
           case "NoAnswer": {
             yield* abandonWait(session, pending, () => outcome)
@@ -951,6 +1000,7 @@ export const make = (
             if (joined !== undefined && joined._tag !== "Retry") return joined
             if (joined !== undefined) continue
           }
+          // Claimed by fastPathSession; tryGrant gives the claim back (nothing between can fail or be interrupted).
           const session = yield* fastPathSession(request)
           if (Option.isNone(session)) return TimedOut
           const tried = yield* tryGrant(session.value, request, key, keyText, admission)
@@ -984,7 +1034,9 @@ export const make = (
 
     // Lost leases are told from a fiber: the driver's events arrive outside any fiber.
     yield* Effect.forkScoped(
-      Effect.forever(Effect.flatMap(Queue.take(lostQueue), (holder) => holder.onLost("connection-lost")))
+      Effect.forever(
+        Effect.flatMap(Queue.take(lostQueue), (holder) => holder.handed ? holder.onLost("connection-lost") : Effect.void)
+      )
     )
 
     // Heartbeat: a dead idle session (network drop, server restart without a FIN) is noticed
@@ -1006,6 +1058,7 @@ export const make = (
         closing = true
         const open = sessions.slice()
         const holders = open.flatMap((s) => Array.from(s.grants, (g) => Array.from(g.holders))).flat()
+          .filter((holder) => holder.handed)
         for (const holder of holders) holder.state = "lost"
         yield* Effect.forEach(holders, (holder) => holder.onLost("connection-lost"), { discard: true })
         // A graceful goodbye ends the backends (and their locks) at once; a stuck one is destroyed.

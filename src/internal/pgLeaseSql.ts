@@ -1,13 +1,38 @@
 /**
  * The SQL of the PgLease backend: table identifier validation, the DDL, and one statement per
  * operation. Every lock operation is a single autocommit statement (no session state, no
- * explicit transaction), so it is correct behind PgBouncer in `pool_mode = transaction`.
+ * explicit transaction — and never inside the caller's: see `outsideTransaction`), so it is
+ * correct behind PgBouncer in `pool_mode = transaction`.
  * Every time comparison uses the server's `now()`; the client's clock never reaches the table.
  */
+import * as SqlClient from "@effect/sql/SqlClient"
+import * as Context from "effect/Context"
+import * as Effect from "effect/Effect"
 import { advisoryKey } from "./lockKey.js"
 import { MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "./sqlIdentifier.js"
 
 export { parseTable, type TableRef }
+
+/**
+ * Runs `self` outside any transaction of the caller. @effect/sql sends a statement on the
+ * connection found under `SqlClient.TransactionConnection` in the current context, and a forked
+ * fiber inherits its parent's context: so a lock statement run, or a fiber forked, inside the
+ * user's `sql.withTransaction` would join that transaction — a rollback would undo a grant's
+ * token bump (the next grant repeats the token), `now()` would be the transaction's start, and
+ * the uncommitted row would block and hide from everyone else. Without the tag, @effect/sql
+ * takes a fresh connection from the pool for each statement: one autocommit statement, as every
+ * lock operation must be. Wrap a `fork` in it and the child starts with a clean context.
+ */
+export const outsideTransaction = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
+  Effect.contextWithEffect((context: Context.Context<R>) =>
+    context.unsafeMap.has(SqlClient.TransactionConnection.key)
+      // Replaces the context (`Effect.provide` would merge it into the current one, tag included).
+      ? Effect.mapInputContext(self, omitTransaction<R>)
+      : self
+  )
+
+const omitTransaction = <R>(context: Context.Context<R>): Context.Context<R> =>
+  Context.omit(SqlClient.TransactionConnection)(context) as Context.Context<R>
 
 /** Checks a NOTIFY channel name: non-empty, at most 63 bytes (longer names fail in pg_notify). */
 export const checkChannel = (channel: string): string | undefined => {
@@ -20,7 +45,8 @@ export const checkChannel = (channel: string): string | undefined => {
 
 /**
  * The table. `owner` is a random token per acquisition (null when free), `token` the fencing
- * counter (never reset: rows are kept after release so tokens stay monotonic), `expires_at`
+ * counter (never reset: rows are kept after release so tokens stay monotonic — deleting a row
+ * would restart its name's tokens at 1), `expires_at`
  * server time. `acquired_at` and the `holder_*` columns say who holds, or last held, the lock.
  * `waiting_since` is set by the first waiter that finds the lock held and cleared by the next
  * grant: a release notifies only when it is set, because transactions that NOTIFY commit one at
@@ -100,6 +126,9 @@ where h.name = $1::text and not exists (select 1 from attempt)`
  * `now() + ttl`. For the others it tells why, from the row as the statement found it:
  * a larger token means someone else took it (`stolen`); still ours but expired (`expired`);
  * freed or deleted without a new grant (`revoked`, e.g. by an operator).
+ * Known imprecision, accepted: the reason is read from the statement's snapshot, so a takeover
+ * that commits after the snapshot (the UPDATE then re-checks the newer row and skips it) is
+ * reported `expired` rather than `stolen`. Either way the lease is lost; only the label differs.
  *
  * Parameters: $1 names, $2 owners, $3 tokens, $4 ttls in ms (parallel arrays).
  */

@@ -10,7 +10,6 @@
  * restarts the listener with backoff.
  */
 import type { SqlError } from "@effect/sql/SqlError"
-import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -20,7 +19,8 @@ import type * as Scope from "effect/Scope"
 import type * as Stream from "effect/Stream"
 import * as StreamOps from "effect/Stream"
 import * as Crypto from "node:crypto"
-import { PING_PREFIX, RELEASED_PREFIX } from "./pgLeaseSql.js"
+import { monotonicMillis } from "./clock.js"
+import { outsideTransaction, PING_PREFIX, RELEASED_PREFIX } from "./pgLeaseSql.js"
 
 /** How long after its ping statement returned the echo may take before the listener is distrusted. */
 const ECHO_TIMEOUT = Duration.seconds(1)
@@ -128,7 +128,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     }
 
     let heardThisRound = false
-    const markVerified = Effect.flatMap(Clock.currentTimeMillis, (now) =>
+    const markVerified = Effect.flatMap(monotonicMillis, (now) =>
       Effect.sync(() => {
         verifiedAt = now
         healthy = true
@@ -154,7 +154,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     const watch = Effect.gen(function*() {
       while (true) {
         if (subscribers === 0) yield* kick.take
-        const now = yield* Clock.currentTimeMillis
+        const now = yield* monotonicMillis
         const due = verifiedAt + checkMillis - now
         if (due > 0) {
           yield* Effect.raceFirst(Effect.sleep(Duration.millis(due)), kick.take)
@@ -214,7 +214,9 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     const ensureStarted = Effect.suspend(() => {
       if (started) return Effect.void
       started = true
-      return Effect.asVoid(Effect.forkIn(Effect.interruptible(supervise), scope))
+      // Started by the first waiter, maybe inside its `sql.withTransaction`: the listener outlives
+      // that transaction, so it must not inherit its connection (nor send its pings on it).
+      return Effect.asVoid(outsideTransaction(Effect.forkIn(Effect.interruptible(supervise), scope)))
     })
 
     const subscribe = (name: string): Effect.Effect<Subscription, never, Scope.Scope> =>
@@ -241,7 +243,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       )
 
     const trusted = Effect.map(
-      Clock.currentTimeMillis,
+      monotonicMillis,
       (now) => healthy && now - verifiedAt <= checkMillis + Duration.toMillis(ECHO_TIMEOUT) * 2
     )
 
