@@ -228,6 +228,7 @@ const takeLease = <G extends Grant>(
     )
   }).pipe(
     Effect.withSpan(kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
+      captureStackTrace: false,
       attributes: { "lock.name": rawName, "lock.backend": backend.backend, "lock.mode": options?.mode ?? "exclusive" }
     })
   )

@@ -356,7 +356,7 @@ export const withXactLock: {
             : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect }))
         )
       )
-    }).pipe(Effect.withSpan("effect-lock.withXactLock", { attributes: { "lock.name": rawName } }))
+    }).pipe(Effect.withSpan("effect-lock.withXactLock", { captureStackTrace: false, attributes: { "lock.name": rawName } }))
 )
 
 /**
@@ -469,5 +469,5 @@ export const listHolders = (
     }))
   }).pipe(
     Effect.mapError((cause) => new LockBackendError({ operation: "inspect", cause })),
-    Effect.withSpan("effect-lock.inspect", { attributes: { backend: "pg-advisory" } })
+    Effect.withSpan("effect-lock.inspect", { captureStackTrace: false, attributes: { backend: "pg-advisory" } })
   )

@@ -124,6 +124,7 @@ export const makeRegistry = <G extends Grant>(
           ),
           Effect.zipRight(metrics.held(backend.backend, -1)),
           Effect.withSpan("effect-lock.lost", {
+            captureStackTrace: false,
             attributes: {
               "lock.name": held.name,
               "lock.token": String(held.grant.token),
@@ -199,6 +200,7 @@ export const makeRegistry = <G extends Grant>(
         })
       }).pipe(
         Effect.withSpan("effect-lock.release", {
+          captureStackTrace: false,
           attributes: { "lock.name": held.name, "lock.token": String(held.grant.token), "lock.backend": backend.backend }
         })
       )
@@ -261,6 +263,7 @@ export const makeRegistry = <G extends Grant>(
             Effect.logDebug("lease renewal failed; retrying", cause).pipe(Effect.as(undefined))
           ),
           Effect.withSpan("effect-lock.renew", {
+            captureStackTrace: false,
             attributes: { "lock.backend": backend.backend, "lock.count": live.length }
           })
         )

@@ -16,8 +16,15 @@ export const losses = Metric.counter("effect_lock_lost_total", { incremental: tr
 export const releaseFailures = Metric.counter("effect_lock_release_failures_total", { incremental: true })
 export const destroyedSessions = Metric.counter("effect_lock_destroyed_sessions_total", { incremental: true })
 
-const tagged = <M extends Metric.Metric<any, any, any>>(metric: M, backend: string): M =>
-  Metric.tagged(metric, "backend", backend) as M
+/** Tagged metrics are built once per backend and reused: building one per update is costly. */
+const cache = new Map<Metric.Metric<any, any, any>, Map<string, Metric.Metric<any, any, any>>>()
+const tagged = <M extends Metric.Metric<any, any, any>>(metric: M, backend: string): M => {
+  let byBackend = cache.get(metric)
+  if (byBackend === undefined) cache.set(metric, byBackend = new Map())
+  let found = byBackend.get(backend)
+  if (found === undefined) byBackend.set(backend, found = Metric.tagged(metric, "backend", backend))
+  return found as M
+}
 
 export const held = (backend: string, delta: number): Effect.Effect<void> =>
   Metric.modify(tagged(heldGauge, backend), delta)
