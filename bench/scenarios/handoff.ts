@@ -1,0 +1,234 @@
+/**
+ * Scenario 2 — handoff latency and fairness: 8 contenders on one name, each looping
+ * acquire → hold 1 ms → release, against raw pg waiters blocked in `pg_advisory_lock` on their
+ * own connections (the floor: the server's own hand-off).
+ */
+import { PgClient } from "@effect/sql-pg"
+import * as Layer from "effect/Layer"
+import * as Redacted from "effect/Redacted"
+import * as DistributedLock from "../../src/DistributedLock.js"
+import { advisoryKey } from "../../src/internal/lockKey.js"
+import * as PgAdvisory from "../../src/PgAdvisory.js"
+import * as PgLease from "../../src/PgLease.js"
+import type { Context, Scenario } from "../lib/context.js"
+import {
+  CONTENDERS,
+  effectContender,
+  HOLD_MS,
+  measureHandoff,
+  promiseContender,
+  Recorder,
+  renderHandoff,
+  type HandoffRound,
+  type HandoffRow,
+  type HandoffSpec
+} from "../lib/handoff.js"
+import { createDatabase, type Database } from "../lib/postgres.js"
+import { closeAll, connectMany } from "../lib/rawPg.js"
+import * as Report from "../lib/report.js"
+import type { Target } from "../lib/report.js"
+import { lengthOf, type Subject } from "../lib/rounds.js"
+import { openRuntime, type OpenRuntime } from "../lib/runtime.js"
+import { RAW_FENCING_TABLE } from "./uncontended.js"
+
+const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => i)
+
+/** Raw pg: each contender blocks in `pg_advisory_lock` on its own connection. */
+export const rawHandoff = (database: Database, durationMs: number, fenced: boolean): Subject<HandoffRound> => {
+  const id = fenced ? "raw-handoff-fenced" : "raw-handoff"
+  const name = `handoff-${id}`
+  const key = advisoryKey(name).toString()
+  // The fenced variant bumps the counter in the same round trip as the grant, as PgAdvisory's waits do.
+  const lock = fenced
+    ? `SELECT pg_advisory_lock('${key}'::bigint); ` +
+      `INSERT INTO "${RAW_FENCING_TABLE}" AS f (key, name, token) VALUES ('${key}'::bigint, '${name}', 1) ` +
+      "ON CONFLICT (key) DO UPDATE SET token = f.token + 1, name = excluded.name RETURNING f.token::text AS token"
+    : `SELECT pg_advisory_lock('${key}'::bigint)`
+  return {
+    id,
+    open: async () => {
+      const clients = await connectMany(database.url, CONTENDERS, `bench-${id}`)
+      await clients[0]!.query(`CREATE TABLE IF NOT EXISTS "${RAW_FENCING_TABLE}" (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`)
+      return {
+        run: async (round) => {
+          const recorder = new Recorder(CONTENDERS, lengthOf(round, durationMs))
+          await Promise.all(clients.map((client, who) =>
+            promiseContender(recorder, who, async () => {
+              await client.query(lock)
+              return () => client.query(`SELECT pg_advisory_unlock('${key}'::bigint)`)
+            })
+          ))
+          return recorder.finish()
+        },
+        close: () => closeAll(clients)
+      }
+    }
+  }
+}
+
+/** Contenders over `layers` lock layers (contender i uses layer i mod layers), in one process. */
+export const lockHandoff = <E>(
+  id: string,
+  layers: number,
+  layer: (index: number) => Layer.Layer<DistributedLock.DistributedLock, E>,
+  durationMs: number
+): Subject<HandoffRound> => ({
+  id,
+  open: async () => {
+    const runtimes: Array<OpenRuntime<DistributedLock.DistributedLock>> = []
+    try {
+      for (const i of range(layers)) runtimes.push(await openRuntime(layer(i)))
+    } catch (error) {
+      await Promise.all(runtimes.map((r) => r.close()))
+      throw error
+    }
+    const name = `handoff-${id}`
+    return {
+      run: async (round) => {
+        const recorder = new Recorder(CONTENDERS, lengthOf(round, durationMs))
+        await Promise.all(range(CONTENDERS).map((who) =>
+          runtimes[who % runtimes.length]!.run(effectContender(recorder, who, DistributedLock.acquire(name)))
+        ))
+        return recorder.finish()
+      },
+      close: async () => {
+        await Promise.all(runtimes.map((r) => r.close()))
+      }
+    }
+  }
+})
+
+export const pgAdvisoryHandoff = (database: Database, durationMs: number, layers: number): Subject<HandoffRound> =>
+  lockHandoff(
+    `pg-advisory-${layers}`,
+    layers,
+    (i) => PgAdvisory.layer({ url: database.url, applicationName: `bench-handoff-advisory-${layers}-${i}` }),
+    durationMs
+  )
+
+export const pgLeaseHandoff = (database: Database, durationMs: number, listen: boolean): Subject<HandoffRound> =>
+  lockHandoff(
+    `pg-lease-${listen ? "notify" : "poll"}`,
+    CONTENDERS,
+    (i) =>
+      Layer.provide(
+        PgLease.layer({ listen }),
+        PgClient.layer({ url: Redacted.make(database.url), applicationName: `bench-handoff-lease-${listen ? "notify" : "poll"}-${i}` })
+      ),
+    durationMs
+  )
+
+export interface HandoffResult {
+  readonly rows: ReadonlyArray<HandoffRow>
+}
+
+const specs = (database: Database, ms: number): Array<HandoffSpec> => [
+  { id: "raw", label: "raw pg: waiters blocked in pg_advisory_lock", setup: "8 connections", subject: rawHandoff(database, ms, false) },
+  {
+    id: "raw-fenced",
+    label: "raw pg: same, + fencing upsert in the grant's round trip",
+    setup: "8 connections",
+    baseline: "raw",
+    subject: rawHandoff(database, ms, true)
+  },
+  { id: "pg-advisory-8", label: "PgAdvisory.layer", setup: "8 layers (\"processes\")", baseline: "raw", subject: pgAdvisoryHandoff(database, ms, 8) },
+  { id: "pg-advisory-1", label: "PgAdvisory.layer", setup: "1 layer, 8 fibers", baseline: "raw", subject: pgAdvisoryHandoff(database, ms, 1) },
+  { id: "pg-lease-notify", label: "PgLease.layer, listen: true", setup: "8 layers, 8 pools", baseline: "raw", subject: pgLeaseHandoff(database, ms, true) },
+  { id: "pg-lease-poll", label: "PgLease.layer, listen: false (polling)", setup: "8 layers, 8 pools", baseline: "raw", subject: pgLeaseHandoff(database, ms, false) }
+]
+
+const run = async (context: Context): Promise<HandoffResult> => {
+  const database = await createDatabase(context.adminUrl, "handoff")
+  try {
+    return { rows: await measureHandoff(context, "handoff", specs(database, context.settings.handoffMs)) }
+  } finally {
+    await database.drop()
+  }
+}
+
+export const HANDOFF_EXPLANATION = [
+  `${CONTENDERS} contenders loop on one name: acquire → hold ${HOLD_MS} ms → release, back to back. A *handoff* is the ` +
+  "time from one holder's release moment (its `release()` call, or the instant its scope starts closing) to the " +
+  "next grant, counted only when the next holder is a different contender; when the releaser itself gets the lock " +
+  "again it is a *self re-acquire* (share of all grants that followed a release). Per round: handoff p50 and p99, " +
+  "grants per contender, and the longest wait from asking to grant (a contender still waiting when the round " +
+  "ends counts with the time it has waited). Tables: median over rounds (min–max across rounds); acquisitions per " +
+  "contender are the lowest and highest count any contender got in any round; longest wait is the median of the " +
+  "rounds' longest waits, with the worst round in parentheses."
+].join("\n")
+
+const render = (result: HandoffResult): string =>
+  [
+    HANDOFF_EXPLANATION,
+    "",
+    "PgAdvisory waiters block in `pg_advisory_lock` on a wait session (the server hands over), and each grant bumps " +
+    "the fencing counter in the same round trip; with one layer the 8 fibers queue in process and the grant moves " +
+    "between fibers of the same layer. PgLease waiters retry when a release notification arrives (listen: true) or " +
+    "on their poll interval (listen: false, 500 ms jittered down to half).",
+    "",
+    renderHandoff(result.rows)
+  ].join("\n")
+
+const find = (rows: ReadonlyArray<HandoffRow>, id: string) => rows.find((r) => r.id === id)
+
+const targets = (result: HandoffResult): ReadonlyArray<Target> => {
+  const raw = find(result.rows, "raw")
+  const rawP50 = raw?.result._tag === "Measured" ? raw.result.p50Ms.median : undefined
+  const rawLongest = raw?.result._tag === "Measured" ? raw.result.longestWaitMs.median : undefined
+  const out: Array<Target> = []
+  const subjectOf = (row: HandoffRow) => `${row.label} (${row.setup})`
+  for (const id of ["pg-advisory-8", "pg-advisory-1"]) {
+    const row = find(result.rows, id)
+    if (row === undefined) continue
+    if (row.result._tag !== "Measured" || rawP50 === undefined) {
+      out.push({ target: "handoff p50 ≤ 3× raw pg", subject: subjectOf(row), status: "N/A", detail: row.result._tag === "Skipped" ? row.result.reason : "raw pg not measured" })
+      continue
+    }
+    const p50 = row.result.p50Ms.median
+    out.push({
+      target: "handoff p50 ≤ 3× raw pg",
+      subject: subjectOf(row),
+      status: p50 <= 3 * rawP50 ? "PASS" : "MISS",
+      detail: `p50 ${Report.ms(p50)} ms vs raw ${Report.ms(rawP50)} ms = ${Report.ratio(p50 / rawP50)}`
+    })
+  }
+  const notify = find(result.rows, "pg-lease-notify")
+  if (notify !== undefined) {
+    out.push(
+      notify.result._tag === "Measured"
+        ? {
+          target: "handoff p50 < 3 ms",
+          subject: subjectOf(notify),
+          status: notify.result.p50Ms.median < 3 ? "PASS" : "MISS",
+          detail: `p50 ${Report.ms(notify.result.p50Ms.median)} ms (rounds ${Report.range(notify.result.p50Ms, Report.ms)})`
+        }
+        : { target: "handoff p50 < 3 ms", subject: subjectOf(notify), status: "N/A", detail: notify.result.reason }
+    )
+  }
+  for (const id of ["pg-advisory-8", "pg-advisory-1", "pg-lease-notify", "pg-lease-poll"]) {
+    const row = find(result.rows, id)
+    if (row === undefined) continue
+    if (row.result._tag !== "Measured" || rawLongest === undefined) {
+      out.push({ target: "no starvation: longest wait ≤ 2× raw pg", subject: subjectOf(row), status: "N/A", detail: row.result._tag === "Skipped" ? row.result.reason : "raw pg not measured" })
+      continue
+    }
+    const longest = row.result.longestWaitMs.median
+    out.push({
+      target: "no starvation: longest wait ≤ 2× raw pg",
+      subject: subjectOf(row),
+      status: longest <= 2 * rawLongest ? "PASS" : "MISS",
+      detail: `longest wait ${Report.ms(longest)} ms (worst round ${Report.ms(row.result.longestWaitMs.max)}) vs raw ` +
+        `${Report.ms(rawLongest)} ms = ${Report.ratio(longest / rawLongest)}; acquisitions per contender ` +
+        `${row.result.acquisitionsMin}–${row.result.acquisitionsMax}, self re-acquire ${Report.percent(row.result.selfReacquireShare.median)}`
+    })
+  }
+  return out
+}
+
+export const scenario: Scenario<HandoffResult> = {
+  name: "handoff",
+  title: "2. Handoff latency and fairness",
+  run,
+  render,
+  targets
+}

@@ -1,0 +1,380 @@
+/**
+ * Scenario 1 — uncontended cycles/s: acquire + release of names no other worker uses, by 1 and
+ * by 16 concurrent workers, for every backend next to the floor it is measured against: raw pg
+ * sending the same statements on the same number of connections, and Effect.makeSemaphore for
+ * the memory backend.
+ *
+ * Each worker keeps its own name for the whole run (names are distinct between workers, reused
+ * across cycles): the steady state of an application with a fixed set of lock names, where the
+ * fencing counter and lease rows already exist and every grant is an UPDATE.
+ */
+import { PgClient } from "@effect/sql-pg"
+import * as Effect from "effect/Effect"
+import * as Layer from "effect/Layer"
+import * as Redacted from "effect/Redacted"
+import type pg from "pg"
+import * as Crypto from "node:crypto"
+import * as Os from "node:os"
+import * as DistributedLock from "../../src/DistributedLock.js"
+import { advisoryKey } from "../../src/internal/lockKey.js"
+import * as LeaseSql from "../../src/internal/pgLeaseSql.js"
+import * as MemoryBackend from "../../src/MemoryBackend.js"
+import * as PgAdvisory from "../../src/PgAdvisory.js"
+import * as PgLease from "../../src/PgLease.js"
+import type { Context, Scenario } from "../lib/context.js"
+import { effectLoop, promiseLoop, type ThroughputSample } from "../lib/loops.js"
+import { createDatabase, type Database } from "../lib/postgres.js"
+import { closeAll, connectMany, serialized } from "../lib/rawPg.js"
+import * as Report from "../lib/report.js"
+import type { Target } from "../lib/report.js"
+import { lengthOf, type Subject } from "../lib/rounds.js"
+import { openRuntime } from "../lib/runtime.js"
+import { measureThroughput, ratioOf, renderThroughput, type ThroughputRow, type ThroughputSpec } from "../lib/throughput.js"
+
+export const CONCURRENCIES = [1, 16] as const
+
+const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => i)
+
+// ---------------------------------------------------------------- the statements mirrored
+
+/**
+ * What PgAdvisory sends per uncontended cycle (src/internal/pgAdvisory.ts, `tryBatchSql` and
+ * `unlockSql`): the try-lock fused with the fencing-counter upsert — its batch statement, which
+ * carries every try queued on a session, here with one key as a single caller sends it — then
+ * the unlock fused with the release notification. Extended protocol with parameters.
+ */
+export const RAW_FENCING_TABLE = "bench_raw_fencing"
+const ADVISORY_CHANNEL = "effect_lock_released"
+const fencingDdl = `CREATE TABLE IF NOT EXISTS "${RAW_FENCING_TABLE}" (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`
+const tryGrantSql =
+  `with request as (select * from unnest($1::bigint[], $2::text[], $3::boolean[]) as r(key, name, shared)), ` +
+  `attempt as (select key, name, case when shared then pg_try_advisory_lock_shared(key) ` +
+  `else pg_try_advisory_lock(key) end as granted from request) ` +
+  `insert into "${RAW_FENCING_TABLE}" as f (key, name, token) select key, name, 1 from attempt where granted ` +
+  `on conflict (key) do update set token = f.token + 1, name = excluded.name ` +
+  `returning f.key::text as key, f.token::text as token`
+const unlockNotifySql = "select pg_advisory_unlock($1::bigint) as released, pg_notify($2, $3)"
+
+/** What withXactLock sends per cycle (src/PgAdvisory.ts, `lockInTransaction`) with an empty body. */
+const xactStatements = (key: string): ReadonlyArray<readonly [string, ReadonlyArray<unknown>]> => [
+  ["BEGIN", []],
+  ["select current_setting('lock_timeout') as previous, set_config('lock_timeout', $1, true)", ["0"]],
+  ["select pg_advisory_xact_lock($1::bigint)", [key]],
+  ["select set_config('lock_timeout', $1, true)", ["0"]],
+  ["COMMIT", []]
+]
+
+/** The lease table of the raw baseline; same DDL as the library's, its own name. */
+const RAW_LEASE_TABLE = LeaseSql.parseTable("bench_raw_leases") as LeaseSql.TableRef
+
+// ---------------------------------------------------------------- subjects
+
+const workerNames = (prefix: string, concurrency: number) => range(concurrency).map((w) => `${prefix}-c${concurrency}-w${w}`)
+
+type Query = ReturnType<typeof serialized>
+
+const rawSubject = (
+  id: string,
+  database: Database,
+  sessions: number,
+  concurrency: number,
+  durationMs: number,
+  setup: (client: pg.Client) => Promise<unknown>,
+  cycle: (query: Query, worker: number) => Promise<void>
+): Subject<ThroughputSample> => ({
+  id,
+  open: async () => {
+    const clients = await connectMany(database.url, sessions, `bench-${id}`)
+    await setup(clients[0]!)
+    const queries = clients.map(serialized)
+    return {
+      run: (round) => promiseLoop(concurrency, lengthOf(round, durationMs), (worker) => cycle(queries[worker % queries.length]!, worker)),
+      close: () => closeAll(clients)
+    }
+  }
+})
+
+const expectRow = (result: pg.QueryResult, what: string): void => {
+  if (result.rows.length !== 1) throw new Error(`${what}: expected one row, got ${result.rows.length}`)
+}
+
+/** Raw pg: plain `pg_advisory_lock` + `pg_advisory_unlock`, no fencing write. */
+export const rawAdvisoryLock = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+  const keys = workerNames("raw-lock", concurrency).map((name) => advisoryKey(name).toString())
+  return rawSubject(`raw-advisory-lock-${concurrency}`, database, concurrency, concurrency, durationMs, async () => {}, async (query, w) => {
+    await query("select pg_advisory_lock($1)", [keys[w]])
+    await query("select pg_advisory_unlock($1)", [keys[w]])
+  })
+}
+
+/** Raw pg: exactly PgAdvisory's two statements (try-lock + fencing upsert; unlock + notify). */
+export const rawAdvisoryFenced = (
+  database: Database,
+  concurrency: number,
+  sessions: number,
+  durationMs: number
+): Subject<ThroughputSample> => {
+  const names = workerNames(`raw-fenced-s${sessions}`, concurrency)
+  const keys = names.map((name) => advisoryKey(name).toString())
+  return rawSubject(
+    `raw-advisory-fenced-${concurrency}-${sessions}`,
+    database,
+    sessions,
+    concurrency,
+    durationMs,
+    (client) => client.query(fencingDdl),
+    async (query, w) => {
+      expectRow(await query(tryGrantSql, [[keys[w]], [names[w]], [false]]), "try-lock + fencing upsert")
+      await query(unlockNotifySql, [keys[w], ADVISORY_CHANNEL, keys[w]])
+    }
+  )
+}
+
+/** Raw pg: PgLease's acquire upsert and owner-scoped release (+ notify), same parameters. */
+export const rawLease = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+  const names = workerNames("raw-lease", concurrency)
+  const acquire = LeaseSql.acquire(RAW_LEASE_TABLE)
+  const release = LeaseSql.release(RAW_LEASE_TABLE)
+  const host = Os.hostname()
+  return rawSubject(
+    `raw-lease-${concurrency}`,
+    database,
+    concurrency,
+    concurrency,
+    durationMs,
+    (client) => client.query(LeaseSql.createTable(RAW_LEASE_TABLE)),
+    async (query, w) => {
+      const name = names[w]!
+      const owner = Crypto.randomUUID()
+      // The last parameter marks the row wanted when the attempt fails: DistributedLock.acquire
+      // (a waiting acquire) sends true.
+      const granted = await query<{ token: string | null }>(acquire, [name, owner, 30_000, "bench-raw-lease", host, process.pid, true])
+      if (granted.rows[0]?.token == null) throw new Error(`raw lease ${name} was not granted`)
+      await query(release, [name, owner, RAW_LEASE_TABLE.relname, LeaseSql.RELEASED_PREFIX + name])
+    }
+  )
+}
+
+/** Raw pg: the smallest transaction-lock cycle, BEGIN; pg_advisory_xact_lock; COMMIT. */
+export const rawXactMinimal = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+  const keys = workerNames("raw-xact-min", concurrency).map((name) => advisoryKey(name).toString())
+  return rawSubject(`raw-xact-min-${concurrency}`, database, concurrency, concurrency, durationMs, async () => {}, async (query, w) => {
+    await query("BEGIN")
+    await query("select pg_advisory_xact_lock($1::bigint)", [keys[w]])
+    await query("COMMIT")
+  })
+}
+
+/** Raw pg: exactly withXactLock's five statements. */
+export const rawXactLibrary = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+  const keys = workerNames("raw-xact-lib", concurrency).map((name) => advisoryKey(name).toString())
+  return rawSubject(`raw-xact-lib-${concurrency}`, database, concurrency, concurrency, durationMs, async () => {}, async (query, w) => {
+    for (const [text, values] of xactStatements(keys[w]!)) await query(text, [...values])
+  })
+}
+
+const pgClientLayer = (database: Database, maxConnections: number, applicationName: string) =>
+  PgClient.layer({ url: Redacted.make(database.url), maxConnections, applicationName })
+
+/** Cycles of `DistributedLock.acquire` + scope close over a lock layer. */
+const lockSubject = <E>(
+  id: string,
+  layer: () => Layer.Layer<DistributedLock.DistributedLock, E>,
+  concurrency: number,
+  durationMs: number
+): Subject<ThroughputSample> => {
+  const names = workerNames(id, concurrency)
+  return {
+    id,
+    open: async () => {
+      const runtime = await openRuntime(layer())
+      return {
+        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), (w) => Effect.scoped(DistributedLock.acquire(names[w]!)))),
+        close: runtime.close
+      }
+    }
+  }
+}
+
+export const pgAdvisorySubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> =>
+  lockSubject(
+    `pg-advisory-${concurrency}`,
+    () => PgAdvisory.layer({ url: database.url, applicationName: `bench-pg-advisory-${concurrency}` }),
+    concurrency,
+    durationMs
+  )
+
+export const pgLeaseSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> =>
+  lockSubject(
+    `pg-lease-${concurrency}`,
+    () => Layer.provide(PgLease.layer(), pgClientLayer(database, concurrency, `bench-pg-lease-${concurrency}`)),
+    concurrency,
+    durationMs
+  )
+
+const memorySubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> =>
+  lockSubject(`memory-${concurrency}`, () => MemoryBackend.layer(), concurrency, durationMs)
+
+/** The in-process floor: one Effect semaphore per name, taken and given back in a scope. */
+const semaphoreSubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> => ({
+  id: `semaphore-${concurrency}`,
+  open: async () => {
+    const semaphores = await Effect.runPromise(Effect.forEach(range(concurrency), () => Effect.makeSemaphore(1)))
+    const cycle = (w: number) =>
+      Effect.scoped(Effect.acquireRelease(semaphores[w]!.take(1), () => semaphores[w]!.release(1)))
+    return { run: (round) => Effect.runPromise(effectLoop(concurrency, lengthOf(round, durationMs), cycle)), close: async () => {} }
+  }
+})
+
+const xactSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+  const id = `pg-xact-${concurrency}`
+  const names = workerNames(id, concurrency)
+  return {
+    id,
+    open: async () => {
+      const runtime = await openRuntime(pgClientLayer(database, concurrency, `bench-${id}`))
+      return {
+        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), (w) => PgAdvisory.withXactLock(names[w]!)(Effect.void))),
+        close: runtime.close
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- scenario
+
+export interface UncontendedResult {
+  readonly database: string
+  readonly byConcurrency: ReadonlyArray<{
+    readonly concurrency: number
+    readonly memory: ReadonlyArray<ThroughputRow>
+    readonly postgres: ReadonlyArray<ThroughputRow>
+  }>
+}
+
+const pool = (n: number) => `${n} (pool)`
+
+const postgresSpecs = (database: Database, c: number, ms: number): Array<ThroughputSpec> => {
+  const specs: Array<ThroughputSpec> = [
+    { block: "advisory", id: "raw-advisory-lock", label: "raw pg: lock + unlock (no fencing write)", connections: `${c}`, concurrency: c, subject: rawAdvisoryLock(database, c, ms) },
+    { block: "advisory", id: "raw-advisory-fenced", label: "raw pg: PgAdvisory's statements (fenced)", connections: `${c}`, concurrency: c, subject: rawAdvisoryFenced(database, c, c, ms) }
+  ]
+  if (c > 1) {
+    specs.push({
+      block: "advisory",
+      id: "raw-advisory-fenced-1conn",
+      label: `raw pg: PgAdvisory's statements, ${c} callers on 1 connection`,
+      connections: "1",
+      concurrency: c,
+      baseline: "raw-advisory-fenced",
+      subject: rawAdvisoryFenced(database, c, 1, ms)
+    })
+  }
+  specs.push(
+    { block: "advisory", id: "pg-advisory", label: "PgAdvisory.layer", connections: "own sessions (≤ 4)", concurrency: c, baseline: "raw-advisory-fenced", subject: pgAdvisorySubject(database, c, ms) },
+    { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: rawLease(database, c, ms) },
+    { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: pool(c), concurrency: c, baseline: "raw-lease", subject: pgLeaseSubject(database, c, ms) },
+    { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: rawXactMinimal(database, c, ms) },
+    { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's 5 statements", connections: `${c}`, concurrency: c, subject: rawXactLibrary(database, c, ms) },
+    { block: "xact", id: "pg-xact", label: "PgAdvisory.withXactLock", connections: pool(c), concurrency: c, baseline: "raw-xact-lib", subject: xactSubject(database, c, ms) }
+  )
+  return specs
+}
+
+const memorySpecs = (c: number, ms: number): Array<ThroughputSpec> => [
+  { block: "memory", id: "semaphore", label: "Effect.makeSemaphore", connections: "–", concurrency: c, subject: semaphoreSubject(c, ms) },
+  { block: "memory", id: "memory", label: "MemoryBackend.layer", connections: "–", concurrency: c, baseline: "semaphore", subject: memorySubject(c, ms) }
+]
+
+const run = async (context: Context): Promise<UncontendedResult> => {
+  const database = await createDatabase(context.adminUrl, "uncontended")
+  try {
+    const byConcurrency: Array<UncontendedResult["byConcurrency"][number]> = []
+    for (const c of CONCURRENCIES) {
+      const memory = await measureThroughput(context, `uncontended c=${c} memory`, memorySpecs(c, context.settings.memoryThroughputMs))
+      const postgres = await measureThroughput(context, `uncontended c=${c} postgres`, postgresSpecs(database, c, context.settings.throughputMs))
+      byConcurrency.push({ concurrency: c, memory, postgres })
+    }
+    return { database: database.name, byConcurrency }
+  } finally {
+    await database.drop()
+  }
+}
+
+const render = (result: UncontendedResult): string => {
+  const sections = result.byConcurrency.map((level) =>
+    [
+      `### ${level.concurrency} concurrent ${level.concurrency === 1 ? "worker" : "workers"}`,
+      "",
+      renderThroughput([...level.memory, ...level.postgres])
+    ].join("\n")
+  )
+  return [
+    "Each worker acquires and releases its own name (distinct between workers, reused across cycles) back to back. " +
+    "A cycle is `Effect.scoped(DistributedLock.acquire(name))` for the lock layers, `withXactLock(name)(Effect.void)` " +
+    "for transaction locks, and the same statements sent by hand with node-postgres for the raw rows.",
+    "",
+    "- *raw pg: lock + unlock*: `select pg_advisory_lock($1)`, `select pg_advisory_unlock($1)` — no fencing token.",
+    "- *raw pg: PgAdvisory's statements (fenced)*: the two statements PgAdvisory sends per cycle — " +
+    "`pg_try_advisory_lock` fused with the fencing-counter upsert (`insert … on conflict do update set token = token + 1`; " +
+    "PgAdvisory's batch statement, `unnest` of keys, with the one key a single caller sends), and `pg_advisory_unlock` " +
+    "fused with `pg_notify`. Both commit, and a commit that writes waits for the WAL flush.",
+    "- *… N callers on 1 connection*: the same statements one at a time, all workers sharing one session. PgAdvisory " +
+    "also takes uncontended locks on one session (its home session), but sends the tries queued behind a running " +
+    "statement together as one statement (one commit); this row shows what one session does without that.",
+    "- *raw pg: PgLease's statements*: the acquire upsert and the owner-scoped release + `pg_notify` from " +
+    "`src/internal/pgLeaseSql.ts`, same parameters.",
+    "- *withXactLock's 5 statements*: `BEGIN`, save + set `lock_timeout` (transaction-local), `pg_advisory_xact_lock`, " +
+    "restore `lock_timeout`, `COMMIT` — what the combinator sends with an empty body.",
+    "",
+    sections.join("\n\n")
+  ].join("\n")
+}
+
+const findRow = (rows: ReadonlyArray<ThroughputRow>, id: string) => rows.find((row) => row.id === id)
+
+/** The fencing write's cost, from the two raw advisory rows: reported, not judged against a number. */
+const fencingCost = (level: UncontendedResult["byConcurrency"][number]): Target => {
+  const plain = findRow(level.postgres, "raw-advisory-lock")
+  const fenced = findRow(level.postgres, "raw-advisory-fenced")
+  const subject = `raw pg advisory rows, ${level.concurrency} ${level.concurrency === 1 ? "worker" : "workers"}`
+  const target = "advisory cycles/s reported with and without the fencing-token write"
+  if (plain?.result._tag !== "Measured" || fenced?.result._tag !== "Measured") {
+    return { target, subject, status: "MISS", detail: "a raw advisory row was not measured" }
+  }
+  const a = plain.result.cyclesPerSecond.median
+  const b = fenced.result.cyclesPerSecond.median
+  return {
+    target,
+    subject,
+    status: "PASS",
+    detail: `lock + unlock ${Report.rate(a)}/s; with the fencing upsert ${Report.rate(b)}/s (${Report.ratio(b / a)}: the durable write costs ${Report.ms(1000 / b - 1000 / a)} ms per cycle per connection)`
+  }
+}
+
+const targets = (result: UncontendedResult): ReadonlyArray<Target> =>
+  result.byConcurrency.flatMap((level) => [fencingCost(level), ...
+    (["pg-advisory", "pg-lease"] as const).map((id): Target => {
+      const row = findRow(level.postgres, id)
+      const ratio = ratioOf(row)
+      const base = row?.baseline === undefined ? undefined : findRow(level.postgres, row.baseline)
+      const subject = `${row?.label ?? id}, ${level.concurrency} ${level.concurrency === 1 ? "worker" : "workers"}`
+      if (row === undefined || row.result._tag !== "Measured" || ratio === undefined || base?.result._tag !== "Measured") {
+        return { target: "uncontended ≥ 0.8× raw pg, same statements", subject, status: "N/A", detail: row?.result._tag === "Skipped" ? row.result.reason : "not measured" }
+      }
+      return {
+        target: "uncontended ≥ 0.8× raw pg, same statements",
+        subject,
+        status: ratio >= 0.8 ? "PASS" : "MISS",
+        detail: `${Report.rate(row.result.cyclesPerSecond.median)}/s vs ${Report.rate(base.result.cyclesPerSecond.median)}/s = ${Report.ratio(ratio)}`
+      }
+    })
+  ])
+
+export const scenario: Scenario<UncontendedResult> = {
+  name: "uncontended",
+  title: "1. Uncontended cycles/s",
+  run,
+  render,
+  targets
+}
