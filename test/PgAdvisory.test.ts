@@ -1,11 +1,12 @@
 import { SqlClient } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
 import { afterAll, describe, expect, it, layer } from "@effect/vitest"
-import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Option, Redacted, Scope } from "effect"
+import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Metric, Option, Redacted, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import type { FencingToken } from "../src/FencingToken.js"
 import type { AcquireRequest } from "../src/LockBackend.js"
 import { LockBackendError, LockLost, type LostReason, LockTimeout, UnsafeConnectionPooling } from "../src/LockError.js"
+import * as LockMetrics from "../src/LockMetrics.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { makeLocalKeys } from "../src/internal/localKeys.js"
 import * as Net from "node:net"
@@ -390,6 +391,10 @@ describe("PgAdvisory.layer", () => {
       expect(again.token).toBeGreaterThan(0n)
     }))
 
+  const destroyedSessions = Effect.map(
+    Metric.value(Metric.tagged(LockMetrics.destroyedSessions, "backend", "pg-advisory")),
+    (state) => state.count
+  )
   const logged: Array<{ readonly level: string; readonly message: unknown }> = []
   const recordingLogger = Logger.make(({ logLevel, message }) => {
     logged.push({ level: logLevel.label, message: Array.isArray(message) ? message[0] : message })
@@ -408,12 +413,15 @@ describe("PgAdvisory.layer", () => {
         )
       )
       yield* Deferred.await(holding)
+      const destroyedBefore = yield* destroyedSessions
       // Packets stop flowing both ways; no FIN, no RST: only a heartbeat can tell.
       const droppedAt = Date.now()
       proxy.freeze()
       const result = yield* Fiber.join(running)
       expect(Date.now() - droppedAt).toBeLessThan(2_000)
       expect(Either.getLeft(result).pipe(Option.getOrUndefined)).toMatchObject({ _tag: "LockLost", reason: "connection-lost" })
+      const destroyedAfter = yield* destroyedSessions
+      expect(destroyedAfter).toBe(destroyedBefore + 1)
       // The destroyed session and the lost lease are each logged once, at warning level.
       const warnings = logged.filter((entry) => entry.level === "WARN").map((entry) => String(entry.message))
       expect(warnings.filter((m) => m.startsWith("destroyed a lock session"))).toHaveLength(1)

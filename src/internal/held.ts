@@ -103,7 +103,8 @@ export const makeRegistry = <G extends Grant>(
     const leases = new Map<number, Held<G>>()
     const kick = yield* Queue.sliding<void>(1)
     const renewals = yield* FiberSet.make<void>()
-    const permits = yield* Effect.makeSemaphore(RENEW_CONCURRENCY)
+    /** Renewal calls in flight; due leases wait for a free slot and then go in one batch. */
+    let inFlight = 0
     /** When the loop will next wake by itself; a new lease only kicks it if it is due earlier. */
     let scheduledWake = Number.POSITIVE_INFINITY
     let closed = false
@@ -269,10 +270,10 @@ export const makeRegistry = <G extends Grant>(
         )
         for (let i = 0; i < live.length; i++) yield* applyOutcome(live[i]!, outcomes?.[i], start)
       }).pipe(
-        permits.withPermits(1),
         // Completed even when the service closes mid-renewal, so no release waits on it forever.
         Effect.ensuring(
           Effect.suspend(() => {
+            inFlight--
             for (const held of batch) if (held.renewing === done) held.renewing = undefined
             return Effect.zipRight(Deferred.succeed(done, undefined), kick.offer(undefined))
           })
@@ -285,11 +286,19 @@ export const makeRegistry = <G extends Grant>(
         if (now >= safetyDeadline(held)) yield* declareLost(held, "renewal-failed")
       }
       const live = renewable()
-      const due = live.filter((h) => h.renewing === undefined && h.renewAt <= now + h.ttlMillis * COALESCE_FRACTION)
-      for (let i = 0; i < due.length; i += backend.renewBatchSize) {
+      // A batch starts when some lease is due, and takes along every lease falling due within the
+      // coalescing window: the next batch then waits for the window to pass, not for the next lease.
+      const idle = live.filter((h) => h.renewing === undefined)
+      const due = idle.some((h) => h.renewAt <= now)
+        ? idle.filter((h) => h.renewAt <= now + h.ttlMillis * COALESCE_FRACTION)
+        : []
+      // Only as many batches as there are free slots: while calls are in flight, due leases pile
+      // up into full batches instead of queueing as many small ones (fewer statements per tick).
+      for (let i = 0; i < due.length && inFlight < RENEW_CONCURRENCY; i += backend.renewBatchSize) {
         const batch = due.slice(i, i + backend.renewBatchSize)
         const done = yield* Deferred.make<void>()
         for (const held of batch) held.renewing = done
+        inFlight++
         yield* FiberSet.run(renewals, renewBatch(batch, done))
       }
       if (live.length === 0) {
@@ -299,8 +308,11 @@ export const makeRegistry = <G extends Grant>(
         return
       }
       let wakeAt = Number.POSITIVE_INFINITY
+      // With every slot busy, a due lease waits for a completion (which kicks) or its deadline.
+      const slotFree = inFlight < RENEW_CONCURRENCY
       for (const h of live) {
-        wakeAt = Math.min(wakeAt, safetyDeadline(h), h.renewing === undefined ? h.renewAt : Number.POSITIVE_INFINITY)
+        const renewable = slotFree && h.renewing === undefined
+        wakeAt = Math.min(wakeAt, safetyDeadline(h), renewable ? h.renewAt : Number.POSITIVE_INFINITY)
       }
       scheduledWake = wakeAt
       const after = yield* monotonicMillis
