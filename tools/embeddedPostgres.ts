@@ -10,6 +10,7 @@ import * as Fs from "node:fs"
 import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
+import pg from "pg"
 
 const USER = "postgres"
 const PASSWORD = "postgres"
@@ -60,7 +61,8 @@ export const freeLoopbackPort = (): Promise<number> =>
     })
   })
 
-const withTimeout = <A>(promise: Promise<A>, ms: number, what: string): Promise<A> => {
+/** Rejects with a labelled error when `promise` has not settled within `ms`. */
+export const withTimeout = <A>(promise: Promise<A>, ms: number, what: string): Promise<A> => {
   let timer: NodeJS.Timeout | undefined
   return Promise.race([
     promise,
@@ -197,3 +199,22 @@ export const startPostgres = async (): Promise<Server & { readonly embedded: boo
 
 /** The URL with its password masked, for logs. */
 export const redactUrl = (url: string): string => url.replace(/:[^:@/]*@/, ":***@")
+
+/**
+ * Runs `f` on a fresh raw `pg.Client` and always closes it. The 'error' listener is attached
+ * before connect: without one a terminated backend crashes the Node process.
+ */
+export const withClient = async <A>(
+  url: string,
+  applicationName: string,
+  f: (client: pg.Client) => Promise<A>
+): Promise<A> => {
+  const client = new pg.Client({ connectionString: url, application_name: applicationName })
+  client.on("error", () => {})
+  await client.connect()
+  try {
+    return await f(client)
+  } finally {
+    await client.end().catch(() => {})
+  }
+}

@@ -5,7 +5,7 @@
  */
 import * as Crypto from "node:crypto"
 import pg from "pg"
-import { redactUrl, startPostgres as startServer } from "../../tools/embeddedPostgres.js"
+import { redactUrl, startPostgres as startServer, withClient as withRawClient } from "../../tools/embeddedPostgres.js"
 import { packageVersion } from "./versions.js"
 
 /** application_name of the bench's own bookkeeping sessions (creating databases, sampling stats). */
@@ -29,17 +29,8 @@ export const startPostgres = async (): Promise<Postgres> => {
 }
 
 /** Runs `f` on a fresh raw client and always closes it. */
-export const withClient = async <A>(url: string, f: (client: pg.Client) => Promise<A>): Promise<A> => {
-  const client = new pg.Client({ connectionString: url, application_name: ADMIN_APPLICATION_NAME })
-  // Without an 'error' listener a terminated backend would crash the process.
-  client.on("error", () => {})
-  await client.connect()
-  try {
-    return await f(client)
-  } finally {
-    await client.end().catch(() => {})
-  }
-}
+export const withClient = <A>(url: string, f: (client: pg.Client) => Promise<A>): Promise<A> =>
+  withRawClient(url, ADMIN_APPLICATION_NAME, f)
 
 /** A database created for one scenario. */
 export interface Database {

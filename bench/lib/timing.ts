@@ -12,16 +12,7 @@ export const nowEffect: Effect.Effect<number> = Effect.sync(now)
 
 export const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
-/** Rejects with a labelled error when `promise` has not settled within `ms`. */
-export const withTimeout = <A>(promise: Promise<A>, ms: number, what: string): Promise<A> => {
-  let timer: NodeJS.Timeout | undefined
-  return Promise.race([
-    promise,
-    new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new Error(`${what} did not finish within ${ms} ms`)), ms)
-    })
-  ]).finally(() => clearTimeout(timer))
-}
+export { withTimeout } from "../../tools/embeddedPostgres.js"
 
 /** Milliseconds elapsed while running `f`, with its result. */
 export const timed = async <A>(f: () => Promise<A>): Promise<{ readonly value: A; readonly ms: number }> => {

@@ -11,6 +11,7 @@ import { Effect, Layer, Redacted } from "effect"
 import * as Crypto from "node:crypto"
 import pg from "pg"
 import { afterAll, beforeAll, inject } from "vitest"
+import { withClient as withRawClient } from "../../tools/embeddedPostgres.js"
 
 /** application_name of the harness's own raw sessions, so tests can tell them apart from the library's. */
 export const HARNESS_APPLICATION_NAME = "effect-lock-test-harness"
@@ -29,20 +30,9 @@ export const adminUrl = (): string => {
   return url
 }
 
-/**
- * Runs `f` on a fresh raw `pg.Client` and always closes it. The 'error' listener is attached
- * before connect: without one a terminated backend crashes the Node process.
- */
-export const withClient = async <A>(url: string, f: (client: pg.Client) => Promise<A>): Promise<A> => {
-  const client = new pg.Client({ connectionString: url, application_name: HARNESS_APPLICATION_NAME })
-  client.on("error", () => {})
-  await client.connect()
-  try {
-    return await f(client)
-  } finally {
-    await client.end().catch(() => {})
-  }
-}
+/** Runs `f` on a fresh raw `pg.Client` (named as the harness) and always closes it. */
+export const withClient = <A>(url: string, f: (client: pg.Client) => Promise<A>): Promise<A> =>
+  withRawClient(url, HARNESS_APPLICATION_NAME, f)
 
 const databaseUrl = (base: string, database: string): string => {
   const url = new URL(base)
