@@ -9,7 +9,9 @@ import { LockBackendError, LockLost, type LostReason, LockTimeout, UnsafeConnect
 import * as LockMetrics from "../src/LockMetrics.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { makeLocalKeys } from "../src/internal/localKeys.js"
+import { spawnSync } from "node:child_process"
 import * as Net from "node:net"
+import { fileURLToPath } from "node:url"
 import pg from "pg"
 import {
   advisoryLocks,
@@ -971,5 +973,31 @@ describe("PgAdvisory.withXactLock", () => {
         yield* Deferred.succeed(release, undefined)
         yield* Fiber.join(holder)
       }))
+  })
+})
+
+describe("PgAdvisory process lifecycle", () => {
+  // A leftover timer (connect or close timeouts) once kept a finished script alive for seconds.
+  it("a script that disposes its layer exits on its own, promptly", { timeout: 60_000 }, () => {
+    const script = `
+      import { Effect, ManagedRuntime } from "effect"
+      import * as DistributedLock from "./src/DistributedLock.ts"
+      import * as PgAdvisory from "./src/PgAdvisory.ts"
+      const runtime = ManagedRuntime.make(PgAdvisory.layer({ url: process.env.LOCK_URL, applicationName: "adv-exit" }))
+      await runtime.runPromise(Effect.forEach([1, 2, 3, 4], () =>
+        Effect.scoped(Effect.zipRight(DistributedLock.acquire("exit"), Effect.sleep(5))), { concurrency: "unbounded" }))
+      await runtime.dispose()
+      globalThis.disposedAt = Date.now()
+      process.on("exit", () => console.log("exit-after-ms", Date.now() - globalThis.disposedAt))
+    `
+    const run = spawnSync(process.execPath, ["--import", "tsx", "--input-type=module", "-e", script], {
+      cwd: fileURLToPath(new URL("..", import.meta.url)),
+      env: { ...process.env, LOCK_URL: db.url },
+      encoding: "utf8",
+      timeout: 30_000
+    })
+    expect(run.status).toBe(0)
+    const waited = Number(/exit-after-ms (\d+)/.exec(run.stdout)?.[1])
+    expect(waited).toBeLessThan(1000)
   })
 })

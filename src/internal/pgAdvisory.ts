@@ -251,7 +251,16 @@ class Signal {
   }
 }
 
-const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms))
+/** True when `promise` settles within `ms`; the timer is cleared either way, so it never holds the process open. */
+const settlesWithin = (promise: Promise<unknown>, ms: number): Promise<boolean> => {
+  let timer: NodeJS.Timeout | undefined
+  return Promise.race([
+    promise.then(() => true, () => true),
+    new Promise<boolean>((resolve) => {
+      timer = setTimeout(() => resolve(false), ms)
+    })
+  ]).finally(() => clearTimeout(timer))
+}
 
 const within = (promise: Promise<Settled>, ms: number): Promise<Settled> => {
   let timer: NodeJS.Timeout | undefined
@@ -430,8 +439,9 @@ export const make = (
           })
           try {
             const setup = driver.query(client, setupSql(role))
-            const answered = await Promise.race([setup.then(() => true), sleep(options.connect.connectTimeoutMillis).then(() => false)])
+            const answered = await settlesWithin(setup, options.connect.connectTimeoutMillis)
             if (!answered) throw new Error(`the session setup got no answer within ${options.connect.connectTimeoutMillis} ms`)
+            await setup
           } catch (error) {
             driver.destroy(client)
             throw error
@@ -1063,7 +1073,7 @@ export const make = (
         yield* Effect.forEach(holders, (holder) => holder.onLost("connection-lost"), { discard: true })
         // A graceful goodbye ends the backends (and their locks) at once; a stuck one is destroyed.
         yield* Effect.promise(() =>
-          Promise.all(open.map((s) => Promise.race([s.client.end().catch(() => {}), sleep(CLOSE_TIMEOUT_MS)])))
+          Promise.all(open.map((s) => settlesWithin(s.client.end(), CLOSE_TIMEOUT_MS)))
         )
         for (const session of open) {
           session.grants.clear()
@@ -1111,7 +1121,7 @@ const probeAffinity = (a: pg.Client, config: pg.ClientConfig): Effect.Effect<voi
         await b.query("begin")
         const other = await pidOf(b)
         const after = pidOf(a)
-        const answered = await Promise.race([after.then(() => true), sleep(PROBE_WAIT_MS).then(() => false)])
+        const answered = await settlesWithin(after, PROBE_WAIT_MS)
         await b.query("commit")
         const afterPid = await after
         if (!answered) {
