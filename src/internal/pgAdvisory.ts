@@ -331,6 +331,8 @@ export const make = (
         if (session.state === "dead") return Effect.void
         const keys = Array.from(session.grants, (grant) => grant.keyText)
         markDead(session)
+        // At shutdown every session is being ended on purpose: nothing to report.
+        if (closing) return Effect.void
         return metrics.sessionDestroyed(BACKEND).pipe(
           Effect.zipRight(
             Effect.logWarning(`destroyed a lock session (${reason}); the server drops the ${keys.length} lock(s) it held`).pipe(
