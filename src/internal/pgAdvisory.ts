@@ -1067,12 +1067,10 @@ export const make = (
 
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {
+        // Holders still alive were already told and released by DistributedLock's own close,
+        // which runs before this finalizer; what is left here is ending the sessions.
         closing = true
         const open = sessions.slice()
-        const holders = open.flatMap((s) => Array.from(s.grants, (g) => Array.from(g.holders))).flat()
-          .filter((holder) => holder.handed)
-        for (const holder of holders) holder.state = "lost"
-        yield* Effect.forEach(holders, (holder) => holder.onLost("connection-lost"), { discard: true })
         // A graceful goodbye ends the backends (and their locks) at once; a stuck one is destroyed.
         yield* Effect.promise(() =>
           Promise.all(open.map((s) => settlesWithin(s.client.end(), CLOSE_TIMEOUT_MS)))
