@@ -231,8 +231,6 @@ export const makeRegistry = <G extends Grant>(
       }))
     )
 
-    const renewable = (): Array<Held<G>> => Array.from(leases.values()).filter((h) => h.validUntil !== undefined)
-
     const applyOutcome = (held: Held<G>, outcome: RenewOutcome | undefined, startedAt: number) => {
       if (held.state !== "held") return Effect.void
       if (outcome === undefined) {
@@ -282,10 +280,12 @@ export const makeRegistry = <G extends Grant>(
 
     const tick: Effect.Effect<void> = Effect.gen(function*() {
       const now = yield* monotonicMillis
-      for (const held of renewable()) {
+      const live: Array<Held<G>> = []
+      for (const held of leases.values()) {
+        if (held.validUntil === undefined) continue
         if (now >= safetyDeadline(held)) yield* declareLost(held, "renewal-failed")
+        else live.push(held)
       }
-      const live = renewable()
       // A batch starts when some lease is due, and takes along every lease falling due within the
       // coalescing window: the next batch then waits for the window to pass, not for the next lease.
       const idle = live.filter((h) => h.renewing === undefined)
