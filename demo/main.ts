@@ -10,7 +10,7 @@ import { type ChildProcess, spawn } from "node:child_process"
 import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import pg from "pg"
-import { redactUrl, startPostgres } from "../tools/embeddedPostgres.js"
+import { redactUrl, startPostgres, withClient } from "../tools/embeddedPostgres.js"
 import { applicationName, FENCE_RESOURCE, LOCK_NAME, type Stamped } from "./events.js"
 
 const argument = (flag: string, fallback: string) => {
@@ -31,16 +31,8 @@ const started = Date.now()
 const stamp = (t: number) => `+${((t - started) / 1000).toFixed(2).padStart(6)}s`
 const say = (line: string) => console.log(`${stamp(Date.now())}  ${line}`)
 
-const query = async <R extends pg.QueryResultRow>(url: string, text: string, values: Array<unknown> = []) => {
-  const client = new pg.Client({ connectionString: url })
-  client.on("error", () => {})
-  await client.connect()
-  try {
-    return (await client.query<R>(text, values)).rows
-  } finally {
-    await client.end()
-  }
-}
+const query = <R extends pg.QueryResultRow>(url: string, text: string, values: Array<unknown> = []) =>
+  withClient(url, "effect-lock-demo", async (client) => (await client.query<R>(text, values)).rows)
 
 interface Holder {
   readonly worker: number
