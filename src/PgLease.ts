@@ -173,7 +173,11 @@ const CATALOG_RACE = new Set(["23505", "42P07"])
  */
 const PgClientTag = Context.GenericTag<PgClient>("@effect/sql-pg/PgClient")
 
-const resolveTable = (table: string | undefined): Sql.TableRef | string => Sql.parseTable(table ?? DEFAULT_TABLE)
+/** The validated table (default when absent), or the configuration error that names the problem. */
+const resolveTable = (table: string | undefined): Effect.Effect<Sql.TableRef, LockBackendError> => {
+  const parsed = Sql.parseTable(table ?? DEFAULT_TABLE)
+  return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
+}
 
 const configError = (reason: string) =>
   new LockBackendError({ operation: "configure", cause: new Error(`PgLease: ${reason}`) })
@@ -250,8 +254,7 @@ export const makeBackend = (
   options?: Options
 ): Effect.Effect<LockBackend<PgLeaseGrant>, LockBackendError, SqlClient.SqlClient | Scope.Scope> =>
   Effect.gen(function*() {
-    const table = resolveTable(options?.table)
-    if (typeof table === "string") return yield* configError(table)
+    const table = yield* resolveTable(options?.table)
     const channel = options?.channel ?? table.relname
     const badChannel = Sql.checkChannel(channel)
     if (badChannel !== undefined) return yield* configError(badChannel)
@@ -593,8 +596,7 @@ export const holders = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const table = resolveTable(options?.table)
-    if (typeof table === "string") return yield* configError(table)
+    const table = yield* resolveTable(options?.table)
     const { run } = statements(yield* SqlClient.SqlClient, "caller's")
     const rows = yield* run<{
       name: string
@@ -631,8 +633,7 @@ export const listHolders = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const table = resolveTable(options?.table)
-    if (typeof table === "string") return yield* configError(table)
+    const table = yield* resolveTable(options?.table)
     const { run } = statements(yield* SqlClient.SqlClient, "caller's")
     const found = yield* run<{ present: boolean }>(
       "inspect",
@@ -663,8 +664,7 @@ export const revoke = (
   options?: { readonly table?: string | undefined; readonly channel?: string | undefined }
 ): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const table = resolveTable(options?.table)
-    if (typeof table === "string") return yield* configError(table)
+    const table = yield* resolveTable(options?.table)
     const { run } = statements(yield* SqlClient.SqlClient, "caller's")
     const rows = yield* run("revoke", name, Sql.revoke(table), [
       name,
