@@ -48,8 +48,8 @@ import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as FencingToken from "./FencingToken.js"
 import { LockBackendError, StaleFencingToken } from "./LockError.js"
-import { advisoryKey } from "./internal/lockKey.js"
-import { parseTable, type TableRef } from "./internal/sqlIdentifier.js"
+import { sqlStateOf } from "./internal/sqlState.js"
+import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, parseTable, type TableRef } from "./internal/sqlTable.js"
 
 /**
  * The default table name.
@@ -110,13 +110,6 @@ export class Fence extends Context.Tag("effect-lock/Fence")<Fence, Service>() {}
 // --- SQL ----------------------------------------------------------------------------------------
 
 const UNDEFINED_TABLE = "42P01"
-/**
- * SQLSTATEs of a concurrent CREATE TABLE losing the catalog race to a creator that does not take
- * our lock (unique_violation, duplicate_table, duplicate_object: all three seen here).
- */
-const CATALOG_RACE: ReadonlySet<string> = new Set(["23505", "42P07", "42710"])
-/** Attempts at creating the table before its error is reported. */
-const CREATE_ATTEMPTS = 3
 const SAVEPOINT = "effect_lock_fence"
 /** Transactions remembered per table as having created it, so their own success proves nothing. */
 const MAX_REMEMBERED_CREATORS = 64
@@ -129,21 +122,8 @@ const createTableSql = (table: TableRef): string =>
   updated_at timestamptz not null default now()
 )`
 
-/**
- * Creation as one statement: concurrent `create table if not exists` can fail on the catalog's
- * unique index, so creators serialize on a transaction advisory lock (released at the end of
- * the enclosing transaction) and re-check. An existing table costs a catalog lookup only.
- */
-const ensureSql = (table: TableRef): string =>
-  // The identifier was validated (no quotes), so it is safe inside a string literal.
-  `do $effect_lock$
-begin
-  if to_regclass('${table.sql}') is null then
-    perform pg_advisory_xact_lock(${advisoryKey(table.text, DDL_LOCK_NAMESPACE)});
-    ${createTableSql(table)};
-  end if;
-end
-$effect_lock$`
+/** Creation on first use; inside a transaction the DDL lock is held until it ends. */
+const ensureSql = (table: TableRef): string => ensureTableSql(table, createTableSql(table), DDL_LOCK_NAMESPACE)
 
 /** The check, one statement: $1 resource, $2 token. Returns a row only when the token was accepted. */
 const acceptSql = (table: TableRef): string =>
@@ -173,20 +153,9 @@ const run = <A extends object>(
     Effect.mapError((cause) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause }))
   )
 
-/** The SQLSTATE of the driver error inside a wrapped `SqlError`, if any. */
-const sqlState = (error: unknown): string | undefined => {
-  if (typeof error !== "object" || error === null || !("_tag" in error) || error._tag !== "LockBackendError") {
-    return undefined
-  }
-  const sqlError: unknown = (error as LockBackendError).cause
-  const driver = typeof sqlError === "object" && sqlError !== null && "cause" in sqlError ? sqlError.cause : undefined
-  return typeof driver === "object" && driver !== null && "code" in driver && typeof driver.code === "string"
-    ? driver.code
-    : undefined
-}
-
-const isUndefinedTable = (error: unknown): error is LockBackendError => sqlState(error) === UNDEFINED_TABLE
-const isCatalogRace = (error: unknown): boolean => CATALOG_RACE.has(sqlState(error) ?? "")
+const isUndefinedTable = (error: unknown): error is LockBackendError =>
+  error instanceof LockBackendError && sqlStateOf(error) === UNDEFINED_TABLE
+const isCatalogRace = (error: unknown): boolean => CATALOG_RACE.has(sqlStateOf(error) ?? "")
 
 /**
  * Runs `body` under a savepoint of the caller's transaction: a failed statement in it leaves

@@ -31,6 +31,8 @@ import type { LockBackend } from "./LockBackend.js"
 import { type InvalidLockName, LockBackendError, LockTimeout, type UnsafeConnectionPooling } from "./LockError.js"
 import * as inspect from "./internal/inspectAdvisory.js"
 import { advisoryKey } from "./internal/lockKey.js"
+import { sqlStateOf } from "./internal/sqlState.js"
+import { parseTable } from "./internal/sqlTable.js"
 import * as internal from "./internal/pgAdvisory.js"
 import { decodeDuration, validateMode, validateName } from "./internal/validate.js"
 
@@ -44,8 +46,9 @@ import { decodeDuration, validateMode, validateName } from "./internal/validate.
  * - `applicationName`: shown in `pg_stat_activity` so an operator can see who holds what
  *   (default `"effect-lock"`; an `application_name` in the URL is used when this is not given).
  * - `namespace`: mixed into every key, so two applications can use the same names apart.
- * - `fencingTable`: table of per-name fencing counters, created on first use
- *   (default `effect_lock_fencing`, in the session's search_path).
+ * - `fencingTable`: table of per-name fencing counters, `name` or `schema.name` as for
+ *   `PgLease`'s table, created on first use (default `effect_lock_fencing`, in the session's
+ *   search_path).
  * - `connectTimeout`: bound on opening one session (default 10 s).
  * - `heartbeatInterval` / `heartbeatTimeout`: idle sessions are checked this often and
  *   destroyed (their leases lost) when a check gets no answer in time (default 500 ms / 1 s), so a
@@ -90,8 +93,8 @@ const resolve = (options: Options): Effect.Effect<internal.BackendOptions, LockB
       if (!Number.isInteger(maxSessions) || maxSessions < 1) {
         throw new Error(`maxSessions must be a whole number of at least 1, got ${maxSessions}`)
       }
-      const table = options.fencingTable ?? DEFAULT_FENCING_TABLE
-      if (table === "" || table.includes("\u0000")) throw new Error("fencingTable must be a non-empty name")
+      const table = parseTable(options.fencingTable ?? DEFAULT_FENCING_TABLE)
+      if (typeof table === "string") throw new Error(`fencingTable: ${table}`)
       return {
         connect: {
           connectionString: Redacted.isRedacted(options.url) ? Redacted.value(options.url) : options.url,
@@ -183,12 +186,6 @@ class BodyDefect {
   constructor(readonly defect: unknown) {}
 }
 
-const sqlStateOf = (error: SqlError): string | undefined => {
-  const cause = error.cause
-  return typeof cause === "object" && cause !== null && "code" in cause && typeof cause.code === "string"
-    ? cause.code
-    : undefined
-}
 
 /** Longest single lock wait of `withXactLock`: interruption and the deadline are checked between slices. */
 const XACT_SLICE_MS = 1_000
@@ -443,8 +440,9 @@ export const listHolders = (
 ): Effect.Effect<ReadonlyArray<AdvisoryHolder>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
-    const table = inspect.quoteIdentifier(options?.fencingTable ?? DEFAULT_FENCING_TABLE)
-    const raw = yield* sql.unsafe<inspect.LockRow>(inspect.listSql, [table]).withoutTransform
+    const table = parseTable(options?.fencingTable ?? DEFAULT_FENCING_TABLE)
+    if (typeof table === "string") return yield* Effect.fail(new Error(`fencingTable: ${table}`))
+    const raw = yield* sql.unsafe<inspect.LockRow>(inspect.listSql, [table.sql]).withoutTransform
     const rows = raw.flatMap((row) => {
       const mode = inspect.modeOf(row.mode)
       return mode === undefined ? [] : [{ ...row, mode, key: inspect.keyFromLockTag(BigInt(row.classid), BigInt(row.objid)) }]

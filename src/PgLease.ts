@@ -84,6 +84,8 @@ import type { AcquireRequest, AcquireResult, Grant, LockBackend, RenewOutcome } 
 import { LockBackendError } from "./LockError.js"
 import { monotonicMillis } from "./internal/clock.js"
 import * as Sql from "./internal/pgLeaseSql.js"
+import { sqlStateOf } from "./internal/sqlState.js"
+import { CATALOG_RACE, CREATE_ATTEMPTS } from "./internal/sqlTable.js"
 import * as Wake from "./internal/pgLeaseWake.js"
 
 /**
@@ -164,8 +166,6 @@ const TRUSTED_POLL_FACTOR = 6
 /** Attempts of a release before it gives up and leaves the lease to expire. */
 const RELEASE_RETRIES = 2
 const RELEASE_RETRY_SPACING = Duration.millis(50)
-/** SQLSTATEs of a concurrent CREATE TABLE losing the catalog race (unique_violation, duplicate_table). */
-const CATALOG_RACE = new Set(["23505", "42P07"])
 
 /**
  * sql-pg's tag, referenced by key so that this module needs no driver at run time: any
@@ -182,14 +182,6 @@ const resolveTable = (table: string | undefined): Effect.Effect<Sql.TableRef, Lo
 const configError = (reason: string) =>
   new LockBackendError({ operation: "configure", cause: new Error(`PgLease: ${reason}`) })
 
-/** The SQLSTATE of the driver error inside a failed statement's `SqlError`, if any. */
-const sqlState = (error: LockBackendError): string | undefined => {
-  const sqlError: unknown = error.cause
-  const driver = typeof sqlError === "object" && sqlError !== null && "cause" in sqlError ? sqlError.cause : undefined
-  return typeof driver === "object" && driver !== null && "code" in driver && typeof driver.code === "string"
-    ? driver.code
-    : undefined
-}
 
 /**
  * The SQL that creates the lease table, for applications that run their own migrations (then
@@ -313,8 +305,8 @@ export const makeBackend = (
         Effect.suspend(() =>
           tableReady ? Effect.void : run("create-table", undefined, text.ensureTable, []).pipe(
             Effect.retry({
-              times: 3,
-              while: (error) => CATALOG_RACE.has(sqlState(error) ?? "")
+              times: CREATE_ATTEMPTS - 1,
+              while: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? "")
             }),
             Effect.tap(() =>
               Effect.sync(() => {

@@ -28,8 +28,6 @@ export const lockTagOfKey = (key: bigint): { readonly classid: bigint; readonly 
 export const modeOf = (pgMode: string): LockMode | undefined =>
   pgMode === "ExclusiveLock" ? "exclusive" : pgMode === "ShareLock" ? "shared" : undefined
 
-/** Quotes one identifier exactly as the advisory backend does when it creates the fencing table. */
-export const quoteIdentifier = (text: string): string => `"${text.replace(/"/g, "\"\"")}"`
 
 /**
  * Advisory locks on 64-bit keys (`objsubid = 1`; two-int4 keys are not effect-lock's) in the
@@ -40,7 +38,7 @@ export const quoteIdentifier = (text: string): string => `"${text.replace(/"/g, 
  * servers. Other users' `pg_stat_activity` details are null without `pg_read_all_stats`.
  * `fencing` is the fencing table's quoted name when it exists and may be read, else null.
  *
- * Parameters: $1 the fencing table's quoted identifier.
+ * Parameters: $1 the fencing table's quoted name (`TableRef.sql`).
  */
 export const listSql = `select l.classid::int8::text as classid, l.objid::int8::text as objid,
   l.mode, l.granted, l.pid,

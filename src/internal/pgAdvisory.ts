@@ -82,6 +82,7 @@ import { type Admission, makeLocalKeys } from "./localKeys.js"
 import { advisoryKey } from "./lockKey.js"
 import * as metrics from "./metrics.js"
 import * as driver from "./pgDriver.js"
+import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, type TableRef } from "./sqlTable.js"
 
 /** Short backend name for spans and metrics. */
 export const BACKEND = "pg-advisory"
@@ -103,7 +104,7 @@ const CLEANUP_ATTEMPTS = 3
 /** Bound on closing a session gracefully at shutdown before its socket is destroyed. */
 const CLOSE_TIMEOUT_MS = 2_000
 /** Serializes creation of the fencing table across processes (a transaction advisory lock). */
-const DDL_KEY = advisoryKey("fencing-table", "effect-lock/internal")
+const DDL_NAMESPACE = "effect-lock/PgAdvisory/ddl"
 /** Settings of every lock session (those the server does not know are skipped). */
 const SESSION_SETTINGS: ReadonlyArray<readonly [string, string]> = [
   // Fencing tokens must never repeat or go backwards, even across a server crash: every bump's
@@ -125,7 +126,7 @@ export interface BackendOptions {
   readonly explicitApplicationName: boolean
   readonly maxSessions: number
   readonly namespace: string
-  readonly fencingTable: string
+  readonly fencingTable: TableRef
   readonly heartbeatIntervalMillis: number
   readonly heartbeatTimeoutMillis: number
 }
@@ -292,7 +293,7 @@ export const make = (
   Effect.gen(function*() {
     const scope = yield* Effect.scope
     const clientConfig = driver.clientConfig(options.connect, options.explicitApplicationName)
-    const table = driver.identifier(options.fencingTable)
+    const table = options.fencingTable.sql
     const local = makeLocalKeys()
     const sessions: Array<Session> = []
     const sharedGrants = new Map<string, ServerGrant>()
@@ -1152,31 +1153,26 @@ const probeAffinity = (a: pg.Client, config: pg.ClientConfig): Effect.Effect<voi
     )
   )
 
+/** The fencing-token table: one counter per key, bumped in each grant's statement. */
+export const fencingTableSql = (table: TableRef): string =>
+  `CREATE TABLE IF NOT EXISTS ${table.sql} (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`
+
 /**
- * Creates the fencing-token table if it is missing. Concurrent `CREATE TABLE IF NOT EXISTS` can
- * fail on the catalog, so creators serialize on a transaction advisory lock (and retry once more
- * on a catalog conflict). A table that exists is never touched, so no CREATE right is needed then.
+ * Creates the fencing-token table if it is missing, in one statement under a DDL lock (see
+ * `ensureTableSql`), retried when it loses the catalog race to a creator that takes no lock.
+ * A table that exists is never touched, so no CREATE right is needed then.
  */
-const ensureFencingTable = (client: pg.Client, name: string): Effect.Effect<void, LockBackendError> =>
+const ensureFencingTable = (client: pg.Client, table: TableRef): Effect.Effect<void, LockBackendError> =>
   Effect.tryPromise({
     try: async () => {
-      const table = driver.identifier(name)
+      const text = ensureTableSql(table, fencingTableSql(table), DDL_NAMESPACE)
       for (let attempt = 1;; attempt++) {
-        const present = await client.query<{ present: boolean }>(
-          "select to_regclass($1) is not null as present",
-          [table]
-        )
-        if (present.rows[0]?.present === true) return
         try {
-          // One implicit transaction: the xact lock is held until the table is committed.
-          await client.query(
-            `SELECT pg_advisory_xact_lock('${DDL_KEY}'::bigint); ` +
-              `CREATE TABLE IF NOT EXISTS ${table} (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`
-          )
+          await client.query(text)
           return
         } catch (error) {
           const code = driver.classify(error)
-          if (attempt >= 3 || code._tag !== "Sql" || (code.code !== "23505" && code.code !== "42P07")) throw error
+          if (attempt >= CREATE_ATTEMPTS || code._tag !== "Sql" || !CATALOG_RACE.has(code.code)) throw error
         }
       }
     },

@@ -8,8 +8,7 @@
 import * as SqlClient from "@effect/sql/SqlClient"
 import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
-import { advisoryKey } from "./lockKey.js"
-import { MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "./sqlIdentifier.js"
+import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "./sqlTable.js"
 
 export { parseTable, type TableRef }
 
@@ -68,23 +67,8 @@ export const createTable = (table: TableRef): string =>
 
 const quote = (identifier: string) => `"${identifier.replace(/"/g, "\"\"")}"`
 
-/**
- * First-use creation as ONE autocommit statement: concurrent `create table if not exists` can
- * fail on the catalog's unique index, so creators serialize on a transaction advisory lock
- * (released when the statement commits) and re-check. An existing table needs no CREATE privilege.
- */
-export const ensureTable = (table: TableRef): string => {
-  const key = advisoryKey(table.text, "effect-lock/PgLease/ddl")
-  // The identifier was validated (no quotes), so it is safe inside a string literal.
-  return `do $effect_lock$
-begin
-  if to_regclass('${table.sql}') is null then
-    perform pg_advisory_xact_lock(${key});
-    ${createTable(table)};
-  end if;
-end
-$effect_lock$`
-}
+/** First-use creation as ONE autocommit statement (see `ensureTableSql`). */
+export const ensureTable = (table: TableRef): string => ensureTableSql(table, createTable(table), "effect-lock/PgLease/ddl")
 
 /**
  * Takes the row when it is free or expired (bumping the token, clearing `waiting_since`) and

@@ -1,7 +1,9 @@
 /**
- * Table names given by users, validated once and quoted for SQL: `table` or `schema.table`,
- * plain identifiers only (a name is never spliced into SQL unchecked).
+ * Tables the library keeps (lease rows, fencing counters, fence rows): user-given names validated
+ * once and quoted for SQL — `table` or `schema.table`, plain identifiers only, never spliced into
+ * SQL unchecked — and their creation on first use.
  */
+import { advisoryKey } from "./lockKey.js"
 
 /** Longest PostgreSQL identifier part, in bytes (NAMEDATALEN - 1). */
 export const MAX_IDENTIFIER_BYTES = 63
@@ -37,3 +39,30 @@ export const parseTable = (input: string): TableRef | string => {
   return { text: input, sql: parts.map((part) => `"${part}"`).join("."), relname: parts[parts.length - 1]! }
 }
 
+
+/**
+ * SQLSTATEs of a concurrent `CREATE TABLE IF NOT EXISTS` losing the catalog race to a creator
+ * that does not take our lock (unique_violation, duplicate_table, duplicate_object: all seen).
+ */
+export const CATALOG_RACE: ReadonlySet<string> = new Set(["23505", "42P07", "42710"])
+
+/** Attempts at creating a table before its error is reported. */
+export const CREATE_ATTEMPTS = 3
+
+/**
+ * Creates a table on first use in ONE statement (so it also runs behind a transaction pooler):
+ * concurrent `create table if not exists` can fail on the catalog's unique index, so creators
+ * serialize on a transaction advisory lock of their own (`ddlNamespace`, released when the
+ * statement's transaction ends) and re-check. An existing table costs a catalog lookup only and
+ * needs no CREATE privilege.
+ */
+export const ensureTableSql = (table: TableRef, createSql: string, ddlNamespace: string): string =>
+  // The identifier was validated (no quotes), so it is safe inside a string literal.
+  `do $effect_lock$
+begin
+  if to_regclass('${table.sql}') is null then
+    perform pg_advisory_xact_lock(${advisoryKey(table.text, ddlNamespace)});
+    ${createSql};
+  end if;
+end
+$effect_lock$`
