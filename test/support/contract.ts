@@ -7,6 +7,7 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
+import * as FiberRef from "effect/FiberRef"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import * as DistributedLock from "effect-lock/DistributedLock"
@@ -40,8 +41,29 @@ let counter = 0
 /** A name no other test (or earlier run against the same store) uses. */
 export const freshName = (prefix: string) => `${prefix}-${process.pid}-${Date.now().toString(36)}-${counter++}`
 
+/**
+ * The runtime's budget of operations before a fiber yields, for the second run of the suite:
+ * with 12 the runtime switches fibers every 12 ops (it does every 2,048 by default), so every
+ * window between two steps of a backend or of the core is a real one. 8 or less livelocks Effect.
+ */
+export const TIGHT_YIELD_BUDGET = 12
+
+/** Runs `self` (and every fiber it forks) with a small yield budget, so step-to-step races happen. */
+export const withYieldBudget = (budget: number) => <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
+  Effect.locally(self, FiberRef.currentMaxOpsBeforeYield, budget)
+
 export const contractSuite = (label: string, target: ContractTarget) => {
-  const test = target.clock === "test" ? it.scoped : it.scopedLive
+  cases(label, target, undefined)
+  cases(label, target, TIGHT_YIELD_BUDGET)
+}
+
+const cases = (label: string, target: ContractTarget, budget: number | undefined) => {
+  const base = target.clock === "test" ? it.scoped : it.scopedLive
+  const tight = budget === undefined ? <A, E, R>(self: Effect.Effect<A, E, R>) => self : withYieldBudget(budget)
+  const test = Object.assign(
+    (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) => base(name, () => tight(body())),
+    { skip: base.skip }
+  )
   const ttlMillis = Duration.toMillis(target.ttl)
 
   const node = (faults: Faults = makeFaults()) =>
@@ -49,7 +71,8 @@ export const contractSuite = (label: string, target: ContractTarget) => {
 
   const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
 
-  describe(`${label}: the backend contract`, () => {
+  const title = budget === undefined ? "the backend contract" : `the backend contract, yielding every ${budget} ops`
+  describe(`${label}: ${title}`, () => {
     test("a held lock excludes other processes until it is released", () =>
       Effect.gen(function*() {
         const a = yield* node()
