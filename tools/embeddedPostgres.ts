@@ -106,6 +106,11 @@ class StartError extends Error {
 export interface Server {
   readonly url: string
   readonly stop: () => Promise<void>
+  /**
+   * Embedded servers only: a fast shutdown (every session is terminated, as in a real restart),
+   * `downMillis` with no server listening, then a start on the same port and data. Data survive.
+   */
+  readonly restart?: (options?: { readonly downMillis?: number }) => Promise<void>
 }
 
 const startOnce = async (attempt: number): Promise<Server> => {
@@ -127,7 +132,8 @@ const startOnce = async (attempt: number): Promise<Server> => {
     user: USER,
     password: PASSWORD,
     authMethod: "scram-sha-256",
-    persistent: false,
+    // Kept across restart(); cleanup() deletes the directory itself.
+    persistent: true,
     // PostgreSQL refuses to run as root; the package runs it as a `postgres` system user.
     createPostgresUser: true,
     // Skips only initdb's final sync of a throw-away cluster; the server itself keeps fsync on.
@@ -164,9 +170,18 @@ const startOnce = async (attempt: number): Promise<Server> => {
     )
   }
 
+  let restarting: Promise<void> = Promise.resolve()
   return {
     url: `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`,
+    restart: (options) =>
+      restarting = restarting.then(async () => {
+        await withTimeout(pg.stop(), STOP_TIMEOUT_MS, "stopping PostgreSQL for a restart")
+        const down = options?.downMillis ?? 0
+        if (down > 0) await new Promise((resolve) => setTimeout(resolve, down))
+        await withTimeout(pg.start(), 30_000, "PostgreSQL restart")
+      }),
     stop: async () => {
+      await restarting.catch(() => {})
       await cleanup()
       Fs.closeSync(log)
       Fs.rmSync(logFile, { force: true })
