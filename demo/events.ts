@@ -2,6 +2,8 @@
 export type WorkerEvent =
   | { readonly e: "ready" }
   | { readonly e: "acquired"; readonly token: string }
+  /** The round's write is on its way to the database (it can no longer be called back). */
+  | { readonly e: "writing"; readonly token: string }
   | { readonly e: "wrote"; readonly token: string; readonly round: number }
   | { readonly e: "released"; readonly token: string }
   | { readonly e: "lost"; readonly token: string; readonly reason: string }

@@ -2,16 +2,20 @@
  * `npm run demo`: three worker processes compete for one lock; each round ends in a fenced
  * write. Midway the holder's database sessions are killed; later the holder is frozen (SIGSTOP)
  * past its lease and resumed. The timeline shows who holds the lock and with which token, the
- * takeovers, and the stale write the fence rejects; the summary checks every guarantee held.
+ * takeovers, and the stale write the fence rejects; the summary checks every guarantee held, and
+ * the timeline is drawn as an SVG (its path is printed last).
  *
- *   npm run demo [-- --backend lease|advisory] [--seconds 30]
+ *   npm run demo [-- --backend lease|advisory] [--seconds 30] [--svg path/to/timeline.svg]
  */
 import { type ChildProcess, spawn } from "node:child_process"
+import * as Fs from "node:fs"
+import * as Path from "node:path"
 import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import pg from "pg"
 import { redactUrl, startPostgres, withClient } from "../tools/embeddedPostgres.js"
 import { applicationName, FENCE_RESOURCE, LOCK_NAME, type Stamped } from "./events.js"
+import { emptyTimeline, openHold, renderTimeline } from "./timeline.js"
 
 const argument = (flag: string, fallback: string) => {
   const index = process.argv.indexOf(flag)
@@ -21,10 +25,16 @@ const backend = argument("--backend", "lease")
 const seconds = Number(argument("--seconds", "30"))
 if (backend !== "lease" && backend !== "advisory") throw new Error(`--backend is lease or advisory, not ${backend}`)
 if (!(seconds >= 8)) throw new Error("--seconds must be at least 8")
+// A git-ignored folder of the repository unless told otherwise: the picture is never committed.
+const svgPath = Path.resolve(argument("--svg", fileURLToPath(new URL(`../.tmp/demo/timeline-${backend}.svg`, import.meta.url))))
 
 const WORKERS = 3
 const TTL_MS = 2000
 const WORK_MS = 400
+/** How long a round's write is in flight: the freeze hits a holder in that window. */
+const SEND_MS = 300
+/** A round takes about WORK_MS + SEND_MS; the freeze gives up when no write left for this long. */
+const WRITE_WITHIN_MS = 15_000
 const FREEZE_MS = 2 * TTL_MS
 
 const started = Date.now()
@@ -67,18 +77,27 @@ const main = async () => {
     const lostTokens = new Set<string>()
     let errors = 0
     let ready = 0
+    const timeline = emptyTimeline(backend, WORKERS, TTL_MS, Date.now())
+    /** Told of the next write that leaves a worker, when the freeze waits for one. */
+    let onWriting: ((worker: number, token: string) => void) | undefined
 
     const onEvent = (event: Stamped) => {
       const who = `worker ${event.w}`
       switch (event.e) {
         case "ready":
-          ready++
+          // The picture starts when the first worker is up.
+          if (ready++ === 0) timeline.start = event.t
+          return
+        case "writing":
+          onWriting?.(event.w, event.token)
           return
         case "acquired": {
           holder = { worker: event.w, token: BigInt(event.token), since: event.t }
+          timeline.holds.push({ worker: event.w, token: event.token, start: event.t })
           if (pendingDisruption !== undefined && event.w !== pendingDisruption.from) {
             const ms = event.t - pendingDisruption.at
             takeovers.push({ cause: pendingDisruption.cause, ms })
+            timeline.takeovers.push({ worker: event.w, at: event.t, cause: pendingDisruption.cause, ms })
             say(`${who} TAKES OVER with token ${event.token}, ${ms} ms after the ${pendingDisruption.cause}`)
             pendingDisruption = undefined
           } else {
@@ -88,9 +107,12 @@ const main = async () => {
         }
         case "wrote":
           writes++
+          timeline.writes.push({ worker: event.w, at: event.t, round: event.round })
           return say(`${who}   round ${event.round} written with token ${event.token}`)
-        case "released":
+        case "released": {
           if (holder?.worker === event.w && holder.token === BigInt(event.token)) holder = undefined
+          const hold = openHold(timeline, event.w, event.token)
+          if (hold !== undefined) hold.end = event.t
           if (pendingDisruption?.from === event.w && !lostTokens.has(event.token)) {
             say(
               pendingDisruption.cause === "freeze"
@@ -100,12 +122,20 @@ const main = async () => {
             pendingDisruption = undefined
           }
           return
-        case "lost":
+        }
+        case "lost": {
           lostBy.push(event.reason)
           lostTokens.add(event.token)
+          const hold = openHold(timeline, event.w, event.token)
+          if (hold !== undefined) {
+            hold.end = event.t
+            hold.lost = event.reason
+          }
           return say(`${who} LOST its lock (token ${event.token}): ${event.reason}`)
+        }
         case "stale-rejected":
           staleRejected++
+          timeline.refused.push({ worker: event.w, at: event.t, token: event.token, current: event.current })
           return say(
             `${who} woke up and tried to write with token ${event.token}: REJECTED by the fence (current ${event.current})`
           )
@@ -123,7 +153,8 @@ const main = async () => {
           DEMO_URL: url,
           DEMO_BACKEND: backend,
           DEMO_TTL_MS: String(TTL_MS),
-          DEMO_WORK_MS: String(WORK_MS)
+          DEMO_WORK_MS: String(WORK_MS),
+          DEMO_SEND_MS: String(SEND_MS)
         },
         stdio: ["ignore", "pipe", "inherit"]
       })
@@ -156,23 +187,32 @@ const main = async () => {
         [applicationName(victim.worker)]
       )
       pendingDisruption = { cause: "session kill", at: Date.now(), from: victim.worker }
+      timeline.kills.push({ worker: victim.worker, at: pendingDisruption.at, sessions: killed[0]!.n })
       say(`>>> killing worker ${victim.worker}'s ${killed[0]!.n} database session(s) while it holds token ${victim.token}`)
     }
 
     await sleep((seconds * 1000) / 3)
     {
-      // Freeze a holder right after it was granted, inside its (uninterruptible) work.
-      let victim = await currentHolder()
-      while (Date.now() - victim.since > 100) {
-        await sleep(5)
-        victim = await currentHolder()
-      }
+      // Freeze a holder whose write is on its way: the write reaches the database after the freeze.
+      const victim = await new Promise<{ readonly worker: number; readonly token: string }>((resolve, reject) => {
+        const bound = setTimeout(() => reject(new Error(`no worker wrote within ${WRITE_WITHIN_MS} ms`)), WRITE_WITHIN_MS)
+        onWriting = (worker, token) => {
+          onWriting = undefined
+          clearTimeout(bound)
+          resolve({ worker, token })
+        }
+      })
       const child = children[victim.worker - 1]!
       child.kill("SIGSTOP")
       pendingDisruption = { cause: "freeze", at: Date.now(), from: victim.worker }
-      say(`>>> freezing worker ${victim.worker} (SIGSTOP) for ${FREEZE_MS} ms, lease ttl ${TTL_MS} ms, token ${victim.token}`)
+      const freeze: { readonly worker: number; readonly from: number; to?: number } = { worker: victim.worker, from: pendingDisruption.at }
+      timeline.freezes.push(freeze)
+      say(
+        `>>> freezing worker ${victim.worker} (SIGSTOP) for ${FREEZE_MS} ms with its write on the way, lease ttl ${TTL_MS} ms, token ${victim.token}`
+      )
       await sleep(FREEZE_MS)
       child.kill("SIGCONT")
+      freeze.to = Date.now()
       say(`>>> resuming worker ${victim.worker} (SIGCONT)`)
     }
 
@@ -238,6 +278,11 @@ const main = async () => {
     for (const [label, value, ok] of checks) console.log(`  ${ok ? "ok  " : "FAIL"}  ${label.padEnd(width)}  ${value}`)
     const failed = checks.filter(([, , ok]) => !ok).map(([label]) => label)
     if (failed.length > 0) failure = `guarantees that did not hold: ${failed.join("; ")}`
+
+    timeline.end = Date.now()
+    Fs.mkdirSync(Path.dirname(svgPath), { recursive: true })
+    Fs.writeFileSync(svgPath, renderTimeline(timeline))
+    console.log(`\ntimeline drawn: ${svgPath}`)
   } finally {
     for (const child of children) if (child.exitCode === null) child.kill("SIGKILL")
     await query(adminUrl, `drop database if exists ${database} with (force)`).catch(() => {})

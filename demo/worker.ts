@@ -13,6 +13,7 @@ const url = process.env["DEMO_URL"]!
 const backend = process.env["DEMO_BACKEND"] === "advisory" ? "advisory" : "lease"
 const ttl = Duration.millis(Number(process.env["DEMO_TTL_MS"] ?? 2000))
 const work = Duration.millis(Number(process.env["DEMO_WORK_MS"] ?? 400))
+const send = Duration.millis(Number(process.env["DEMO_SEND_MS"] ?? 300))
 
 const emit = (event: WorkerEvent) =>
   Effect.sync(() => process.stdout.write(`${JSON.stringify({ ...event, t: Date.now(), w: worker })}\n`))
@@ -41,12 +42,12 @@ const round = Effect.gen(function*() {
     lease,
     Effect.gen(function*() {
       yield* Effect.sleep(work)
-      // A holder frozen during its work wakes up still believing it holds the lock: isHeld is
-      // what this process knows, and it has not yet noticed that its lease ran out meanwhile.
       if (!(yield* lease.isHeld)) return
-      // Once sent, the write is not called back — think of a request already on the wire —
-      // so only the fence can refuse it when it is stale.
-      yield* Effect.uninterruptible(fencedWrite(lease.token))
+      // From here the write is on its way and is not called back — a request already on the
+      // wire, `send` long — so when the holder is frozen meanwhile, only the fence can refuse it.
+      yield* Effect.uninterruptible(
+        Effect.zipRight(emit({ e: "writing", token }), Effect.zipRight(Effect.sleep(send), fencedWrite(lease.token)))
+      )
     })
   ).pipe(Effect.either)
   if (outcome._tag === "Left") {

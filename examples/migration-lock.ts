@@ -13,7 +13,8 @@ import { PgAdvisory } from "effect-lock"
 const migrate = (replica: number) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
-    yield* sql`create table if not exists example_migrations (id int primary key, applied_by int not null)`
+    // One row per application, no unique key: were the lock to let two replicas in, both rows would show.
+    yield* sql`create table if not exists example_migrations (id int not null, applied_by int not null)`
     const applied = yield* sql`select 1 from example_migrations where id = 1`
     if (applied.length > 0) return yield* Effect.log(`replica ${replica}: migrations already applied`)
     yield* sql`create table if not exists example_orders (id serial primary key, total numeric not null)`
@@ -27,8 +28,10 @@ const migrate = (replica: number) =>
 const program = Effect.gen(function*() {
   yield* Effect.all([1, 2, 3].map(migrate), { concurrency: "unbounded" })
   const sql = yield* SqlClient.SqlClient
-  const rows = yield* sql<{ appliedBy: number }>`select applied_by from example_migrations`
-  yield* Effect.log(`migration 1 was applied exactly ${rows.length} time(s), by replica ${rows[0]?.appliedBy}`)
+  // Column names come back as written (this client has no name transforms).
+  const rows = yield* sql<{ applied_by: number }>`select applied_by from example_migrations where id = 1`
+  const by = rows.map((row) => `replica ${row.applied_by}`).join(", ")
+  yield* Effect.log(`migration 1 was applied ${rows.length} time${rows.length === 1 ? "" : "s"}, by ${by}`)
 })
 
 program.pipe(

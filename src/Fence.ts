@@ -6,7 +6,7 @@
  * it — so the check commits or rolls back together with the write it guards.
  *
  * ```ts
- * const sql = yield* SqlClient.SqlClient
+ * const sql = yield* SqlClientTag
  * yield* sql.withTransaction(Effect.gen(function*() {
  *   yield* Fence.check("invoices", lease.token) // fails StaleFencingToken after a takeover
  *   yield* sql`update invoices set status = 'sent' where id = ${id}`
@@ -40,7 +40,7 @@
  *
  * @since 0.1.0
  */
-import * as SqlClient from "@effect/sql/SqlClient"
+import type * as SqlClient from "@effect/sql/SqlClient"
 import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -106,6 +106,16 @@ export interface Service {
  * @category tags
  */
 export class Fence extends Context.Tag("effect-lock/Fence")<Fence, Service>() {}
+
+// --- the SqlClient tags, by key ------------------------------------------------------------------
+
+// By key, not by import: an import of @effect/sql here would load it for every user of the root
+// entry, memory-only apps included. Effect finds a service by its tag's key, so these are the same tags.
+const SqlClientTag = Context.GenericTag<SqlClient.SqlClient>("@effect/sql/SqlClient")
+const TransactionConnectionTag = Context.GenericTag<
+  SqlClient.TransactionConnection,
+  readonly [conn: unknown, depth: number]
+>("@effect/sql/SqlClient/TransactionConnection")
 
 // --- SQL ----------------------------------------------------------------------------------------
 
@@ -310,8 +320,8 @@ const makeService = (table: TableRef, createTable: boolean): Service => {
 
   const check = Effect.fn("effect-lock.fence.check")(function*(resource: string, token: FencingToken.FencingToken) {
     yield* Effect.annotateCurrentSpan({ "fence.resource": resource, "lock.token": token.toString(), "fence.table": table.text })
-    const sql = yield* SqlClient.SqlClient
-    const inTransaction = Option.isSome(yield* Effect.serviceOption(SqlClient.TransactionConnection))
+    const sql = yield* SqlClientTag
+    const inTransaction = Option.isSome(yield* Effect.serviceOption(TransactionConnectionTag))
     const state = stateOf(sql, table)
     if (!inTransaction) {
       if (!createTable) return yield* attempt(sql, resource, token)
@@ -328,8 +338,8 @@ const makeService = (table: TableRef, createTable: boolean): Service => {
   })
 
   const ensureTable = Effect.gen(function*() {
-    const sql = yield* SqlClient.SqlClient
-    const inTransaction = Option.isSome(yield* Effect.serviceOption(SqlClient.TransactionConnection))
+    const sql = yield* SqlClientTag
+    const inTransaction = Option.isSome(yield* Effect.serviceOption(TransactionConnectionTag))
     yield* ensure(sql, inTransaction, "fence-ensure-table", undefined)
     if (!inTransaction) markKnown(stateOf(sql, table))
   }).pipe(Effect.withSpan("effect-lock.fence.ensure-table", { attributes: { "fence.table": table.text } }))

@@ -2,11 +2,55 @@
  * The typed failures of effect-lock. Each carries what a person needs to act on it — the lock
  * name, how long was waited, the fencing token of the lease concerned — and a readable message.
  *
+ * **Over HTTP.** Each error is annotated for `@effect/platform`'s `HttpApi`: an endpoint that
+ * declares it (`HttpApiEndpoint.addError(LockError.LockTimeout)`) answers with its status and a
+ * JSON body of its fields (tokens as decimal strings, `waited` in milliseconds):
+ *
+ * | error | status | body |
+ * |---|---|---|
+ * | `LockTimeout` | 503 | `name`, `waited`, `retryAfter` |
+ * | `LockLost` | 503 | `name`, `token`, `reason`, `retryAfter` |
+ * | `LockBackendError` | 503 | `operation`, `name?`, `cause` (the driver error's name and message), `retryAfter` |
+ * | `InvalidLockName` | 400 | `name`, `reason` |
+ * | `StaleFencingToken` | 409 | `resource`, `presented`, `current` |
+ * | `UnsafeConnectionPooling` | 500 | `detail` |
+ *
+ * `retryAfter` is the retry hint in seconds (default 1). It is a body field, not a
+ * `Retry-After` header: an `HttpApi` error schema sets the status and body of its response, not
+ * its headers. `LockBackendError` is 503 because the lock store being unreachable is a temporary
+ * unavailability of the service, but its body carries the driver's error message (host names,
+ * SQL states): declare it only on internal APIs, or map it to your own error first.
+ * `UnsafeConnectionPooling` is a deployment mistake found when `PgAdvisory.layer` is built, so it
+ * never reaches a request; should it be declared anyway, it is a server fault (500).
+ *
  * @since 0.1.0
  */
 import * as Duration from "effect/Duration"
 import * as Schema from "effect/Schema"
-import { FencingTokenFromSelf } from "./FencingToken.js"
+import { FencingTokenSchema } from "./FencingToken.js"
+
+/**
+ * The key `@effect/platform`'s `HttpApiSchema` reads a response status from. A registered symbol,
+ * so the errors carry their status without this module loading `@effect/platform`.
+ *
+ * @since 0.1.0
+ * @category annotations
+ */
+export const HttpStatusAnnotation: unique symbol = Symbol.for("@effect/platform/HttpApiSchema/AnnotationStatus")
+
+/**
+ * The retry hint of the errors worth retrying, in seconds, when they are built without one.
+ *
+ * @since 0.1.0
+ * @category constants
+ */
+export const DEFAULT_RETRY_AFTER_SECONDS = 1
+
+/** `retryAfter`: seconds after which a retry may succeed; optional in constructors and in decoding. */
+const retryAfter = Schema.optionalWith(Schema.NonNegativeInt, { default: () => DEFAULT_RETRY_AFTER_SECONDS })
+
+/** Fencing tokens travel as decimal strings: a bigint is not JSON. */
+const Token = FencingTokenSchema
 
 /**
  * Why a held lease was lost.
@@ -38,7 +82,12 @@ export type LostReason = typeof LostReason.Type
  */
 export class LockTimeout extends Schema.TaggedError<LockTimeout>("effect-lock/LockTimeout")("LockTimeout", {
   name: Schema.String,
-  waited: Schema.DurationFromSelf
+  /** Encoded as milliseconds. */
+  waited: Schema.DurationFromMillis,
+  retryAfter
+}, {
+  description: "The lock was not granted within the caller's timeout",
+  [HttpStatusAnnotation]: 503
 }) {
   override get message(): string {
     return `timed out after ${Duration.format(this.waited)} acquiring lock "${this.name}"`
@@ -54,8 +103,12 @@ export class LockTimeout extends Schema.TaggedError<LockTimeout>("effect-lock/Lo
  */
 export class LockLost extends Schema.TaggedError<LockLost>("effect-lock/LockLost")("LockLost", {
   name: Schema.String,
-  token: FencingTokenFromSelf,
-  reason: LostReason
+  token: Token,
+  reason: LostReason,
+  retryAfter
+}, {
+  description: "A lock held for this request was lost; the work under it was stopped",
+  [HttpStatusAnnotation]: 503
 }) {
   override get message(): string {
     return `lost lock "${this.name}" (fencing token ${this.token}): ${describeReason(this.reason)}`
@@ -89,7 +142,12 @@ export class LockBackendError extends Schema.TaggedError<LockBackendError>("effe
   {
     operation: Schema.String,
     name: Schema.optional(Schema.String),
-    cause: Schema.Defect
+    cause: Schema.Defect,
+    retryAfter
+  },
+  {
+    description: "The lock store could not be reached or failed",
+    [HttpStatusAnnotation]: 503
   }
 ) {
   override get message(): string {
@@ -120,6 +178,10 @@ export class InvalidLockName extends Schema.TaggedError<InvalidLockName>("effect
   {
     name: Schema.String,
     reason: Schema.String
+  },
+  {
+    description: "The lock name cannot be used",
+    [HttpStatusAnnotation]: 400
   }
 ) {
   override get message(): string {
@@ -139,6 +201,9 @@ export class UnsafeConnectionPooling extends Schema.TaggedError<UnsafeConnection
   "effect-lock/UnsafeConnectionPooling"
 )("UnsafeConnectionPooling", {
   detail: Schema.String
+}, {
+  description: "Session advisory locks were configured on a connection without session affinity",
+  [HttpStatusAnnotation]: 500
 }) {
   override get message(): string {
     return `session advisory locks need a connection with session affinity: ${this.detail}`
@@ -156,8 +221,12 @@ export class StaleFencingToken extends Schema.TaggedError<StaleFencingToken>("ef
   "StaleFencingToken",
   {
     resource: Schema.String,
-    presented: FencingTokenFromSelf,
-    current: FencingTokenFromSelf
+    presented: Token,
+    current: Token
+  },
+  {
+    description: "A write presented a fencing token older than one the resource already accepted",
+    [HttpStatusAnnotation]: 409
   }
 ) {
   override get message(): string {

@@ -1,6 +1,6 @@
 import { SqlClient } from "@effect/sql"
 import { describe, expect, it, layer } from "@effect/vitest"
-import { Array as Arr, Deferred, Duration, Effect, Either, Fiber, Random, Tracer } from "effect"
+import { Array as Arr, Deferred, Duration, Effect, Either, Fiber, Random, Schedule, Tracer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as Fence from "effect-lock/Fence"
 import * as FencingToken from "effect-lock/FencingToken"
@@ -31,8 +31,45 @@ const tableExists = (table: string) =>
   Effect.flatMap(SqlClient.SqlClient, (sql) =>
     Effect.map(sql<{ rel: string | null }>`select to_regclass(${table})::text as rel`, ([row]) => row?.rel != null))
 
-/** A random pause of up to `maxMs`, drawn from the live Random. */
+/** A random pause of up to `maxMs`, drawn from the current Random (seeded by `seeded`). */
 const jitter = (maxMs: number) => Effect.flatMap(Random.nextIntBetween(0, maxMs + 1), (ms) => Effect.sleep(Duration.millis(ms)))
+
+/**
+ * Runs `effect` with a seeded Random: the seed is FENCE_SEED when set, else drawn and printed, and
+ * named in the failure, so a failing interleaving can be asked for again (the draws repeat; the
+ * fibers' scheduling around them is the machine's).
+ */
+const seeded = <A, E, R>(label: string, effect: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> => {
+  const fromEnv = process.env["FENCE_SEED"]
+  const seed = fromEnv !== undefined && fromEnv !== "" ? Number(fromEnv) : Math.floor(Math.random() * 2 ** 31)
+  console.log(`${label}: seed ${seed} (re-run with FENCE_SEED=${seed})`)
+  return effect.pipe(
+    Effect.withRandom(Random.make(seed)),
+    Effect.tapErrorCause(() => Effect.sync(() => console.error(`${label} failed with seed ${seed}: FENCE_SEED=${seed}`)))
+  )
+}
+
+/** How long a check may take to show up as blocked in pg_stat_activity before the test gives up. */
+const BLOCKED_WITHIN = Duration.seconds(10)
+const POLL = Duration.millis(20)
+
+/**
+ * Waits (bounded) until `count` fence checks of this database are blocked on a lock, and returns
+ * them with the number of sessions blocking each: the server's own view of "waiting".
+ */
+const blockedChecks = (count: number) =>
+  Effect.flatMap(SqlClient.SqlClient, (sql) =>
+    sql<{ query: string; blockers: number }>`
+      select query, cardinality(pg_blocking_pids(pid))::int as blockers from pg_stat_activity
+      where datname = current_database() and wait_event_type = 'Lock' and query like 'insert into "effect_lock_fences"%'`
+      .pipe(
+        Effect.filterOrFail((rows) => rows.length >= count, () => "not blocked yet"),
+        Effect.retry(Schedule.spaced(POLL)),
+        Effect.timeoutFail({
+          duration: BLOCKED_WITHIN,
+          onTimeout: () => new Error(`${count} fence check(s) were not seen blocked within ${Duration.format(BLOCKED_WITHIN)}`)
+        })
+      ))
 
 /** A table of guarded writes: each row is written in the transaction that passed `Fence.check`. */
 const writesTable = (name: string) =>
@@ -207,8 +244,9 @@ layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence", (it) => {
         Effect.provideService(DistributedLock.DistributedLock, processB)
       )
       const writerB = yield* Effect.fork(fencedWrite("ticket_writes", "ticket", leaseB.token, "from B"))
-      // B's check waits on the resource's row, locked by A's open transaction.
-      yield* Effect.sleep(Duration.millis(300))
+      // B's check waits on the resource's row, locked by A's open transaction: seen in the server.
+      const blocked = yield* blockedChecks(1)
+      expect(blocked).toEqual([{ query: expect.stringMatching(/^insert into "effect_lock_fences"/), blockers: 1 }])
       expect(writerB.unsafePoll()).toBeNull()
 
       yield* Deferred.succeed(resume, undefined)
@@ -225,7 +263,7 @@ layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence", (it) => {
     }))
 
   it.effect("concurrent transactions commit only in token order: a lower token never commits after a higher one", () =>
-    Effect.gen(function*() {
+    seeded("token-order race", Effect.gen(function*() {
       const sql = yield* SqlClient.SqlClient
       yield* sql`create table race_writes (id bigserial primary key, resource text not null, token bigint not null, seen_max bigint not null)`
       const WRITERS = 20
@@ -273,7 +311,7 @@ layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence", (it) => {
         expect(accepted).toContain(WRITERS)
         expect(yield* recorded(resource)).toBe(BigInt(WRITERS))
       }
-    }))
+    })))
 
   it.effect("first use under contention: 8 fibers per fresh table, with and without transactions, for 10 tables", () =>
     Effect.gen(function*() {

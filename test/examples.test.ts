@@ -1,3 +1,7 @@
+/**
+ * The examples, run as a user would run them, against a real PostgreSQL: each test checks the
+ * claim the example prints (and makes in its header), not only that it exits cleanly.
+ */
 import { describe, expect, it } from "@effect/vitest"
 import { execFile } from "node:child_process"
 import { fileURLToPath } from "node:url"
@@ -7,49 +11,89 @@ import { useTestDatabase } from "./support/pg.js"
 const db = useTestDatabase("examples")
 const root = fileURLToPath(new URL("..", import.meta.url))
 
-/** Runs an example as a user would, against this file's database; returns what it logged. */
-const run = async (file: string): Promise<string> => {
+/** One line of Effect's default (logfmt) logger. */
+interface LogLine {
+  readonly at: number
+  readonly level: string
+  readonly message: string
+}
+
+const parseLine = (line: string): LogLine | undefined => {
+  const message = /\bmessage="((?:[^"\\]|\\.)*)"/.exec(line)
+  const at = /\btimestamp=(\S+)/.exec(line)
+  const level = /\blevel=(\S+)/.exec(line)
+  if (message === null || at === null || level === null) return undefined
+  return { at: Date.parse(at[1]!), level: level[1]!, message: JSON.parse(`"${message[1]!}"`) as string }
+}
+
+/** Runs an example against this file's database; returns its log lines (and fails on a non-zero exit). */
+const run = async (file: string): Promise<ReadonlyArray<LogLine>> => {
   const { stdout, stderr } = await promisify(execFile)(process.execPath, ["--import", "tsx", `examples/${file}`], {
     cwd: root,
     env: { ...process.env, DATABASE_URL: db.url },
     timeout: 60_000
   })
-  return stdout + stderr
+  const lines = `${stdout}\n${stderr}`.split("\n").filter((line) => line.trim() !== "")
+  const parsed = lines.map(parseLine)
+  // Everything an example prints goes through the logger; anything else would be unchecked.
+  expect(lines.filter((_, i) => parsed[i] === undefined)).toEqual([])
+  return parsed.filter((line): line is LogLine => line !== undefined)
 }
 
+const messages = (lines: ReadonlyArray<LogLine>) => lines.map((line) => line.message)
+
 describe.concurrent("examples run against a real PostgreSQL", () => {
-  it("quick-start.ts", async () => {
-    const out = await run("quick-start.ts")
-    expect(out).toContain("holding nightly with fencing token 1")
-    expect(out).toContain("runs once across replicas")
+  it("quick-start.ts: a lease with token 1, then a guarded body", async () => {
+    const lines = await run("quick-start.ts")
+    expect(messages(lines)).toEqual(["holding nightly with fencing token 1", "runs once across replicas"])
   })
 
-  it("migration-lock.ts applies the migration exactly once across three replicas", async () => {
-    const out = await run("migration-lock.ts")
-    expect(out.match(/applied migration 1/g)).toHaveLength(1)
-    expect(out.match(/already applied/g)).toHaveLength(2)
-    expect(out).toContain("applied exactly 1 time(s)")
+  it("migration-lock.ts: three replicas, the migration applied by exactly one, and the summary names it", async () => {
+    const out = messages(await run("migration-lock.ts"))
+    const applied = out.flatMap((m) => /^replica (\d): applied migration 1$/.exec(m)?.[1] ?? [])
+    const skipped = out.flatMap((m) => /^replica (\d): migrations already applied$/.exec(m)?.[1] ?? [])
+    expect(applied).toHaveLength(1)
+    expect([...applied, ...skipped].sort()).toEqual(["1", "2", "3"])
+    // The summary reads the table: one row, written by the replica that said it applied it.
+    expect(out.at(-1)).toBe(`migration 1 was applied 1 time, by replica ${applied[0]}`)
   })
 
-  it("cron-singleton.ts runs the job on one replica, then the other takes over", async () => {
-    const out = await run("cron-singleton.ts")
-    const lines = out.split("\n").filter((line) => line.includes("building the report"))
-    const firstB = lines.findIndex((line) => line.includes("replica-b"))
-    expect(lines[0]).toContain("replica-a")
-    expect(firstB).toBeGreaterThan(0)
-    // Once replica-b leads, replica-a never runs again: never two leaders.
-    expect(lines.slice(firstB).every((line) => line.includes("replica-b"))).toBe(true)
+  it("cron-singleton.ts: the job runs on one replica at a time, and replica-b takes over within the ttl", async () => {
+    const lines = await run("cron-singleton.ts")
+    const shutdown = lines.findIndex((line) => line.message === "replica-a shuts down; replica-b takes over")
+    expect(shutdown).toBeGreaterThan(0)
+    const runs = lines.flatMap((line, i) => {
+      const who = /^(replica-[ab]): building the report$/.exec(line.message)?.[1]
+      return who === undefined ? [] : [{ who, i, at: line.at }]
+    })
+    const before = runs.filter((r) => r.i < shutdown)
+    const after = runs.filter((r) => r.i > shutdown)
+    // Never two leaders: replica-b, started 300 ms after replica-a, never ran while replica-a led.
+    expect(before.length).toBeGreaterThan(0)
+    expect(before.every((r) => r.who === "replica-a")).toBe(true)
+    expect(after.length).toBeGreaterThan(0)
+    expect(after.every((r) => r.who === "replica-b")).toBe(true)
+    // The header's promise: the next replica takes over within a lease's ttl (2 s here).
+    expect(after[0]!.at - lines[shutdown]!.at).toBeLessThanOrEqual(2_000)
   })
 
-  it("fenced-write.ts refuses the stale holder's write", async () => {
-    const out = await run("fenced-write.ts")
-    expect(out).toContain("wrote balance 100")
-    expect(out).toContain("was refused: stale fencing token")
-    expect(out).toContain("balance is 100")
+  it("fenced-write.ts: the newer token writes, the older one is refused, the balance is the newer write", async () => {
+    const out = messages(await run("fenced-write.ts"))
+    expect(out).toHaveLength(3)
+    const current = /^holder with token (\d+) wrote balance 100$/.exec(out[0]!)?.[1]
+    const refused = /^holder with token (\d+) was refused: stale fencing token for "example-accounts": presented (\d+), but (\d+) was already accepted$/
+      .exec(out[1]!)
+    expect(current).toBeDefined()
+    expect(refused).not.toBeNull()
+    const [, old, presented, accepted] = refused!
+    expect(BigInt(old!)).toBeLessThan(BigInt(current!))
+    expect(presented).toBe(old)
+    expect(accepted).toBe(current)
+    expect(out[2]).toBe("balance is 100")
   })
 
-  it("dedicated-lock-pool.ts finishes 200 locked bodies on a 4-connection pool", async () => {
-    const out = await run("dedicated-lock-pool.ts")
-    expect(out).toContain("200 locked bodies finished")
+  it("dedicated-lock-pool.ts: 200 locked bodies finish on a 4-connection work pool", async () => {
+    const out = messages(await run("dedicated-lock-pool.ts"))
+    expect(out).toEqual(["200 locked bodies finished on a 4-connection work pool"])
   })
 })
