@@ -7,7 +7,7 @@ import * as Fs from "node:fs"
 import type { Server } from "../tools/embeddedPostgres.js"
 import type { Fleet, Holder } from "./fleet.js"
 import type { Prng } from "./prng.js"
-import { appName, type Backend, LOCK_NAME, lockName } from "./protocol.js"
+import { appName, type Backend, LOCK_NAME, lockName, longestRoundMs } from "./protocol.js"
 
 export const FAULT_KINDS = [
   "worker-kill",
@@ -20,22 +20,20 @@ export const FAULT_KINDS = [
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
 
-/**
- * Slack over what the library itself promises, for one round of work (≤ 0.4 s), a worker's error
- * backoff, reconnecting after a restart, and a loaded 2-core machine.
- */
-export const RECOVERY_MARGIN_MS = 5_000
+/** Slack for a worker's error backoff, reconnecting after a restart, and a loaded 2-core machine. */
+export const RECOVERY_SLACK_MS = 3_000
 
 /**
- * How long after a fault ended a new write must have been accepted. A lease (PgLease) held by a
- * process that died or froze is taken over once it expires: at most one ttl after the holder's
- * last renewal, which is at most one ttl before the fault ended. A session advisory lock
- * (PgAdvisory) goes when its session does — at once for a killed process or a terminated or
- * restarted backend — and a frozen advisory holder keeps it until it is resumed, by design
- * (README "Not a lease"), so the bound counts from the resume.
+ * How long after a fault ended a new write must have been accepted: what the library promises,
+ * plus the longest round of whoever takes the lock first (it writes at the end of its round),
+ * plus slack. A lease (PgLease) held by a process that died or froze is taken over once it
+ * expires: at most one ttl after the holder's last renewal, which is at most one ttl before the
+ * fault ended. A session advisory lock (PgAdvisory) goes when its session does — at once for a
+ * killed process or a terminated or restarted backend — and a frozen advisory holder keeps it
+ * until it is resumed, by design (README "Not a lease"), so the bound counts from the resume.
  */
 export const recoveryBoundMs = (_kind: FaultKind, backend: Backend, ttlMs: number): number =>
-  (backend === "pg-lease" ? ttlMs : 0) + RECOVERY_MARGIN_MS
+  (backend === "pg-lease" ? ttlMs : 0) + longestRoundMs(ttlMs) + RECOVERY_SLACK_MS
 
 /** What each fault does, for the report. */
 export const FAULT_DESCRIPTIONS: Readonly<Record<FaultKind, string>> = {
@@ -46,6 +44,38 @@ export const FAULT_DESCRIPTIONS: Readonly<Record<FaultKind, string>> = {
   "server-freeze": "SIGSTOP of server processes for 1–3 × ttl: the backend holding the advisory lock (PgAdvisory), every backend of the holder's pool (PgLease)",
   "db-restart": "fast shutdown of the server (every session terminated), down 0.3–2 s, started again on the same port and data",
   "pool-saturation": "every connection of the worker's own pool busy in pg_sleep for 3 × ttl"
+}
+
+/** Why each fault's recovery starts when it does, per backend: the library's part of the bound. */
+export const RECOVERY_REASONS: Readonly<Record<FaultKind, Readonly<Record<Backend, string>>>> = {
+  "worker-kill": {
+    "pg-advisory": "the kernel closes the dead process's sockets; the server drops its locks at once",
+    "pg-lease": "the dead holder's row expires at most one ttl after its last renewal"
+  },
+  "worker-freeze": {
+    "pg-advisory": "a frozen client keeps its lock while its connection lives (\"Not a lease\"): counted from the resume",
+    "pg-lease": "the frozen holder's row expires within one ttl; after the resume it must stop at once"
+  },
+  "worker-stall": {
+    "pg-advisory": "the stalled process keeps its lock and goes on after the stall",
+    "pg-lease": "below the safe time the holder goes on; above it the row expires within one ttl"
+  },
+  "session-terminate": {
+    "pg-advisory": "the terminated session's locks are dropped by the server at once",
+    "pg-lease": "the lease lives in a row: the pool reconnects and the holder goes on"
+  },
+  "server-freeze": {
+    "pg-advisory": "the frozen backend keeps the lock at the server until it is resumed; then it ends or goes on",
+    "pg-lease": "statements on the frozen backends hang until the resume; the row may expire within one ttl"
+  },
+  "db-restart": {
+    "pg-advisory": "every session died with the server: locks are free once it is up",
+    "pg-lease": "rows survive the restart; a lease not renewed meanwhile expires within one ttl"
+  },
+  "pool-saturation": {
+    "pg-advisory": "lock sessions are not in the app's pool: the holder waits for a connection for its write (up to 5 s), others for the lock",
+    "pg-lease": "renewals must not queue behind the app's statements; the holder's write waits for a connection (up to 5 s)"
+  }
 }
 
 /** One injected fault, as the checker and the report see it. Times are `Date.now()` of the driver. */
@@ -195,7 +225,7 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
       : ctx.prng.int(Math.round(0.15 * ctx.ttlMs), Math.round(0.3 * ctx.ttlMs))
     const { target, holder } = await pickTarget(ctx)
     const startedAt = Date.now()
-    const ended = ctx.fleet.waitFor((e) => e.w === target && e.e === "stall-end", ms + RECOVERY_MARGIN_MS)
+    const ended = ctx.fleet.waitFor((e) => e.w === target && e.e === "stall-end", ms + RECOVERY_SLACK_MS)
     ctx.fleet.send(target, { c: "stall", ms })
     const end = await ended
     return {
@@ -276,7 +306,7 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
     const ms = 3 * ctx.ttlMs
     const { target, holder } = await pickTarget(ctx)
     const startedAt = Date.now()
-    const ended = ctx.fleet.waitFor((e) => e.w === target && e.e === "saturate-end", ms + 3 * RECOVERY_MARGIN_MS)
+    const ended = ctx.fleet.waitFor((e) => e.w === target && e.e === "saturate-end", ms + 3 * RECOVERY_SLACK_MS)
     ctx.fleet.send(target, { c: "saturate", ms })
     const end = await ended
     const failed = end?.e === "saturate-end" ? end.failed : undefined

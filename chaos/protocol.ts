@@ -27,6 +27,18 @@ export const roundsTableSql = `create table if not exists ${ROUNDS_TABLE} (
   written_at timestamptz not null
 )`
 
+/** A round's work before its read: short (ms) three times in four… */
+export const SHORT_WORK_MS = { min: 50, max: 250 } as const
+/** …else long, in ttls, so that leases renew while held and faults find holders deep in a round. */
+export const LONG_WORK_TTLS = { min: 0.5, max: 1.5, chance: 0.25 } as const
+/** The deliberate gap between reading the last round and writing the next one (ms). */
+export const GAP_MS = { min: 20, max: 80 } as const
+/** Allowance for the read and the fenced write's transaction in a round. */
+const STATEMENTS_MS = 200
+
+/** The longest a holder keeps the lock in one round when nothing goes wrong. */
+export const longestRoundMs = (ttlMs: number): number => Math.round(LONG_WORK_TTLS.max * ttlMs) + GAP_MS.max + STATEMENTS_MS
+
 /** application_name of a worker's application pool (PgLease's lock statements run on it too). */
 export const appName = (slot: number) => `chaos-w${slot}-app`
 /** application_name of a worker's PgAdvisory lock sessions. */

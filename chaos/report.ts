@@ -8,7 +8,16 @@ import * as Os from "node:os"
 import { fileURLToPath } from "node:url"
 import { packageVersion } from "../bench/lib/versions.js"
 import { type CheckResult, VIOLATION_KINDS, type ViolationKind } from "./checker.js"
-import { FAULT_DESCRIPTIONS, FAULT_KINDS, RECOVERY_MARGIN_MS } from "./faults.js"
+import {
+  costsNoLock,
+  FAULT_DESCRIPTIONS,
+  FAULT_KINDS,
+  type FaultKind,
+  RECOVERY_REASONS,
+  RECOVERY_SLACK_MS,
+  recoveryBoundMs
+} from "./faults.js"
+import { type Backend, longestRoundMs } from "./protocol.js"
 import type { BackendRun, ChaosRun } from "./run.js"
 
 /** Violations listed in full per backend; the rest are counted. */
@@ -39,6 +48,12 @@ const VIOLATION_MEANING: Readonly<Record<ViolationKind, string>> = {
   "left-held": "an advisory lock or a live lease row left after every worker stopped",
   "stop-hang": "a worker that did not stop (release and exit) within 10 s when asked",
   "crash": "a worker process that died on its own (not a typed failure to start)"
+}
+
+const noLossNote = (kind: FaultKind, backend: Backend): string => {
+  const below = costsNoLock(kind, backend, "below")
+  const above = costsNoLock(kind, backend, "above")
+  return below && above ? "; no loss" : below ? "; no loss below the safe time" : ""
 }
 
 const gitRevision = (): string => {
@@ -178,12 +193,15 @@ export const renderMarkdown = (run: ChaosRun): string => {
     "## What the run does",
     "",
     `Per backend, ${run.options.workers} worker processes (chaos/worker.ts) loop on one lock in a fresh database. Each round,`,
-    "holding the lock under `DistributedLock.guard` (what `withLock` uses), a worker reads the last round of the write",
+    "holding the lock under `DistributedLock.guard` (what `withLock` uses), a worker works (50–250 ms, or 0.5–2.5 × ttl",
+    "one round in four, so leases renew while held), reads the last round of the write",
     "log, waits a deliberate 20–80 ms gap, then in one transaction runs `Fence.check` with the lease's token and",
     "inserts round + 1 (worker, token, acquisition id, `clock_timestamp()`). A double holder would write a round",
     "twice; a stale holder is refused by the fence. The driver (chaos/run.ts) injects one fault at a time, waits",
     "for a write after it (or its bound), pauses 0.3–1 s, and draws the next kind from a seeded deck holding",
-    "every kind once, so a short run still has them all.",
+    "every kind once, so a short run still has them all. Four faults in five are aimed at the next worker granted",
+    "the lock, a random 0–350 ms into its round (before, inside or after its read-to-write gap); the fifth hits any",
+    "worker.",
     "",
     table(["fault", "what it does"], FAULT_KINDS.map((kind) => [`\`${kind}\``, FAULT_DESCRIPTIONS[kind]])),
     "",
@@ -197,11 +215,26 @@ export const renderMarkdown = (run: ChaosRun): string => {
     "  to the millisecond like `Date.now()`, so a write committed before the report is never flagged (one within the",
     "  same millisecond can be missed). For a remote server the measured offset would be subtracted.",
     "- **Nothing lost**: every write a worker saw commit is in the log (restarts included).",
-    `- **Recovery**: after each fault ends, a write is accepted within its bound: PgAdvisory ${RECOVERY_MARGIN_MS} ms`,
-    `  (a session lock goes with its session at once; a frozen advisory holder keeps it until resumed, by design,`,
-    `  so the bound counts from the resume); PgLease ttl + ${RECOVERY_MARGIN_MS} ms (a dead or frozen holder's lease`,
-    `  expires at most one ttl after its last renewal). The ${RECOVERY_MARGIN_MS} ms margin covers a round of work,`,
-    "  a worker's error backoff, reconnecting after a restart, and a loaded 2-core machine.",
+    "- **No needless loss**: a holder hit by a fault the library promises costs nothing reports no `LockLost`",
+    "  during it or within 2 s after it (DESIGN.md non-negotiables, issue 10): pool saturation (renewals never queue",
+    "  behind the app's statements), a stall below the lease's safe time, any stall or freeze of a PgAdvisory client",
+    "  (its live session's answers are read late, not lost; \"Not a lease\"), terminated pool sessions under PgLease",
+    "  (the lease lives in a row).",
+    `- **Recovery**: after each fault ends, a write is accepted within its bound: what the library promises (below),`,
+    `  plus the longest round of whoever takes the lock first (1.5 × ttl + ${longestRoundMs(0)} ms: it writes at the end),`,
+    `  plus ${RECOVERY_SLACK_MS} ms for a worker's error backoff, reconnecting after a restart and a loaded 2-core machine.`,
+    "",
+    table(
+      ["fault", ...run.options.backends.map((b) => `${b}: bound from the fault's end (ms)`), "why"],
+      FAULT_KINDS.map((kind) => [
+        `\`${kind}\``,
+        ...run.options.backends.map((b) => `${recoveryBoundMs(kind, b, run.options.ttlMs)}${noLossNote(kind, b)}`),
+        run.options.backends.map((b) => `${b}: ${RECOVERY_REASONS[kind][b]}`).join("; ")
+      ])
+    ),
+    "",
+    "  (\"no loss\": the fault must not cost the holder its lock — see *No needless loss*.)",
+    "",
     "- **Nothing left held**: after every worker was asked to stop, no advisory lock in `pg_locks` and no live",
     "  lease row; every worker stopped within 10 s; no worker died on its own.",
     ""

@@ -32,9 +32,12 @@ import {
   type Command,
   EXIT_LAYER_FAILED,
   FENCE_RESOURCE,
+  GAP_MS,
   LOCK_NAME,
+  LONG_WORK_TTLS,
   lockName,
   ROUNDS_TABLE,
+  SHORT_WORK_MS,
   WORKER_ENV,
   type WorkerConfig,
   type WorkerEvent
@@ -62,15 +65,24 @@ const print = (event: WorkerEvent): void => {
 }
 const emit = (event: WorkerEvent) => Effect.sync(() => print(event))
 
+/** Work before the read: mostly short (many handoffs), sometimes long (renewals while held). */
+const workMillis = (): number => {
+  // Every draw is made every round, so a worker's PRNG stream does not depend on which kind it got.
+  const long = prng.chance(LONG_WORK_TTLS.chance)
+  const short = prng.int(SHORT_WORK_MS.min, SHORT_WORK_MS.max)
+  const longMillis = prng.int(Math.round(LONG_WORK_TTLS.min * config.ttlMs), Math.round(LONG_WORK_TTLS.max * config.ttlMs))
+  return long ? longMillis : short
+}
+
 /** The round's work: read, gap, fenced write. Interruptible throughout, like any `withLock` body. */
 const work = (lease: Lease, acq: string) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
-    yield* Effect.sleep(Duration.millis(prng.int(50, 250)))
+    yield* Effect.sleep(Duration.millis(workMillis()))
     const [last] = yield* sql<{ last: number }>`select coalesce(max(round), 0)::int as last from ${sql(ROUNDS_TABLE)}`
     const round = (last?.last ?? 0) + 1
     // The deliberate gap: a second holder in it would read the same last round and write it twice.
-    yield* Effect.sleep(Duration.millis(prng.int(20, 80)))
+    yield* Effect.sleep(Duration.millis(prng.int(GAP_MS.min, GAP_MS.max)))
     const token = lease.token.toString()
     const seq = yield* sql.withTransaction(
       Effect.gen(function*() {
