@@ -160,7 +160,7 @@ export const renderMarkdown = (run: ChaosRun): string => {
     table(["", ""], [
       ["seed", String(run.seed)],
       ["backends", run.options.backends.join(", ")],
-      ["fault injection per backend", `${minutes} min (the last fault's recovery may run past it)`],
+      ["fault injection per backend", `${minutes} min, and at least one fault of each kind (the last fault's recovery may run past it)`],
       ["workers (OS processes) per backend", String(run.options.workers)],
       ["lease ttl (PgLease)", `${run.options.ttlMs} ms`],
       ["worker pool (`PgClient` maxConnections)", String(run.options.poolSize)],

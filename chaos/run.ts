@@ -10,14 +10,14 @@ import * as Path from "node:path"
 import pg from "pg"
 import { type Server, startPostgres, withClient } from "../tools/embeddedPostgres.js"
 import { check, type CheckResult, type WriteRow } from "./checker.js"
-import { type FaultContext, type FaultKind, type FaultRecord, inject, makeDeck } from "./faults.js"
+import { FAULT_KINDS, type FaultContext, type FaultKind, type FaultRecord, inject, makeDeck } from "./faults.js"
 import { makeFleet } from "./fleet.js"
 import { deriveSeed, makePrng } from "./prng.js"
 import { type Backend, DRIVER_APPLICATION, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
 
 export interface ChaosOptions {
   readonly backends: ReadonlyArray<Backend>
-  /** Fault injection time per backend; the last fault's recovery may run past it. */
+  /** Fault injection time per backend; the last fault's recovery may run past it, and every kind is injected at least once. */
   readonly durationMs: number
   readonly seed: number
   readonly workers: number
@@ -218,8 +218,10 @@ const runBackend = async (
       frozenPids,
       stallAbove: prng.chance(0.5)
     }
-    const nextKind = makeDeck(prng, options.kinds)
-    while (Date.now() - startedAt < options.durationMs) {
+    const kinds = options.kinds ?? FAULT_KINDS
+    const nextKind = makeDeck(prng, kinds)
+    // At least one fault of every kind, however short the run.
+    while (Date.now() - startedAt < options.durationMs || faults.length < kinds.length) {
       const kind = nextKind()
       const fault = await inject(kind, ctx)
       faults.push(fault)
