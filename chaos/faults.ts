@@ -95,6 +95,8 @@ export interface FaultRecord {
   readonly skipped?: string | undefined
   /** The library promises that this fault costs the holder nothing: a loss it reports is a violation. */
   readonly costsNoLock: boolean
+  /** The seed of the phase that drew it (`--seed` replays that sequence). */
+  readonly seed?: number | undefined
 }
 
 export interface FaultContext {

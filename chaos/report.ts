@@ -17,7 +17,7 @@ import {
   RECOVERY_SLACK_MS,
   recoveryBoundMs
 } from "./faults.js"
-import { type Backend, longestRoundMs } from "./protocol.js"
+import { type Backend, LONG_WORK_TTLS, longestRoundMs, SHORT_WORK_MS } from "./protocol.js"
 import type { BackendRun, ChaosRun } from "./run.js"
 
 /** Violations listed in full per backend; the rest are counted. */
@@ -68,7 +68,9 @@ const gitRevision = (): string => {
 
 const command = (run: ChaosRun): string => {
   const backend = run.options.backends.length > 1 ? "all" : run.options.backends[0]
-  return `npm run chaos -- --backend ${backend} --minutes ${run.options.durationMs / 60_000} --seed ${run.seed} --workers ${run.options.workers} --ttl-ms ${run.options.ttlMs}`
+  const extra = run.options.extraSeeds ?? []
+  const then = extra.length === 0 ? "" : ` (this run then drew one deck of faults from each of the seeds ${extra.join(", ")}: replay one with its own --seed)`
+  return `\`npm run chaos -- --backend ${backend} --minutes ${run.options.durationMs / 60_000} --seed ${run.seed} --workers ${run.options.workers} --ttl-ms ${run.options.ttlMs}\`${then}`
 }
 
 const resultRows = (runs: ReadonlyArray<BackendRun>): Array<Array<string>> => {
@@ -120,14 +122,15 @@ const violationSection = (run: BackendRun): string => {
   ].join("\n")
 }
 
-const sequenceSection = (run: BackendRun): string =>
+const sequenceSection = (run: BackendRun, phased: boolean): string =>
   [
     `### ${run.backend}`,
     "",
     table(
-      ["#", "at", "fault", "target (holder)", "what", "recovery", "holder told"],
+      ["#", ...(phased ? ["seed"] : []), "at", "fault", "target (holder)", "what", "recovery", "holder told"],
       run.check.faultOutcomes.map((o, i) => [
         String(i + 1),
+        ...(phased ? [String(o.fault.seed ?? "")] : []),
         `+${((o.fault.startedAt - run.startedAt) / 1000).toFixed(1)} s`,
         o.fault.kind,
         o.fault.target === undefined ? "–" : `w${o.fault.target}${o.fault.holder === undefined ? "" : ` (${o.fault.holder.acq}, token ${o.fault.holder.token})`}`,
@@ -149,7 +152,7 @@ export const renderMarkdown = (run: ChaosRun): string => {
   return [
     "# Chaos run",
     "",
-    `Written by \`npm run chaos\` (chaos/main.ts). Re-run: \`${command(run)}\` — the seed replays the same`,
+    `Written by \`npm run chaos\` (chaos/main.ts). Re-run: ${command(run)} — the seed replays the same`,
     "fault sequence (kinds, order, durations, which worker is preferred); where each fault lands in a",
     "worker's round depends on timing and differs between runs.",
     "",
@@ -189,11 +192,11 @@ export const renderMarkdown = (run: ChaosRun): string => {
     ...runs.map(violationSection),
     "## Fault sequence",
     "",
-    ...runs.map(sequenceSection),
+    ...runs.map((r) => sequenceSection(r, (run.options.extraSeeds ?? []).length > 0)),
     "## What the run does",
     "",
     `Per backend, ${run.options.workers} worker processes (chaos/worker.ts) loop on one lock in a fresh database. Each round,`,
-    "holding the lock under `DistributedLock.guard` (what `withLock` uses), a worker works (50–250 ms, or 0.5–2.5 × ttl",
+    `holding the lock under \`DistributedLock.guard\` (what \`withLock\` uses), a worker works (${SHORT_WORK_MS.min}–${SHORT_WORK_MS.max} ms, or ${LONG_WORK_TTLS.min}–${LONG_WORK_TTLS.max} × ttl`,
     "one round in four, so leases renew while held), reads the last round of the write",
     "log, waits a deliberate 20–80 ms gap, then in one transaction runs `Fence.check` with the lease's token and",
     "inserts round + 1 (worker, token, acquisition id, `clock_timestamp()`). A double holder would write a round",

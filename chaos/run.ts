@@ -29,6 +29,12 @@ export interface ChaosOptions {
   readonly log: (line: string) => void
   /** Where each backend's worker log (stderr of the workers) is written. */
   readonly logDir: string
+  /**
+   * After the first phase (`seed`, `durationMs`), one more phase per seed here, each one deck of
+   * every kind: a test replays a fixed sequence and explores a random one with one set of workers.
+   * A phase's faults are replayed alone by `--seed` with its seed.
+   */
+  readonly extraSeeds?: ReadonlyArray<number> | undefined
   /** Fault kinds to draw from (default: all). */
   readonly kinds?: ReadonlyArray<FaultKind> | undefined
 }
@@ -190,7 +196,6 @@ const runBackend = async (
   await query(roundsTableSql)
   const clock = await measureClock(url, server.embedded)
   const logFile = Path.join(options.logDir, `chaos-${backend}-${options.seed}-${process.pid}.log`)
-  const prng = makePrng(deriveSeed(options.seed, backend))
   const fleet = makeFleet({
     workers: options.workers,
     logFile,
@@ -207,33 +212,39 @@ const runBackend = async (
     if (!first) log(`${backend}: no write within ${FIRST_WRITE_TIMEOUT_MS} ms of the start; injecting faults anyway`)
     startedAt = Date.now()
     const stamp = () => `+${((Date.now() - startedAt) / 1000).toFixed(1).padStart(5)}s`
-    const ctx: FaultContext = {
-      backend,
-      ttlMs: options.ttlMs,
-      workers: options.workers,
-      prng,
-      fleet,
-      server,
-      query,
-      frozenPids,
-      stallAbove: prng.chance(0.5)
-    }
-    const kinds = options.kinds ?? FAULT_KINDS
-    const nextKind = makeDeck(prng, kinds)
-    // At least one fault of every kind, however short the run.
-    while (Date.now() - startedAt < options.durationMs || faults.length < kinds.length) {
-      const kind = nextKind()
-      const fault = await inject(kind, ctx)
-      faults.push(fault)
-      if (fault.skipped !== undefined) {
-        log(`${stamp()} ${backend}: ${kind} skipped: ${fault.skipped}`)
-      } else {
-        const recovered = fleet.events.find((e) => e.e === "wrote" && e.t > fault.endedAt) ??
-          (await fleet.waitFor((e) => e.e === "wrote" && e.t > fault.endedAt, fault.boundMs))
-        const after = recovered === undefined ? `NO write within ${fault.boundMs} ms` : `next write after ${recovered.t - fault.endedAt} ms`
-        log(`${stamp()} ${backend}: ${kind}: ${fault.detail}${fault.holder === undefined ? "" : ` [holder ${fault.holder.acq}]`}; ${after}`)
+    const phases = [{ seed: options.seed, durationMs: options.durationMs }, ...(options.extraSeeds ?? []).map((seed) => ({ seed, durationMs: 0 }))]
+    for (const phase of phases) {
+      const prng = makePrng(deriveSeed(phase.seed, backend))
+      const ctx: FaultContext = {
+        backend,
+        ttlMs: options.ttlMs,
+        workers: options.workers,
+        prng,
+        fleet,
+        server,
+        query,
+        frozenPids,
+        stallAbove: prng.chance(0.5)
       }
-      await sleep(prng.int(300, 1_000))
+      const kinds = options.kinds ?? FAULT_KINDS
+      const nextKind = makeDeck(prng, kinds)
+      const phaseStart = Date.now()
+      if (phases.length > 1) log(`${stamp()} ${backend}: faults from seed ${phase.seed}`)
+      // At least one fault of every kind, however short the phase.
+      for (let injected = 0; Date.now() - phaseStart < phase.durationMs || injected < kinds.length; injected++) {
+        const kind = nextKind()
+        const fault: FaultRecord = { ...(await inject(kind, ctx)), seed: phase.seed }
+        faults.push(fault)
+        if (fault.skipped !== undefined) {
+          log(`${stamp()} ${backend}: ${kind} skipped: ${fault.skipped}`)
+        } else {
+          const recovered = fleet.events.find((e) => e.e === "wrote" && e.t > fault.endedAt) ??
+            (await fleet.waitFor((e) => e.e === "wrote" && e.t > fault.endedAt, fault.boundMs))
+          const after = recovered === undefined ? `NO write within ${fault.boundMs} ms` : `next write after ${recovered.t - fault.endedAt} ms`
+          log(`${stamp()} ${backend}: ${kind}: ${fault.detail}${fault.holder === undefined ? "" : ` [holder ${fault.holder.acq}]`}; ${after}`)
+        }
+        await sleep(prng.int(300, 1_000))
+      }
     }
   } finally {
     stoppedAt = Date.now()
