@@ -193,12 +193,14 @@ const checkNeedlessLosses = (input: CheckInput): Array<Violation> =>
     if (!fault.costsNoLock || fault.holder === undefined || fault.skipped !== undefined) return []
     const until = Math.min(fault.endedAt + LOSS_ATTRIBUTION_MS, input.faults[index + 1]?.startedAt ?? Infinity)
     const lost = input.events.find((e) => e.e === "lost" && e.acq === fault.holder!.acq && e.t >= fault.startedAt && e.t <= until)
-    return lost?.e === "lost"
-      ? [{
-        kind: "needless-loss",
-        detail: `${fault.kind} (${fault.detail}) at ${iso(fault.startedAt)}: holder ${lost.acq} (token ${lost.token}) reported LockLost (${lost.reason}) ${lost.t - fault.startedAt} ms after it began, although this fault must cost no lock`
-      }]
-      : []
+    if (lost?.e !== "lost") return []
+    // When the store let the next holder in says how long it still granted the lease given up.
+    const next = input.events.find((e): e is Stamped & { readonly e: "acquired" } => e.e === "acquired" && BigInt(e.token) > BigInt(lost.token))
+    const nextGrant = next === undefined ? "no later grant" : `the next grant (token ${next.token}) came ${next.t - lost.t} ms after the loss`
+    return [{
+      kind: "needless-loss",
+      detail: `${fault.kind} (${fault.detail}) at ${iso(fault.startedAt)}: holder ${lost.acq} (token ${lost.token}) reported LockLost (${lost.reason}) ${lost.t - fault.startedAt} ms after it began, although this fault must cost no lock; ${nextGrant}`
+    }]
   })
 
 const recoveryOf = (input: CheckInput, commits: ReadonlyArray<number>, fault: FaultRecord): FaultOutcome => {

@@ -142,6 +142,7 @@ describe("chaos checker", () => {
     const result = check(input)
     expect(result.violations.map((v) => v.kind)).toEqual(["needless-loss"])
     expect(result.violations[0]!.detail).toContain("holder 2.0.1 (token 2) reported LockLost (renewal-failed) 35 ms after it began")
+    expect(result.violations[0]!.detail).toContain("the next grant (token 4) came 1045 ms after the loss")
     expect(kinds({ ...input, faults: [{ ...saturation, costsNoLock: false }] })).toEqual([])
     expect(kinds({ ...input, faults: [{ ...saturation, startedAt: 356 }] })).toEqual([])
   })
