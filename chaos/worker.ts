@@ -16,6 +16,7 @@ import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as Layer from "effect/Layer"
 import * as Logger from "effect/Logger"
+import * as Option from "effect/Option"
 import * as LogLevel from "effect/LogLevel"
 import * as Redacted from "effect/Redacted"
 import * as Runtime from "effect/Runtime"
@@ -127,23 +128,24 @@ const round = (n: number) =>
       }
     })
     const started = Date.now()
-    yield* Effect.scoped(held).pipe(
-      Effect.catchTag("LockTimeout", () => emit({ e: "timeout", waitedMs: Date.now() - started })),
-      Effect.catchAll((error) => Effect.zipRight(emit({ e: "error", acq, tag: error._tag, message: error.message }), Effect.sleep(ERROR_BACKOFF)))
+    // Interruption (the driver's stop) goes through; any other failure or defect ends only this round.
+    const failure = yield* Effect.scoped(held).pipe(
+      Effect.as(Option.none<Cause.Cause<DistributedLock.AcquireError>>()),
+      Effect.catchAllCause((cause) => Cause.isInterruptedOnly(cause) ? Effect.failCause(cause) : Effect.succeedSome(cause))
     )
     // The scope has closed: the lock was released (or given back) unless it was lost.
     if (state.token !== undefined && !state.lost) yield* emit({ e: "released", acq, token: state.token })
-  }).pipe(
-    // A defect (e.g. a COMMIT on a killed connection, which sql-pg makes a defect) ends the round, not the worker.
-    Effect.catchAllCause((cause) =>
-      Cause.isInterruptedOnly(cause)
-        ? Effect.failCause(cause)
-        : Effect.zipRight(
-          emit({ e: "error", tag: "defect", message: Cause.pretty(cause).split("\n")[0] ?? "defect" }),
-          Effect.sleep(ERROR_BACKOFF)
-        )
-    )
-  )
+    if (Option.isNone(failure)) return
+    const error = Cause.failureOption(failure.value)
+    if (Option.isSome(error) && error.value._tag === "LockTimeout") return yield* emit({ e: "timeout", waitedMs: Date.now() - started })
+    yield* Option.match(error, {
+      // A defect, e.g. a COMMIT on a killed connection, which sql-pg makes a defect.
+      onNone: () => emit({ e: "error", acq, tag: "defect", message: Cause.pretty(failure.value).split("\n")[0] ?? "defect" }),
+      onSome: (e) => emit({ e: "error", acq, tag: e._tag, message: e.message })
+    })
+    // Paced, so that a server that is down is not hammered.
+    yield* Effect.sleep(ERROR_BACKOFF)
+  })
 
 /** All of the pool's connections busy in slow queries, as an application under load would keep them. */
 const saturate = (ms: number) =>
