@@ -47,7 +47,8 @@ const parse = () => {
   const seedText = argument("--seed")
   return {
     backends: backend === "all" ? [...BACKENDS] : [backend as Backend],
-    minutes: number("--minutes", DEFAULTS.minutes, (n) => n > 0 && n <= 24 * 60, "a positive number of minutes"),
+    // 0: one fault of each kind, then stop.
+    minutes: number("--minutes", DEFAULTS.minutes, (n) => n >= 0 && n <= 24 * 60, "a number of minutes from 0 (one fault of each kind) to 1440"),
     seed: seedText === undefined ? randomSeed() : parseSeed(seedText),
     workers: number("--workers", DEFAULTS.workers, (n) => Number.isInteger(n) && n >= 2 && n <= 32, "a whole number from 2 to 32"),
     ttlMs: number("--ttl-ms", DEFAULTS.ttlMs, (n) => Number.isInteger(n) && n >= 1_000, "a whole number of ms, at least 1000 (PgLease's floor)"),
