@@ -1,0 +1,331 @@
+/**
+ * The chaos run's checker: from the database's write log, the workers' events and the faults the
+ * driver injected, it proves — or refutes with the rows and events at fault — what a lock with
+ * fencing tokens promises. Pure: `test/chaos.test.ts` runs it on hand-made logs.
+ *
+ * Clocks. Events and faults are stamped with `Date.now()` on this host; write times come from the
+ * server (`pg_xact_commit_timestamp`, or the insert's `clock_timestamp()` when commit timestamps
+ * are off). On one host both read the same system clock, so no alignment is needed
+ * (`serverOffsetMs` 0); for a remote server the driver measures the offset (server − local) and
+ * it is subtracted from the server's times. A server time is floored to the millisecond before it
+ * is compared with `Date.now()` (which is floored too): "written after the loss was reported" is
+ * then never claimed for a write that committed before it, at the cost of missing one within the
+ * same millisecond.
+ */
+import { FAULT_KINDS, type FaultKind, type FaultRecord } from "./faults.js"
+import type { WorkerExit } from "./fleet.js"
+import type { Stamped } from "./protocol.js"
+
+/** One accepted write, as read back from the write log. */
+export interface WriteRow {
+  readonly seq: number
+  readonly round: number
+  readonly worker: number
+  readonly token: bigint
+  readonly acquisition: string
+  /** Server time (ms since the epoch, fractional) of the insert. */
+  readonly writtenAt: number
+  /** Server time of the commit, when the server tracks commit timestamps. */
+  readonly committedAt?: number | undefined
+}
+
+export interface CheckInput {
+  readonly writes: ReadonlyArray<WriteRow>
+  readonly events: ReadonlyArray<Stamped>
+  readonly faults: ReadonlyArray<FaultRecord>
+  /** What was still held after every worker stopped. */
+  readonly leftovers: { readonly advisoryLocks: number; readonly liveLeases: number }
+  /** Workers that did not stop when asked within the driver's bound and had to be killed. */
+  readonly hungAtStop: ReadonlyArray<number>
+  readonly exits: ReadonlyArray<WorkerExit>
+  /** Server clock minus this host's clock, in ms (0 on one host). */
+  readonly serverOffsetMs: number
+  /** When the driver told the workers to stop: a recovery due after it cannot be checked. */
+  readonly stoppedAt: number
+}
+
+export const VIOLATION_KINDS = [
+  "token-order",
+  "round-duplicate",
+  "round-skipped",
+  "write-after-loss",
+  "needless-loss",
+  "write-missing",
+  "no-recovery",
+  "left-held",
+  "stop-hang",
+  "crash"
+] as const
+export type ViolationKind = typeof VIOLATION_KINDS[number]
+
+export interface Violation {
+  readonly kind: ViolationKind
+  readonly detail: string
+}
+
+export interface FaultOutcome {
+  readonly fault: FaultRecord
+  /** ms from the fault's end to the first write committed after it; undefined when none came. */
+  readonly recoveredAfterMs: number | undefined
+  /** `ok`, `late` (after the bound), `none` (no write at all), `unchecked` (the run stopped first), `skipped`. */
+  readonly status: "ok" | "late" | "none" | "unchecked" | "skipped"
+  /** ms from the fault's start until the targeted holder reported its loss, if it did. */
+  readonly holderToldAfterMs: number | undefined
+}
+
+export interface KindSummary {
+  readonly injected: number
+  readonly skipped: number
+  readonly recovered: number
+  readonly worstRecoveryMs: number | undefined
+  readonly boundMs: number | undefined
+}
+
+export interface CheckResult {
+  /** Accepted writes (rows of the write log). */
+  readonly rounds: number
+  readonly acquisitions: number
+  /** Grants made while the previous grant (by token) had not been released: after a loss or a death. */
+  readonly takeovers: number
+  /** Writes the fence refused (a newer token had written). */
+  readonly refusals: number
+  readonly lossesByReason: Readonly<Record<string, number>>
+  readonly errorsByTag: Readonly<Record<string, number>>
+  readonly acquireTimeouts: number
+  readonly exitsByCause: Readonly<Record<string, number>>
+  readonly faultsByKind: Readonly<Record<FaultKind, KindSummary>>
+  readonly faultOutcomes: ReadonlyArray<FaultOutcome>
+  readonly violations: ReadonlyArray<Violation>
+  readonly violationsByKind: Readonly<Record<ViolationKind, number>>
+  /** Which server time the write checks used. */
+  readonly commitTimes: "commit timestamps" | "insert times (commit timestamps off)" | "no writes"
+}
+
+const count = (into: Record<string, number>, key: string) => {
+  into[key] = (into[key] ?? 0) + 1
+}
+
+/** A server time on this host's timeline, floored to the millisecond like `Date.now()`. */
+const localMillis = (serverMillis: number, offsetMs: number) => Math.floor(serverMillis - offsetMs)
+
+const commitOf = (row: WriteRow) => row.committedAt ?? row.writtenAt
+
+const iso = (millis: number) => new Date(millis).toISOString().slice(11, 23)
+
+const describeRow = (row: WriteRow) => `seq ${row.seq} round ${row.round} token ${row.token} by ${row.acquisition}`
+
+/** Accepted writes in the order the resource accepted them must carry strictly increasing tokens. */
+const checkTokenOrder = (writes: ReadonlyArray<WriteRow>): Array<Violation> => {
+  const ordered = [...writes].sort((a, b) => commitOf(a) - commitOf(b) || a.seq - b.seq)
+  const violations: Array<Violation> = []
+  for (let i = 1; i < ordered.length; i++) {
+    const before = ordered[i - 1]!
+    const after = ordered[i]!
+    if (after.token <= before.token) {
+      violations.push({
+        kind: "token-order",
+        detail: `${describeRow(after)} was accepted after ${describeRow(before)}: token ${after.token === before.token ? "repeated" : "went backwards"}`
+      })
+    }
+  }
+  return violations
+}
+
+/** Rounds 1..n, one row each: a double holder writes a round twice, a lost write leaves a hole. */
+const checkRounds = (writes: ReadonlyArray<WriteRow>): Array<Violation> => {
+  const byRound = new Map<number, Array<WriteRow>>()
+  for (const row of writes) byRound.set(row.round, [...(byRound.get(row.round) ?? []), row])
+  const highest = Math.max(0, ...byRound.keys())
+  const violations: Array<Violation> = []
+  for (let round = 1; round <= highest; round++) {
+    const rows = byRound.get(round) ?? []
+    if (rows.length === 0) violations.push({ kind: "round-skipped", detail: `round ${round} has no row (rounds go up to ${highest})` })
+    if (rows.length > 1) {
+      violations.push({ kind: "round-duplicate", detail: `round ${round} written ${rows.length} times: ${rows.map(describeRow).join("; ")}` })
+    }
+  }
+  for (const round of byRound.keys()) {
+    if (!(Number.isInteger(round) && round >= 1)) violations.push({ kind: "round-skipped", detail: `round ${round} is not a round number` })
+  }
+  return violations
+}
+
+/** A holder that reported its loss must have no write committed after that report. */
+const checkWritesAfterLoss = (input: CheckInput): Array<Violation> => {
+  const lostAt = new Map<string, Stamped & { readonly e: "lost" }>()
+  for (const event of input.events) {
+    if (event.e === "lost" && !lostAt.has(event.acq)) lostAt.set(event.acq, event)
+  }
+  const violations: Array<Violation> = []
+  for (const row of input.writes) {
+    const lost = lostAt.get(row.acquisition)
+    if (lost === undefined) continue
+    const committed = localMillis(commitOf(row), input.serverOffsetMs)
+    if (committed > lost.t) {
+      violations.push({
+        kind: "write-after-loss",
+        detail: `${describeRow(row)} committed at ${iso(committed)}, ${committed - lost.t} ms after w${lost.w} reported the loss (${lost.reason}) at ${iso(lost.t)}`
+      })
+    }
+  }
+  return violations
+}
+
+/** Every write a worker reported as committed must be in the log (a restart must not lose it). */
+const checkReportedWrites = (input: CheckInput): Array<Violation> => {
+  const seqs = new Set(input.writes.map((row) => String(row.seq)))
+  return input.events.flatMap((event): Array<Violation> =>
+    event.e === "wrote" && !seqs.has(event.seq)
+      ? [{ kind: "write-missing", detail: `w${event.w} reported round ${event.round} (seq ${event.seq}, token ${event.token}) committed at ${iso(event.t)}; the log has no such row` }]
+      : []
+  )
+}
+
+/** A loss reported this soon after a fault ended is the fault's doing (the process reports it when it resumes). */
+export const LOSS_ATTRIBUTION_MS = 2_000
+
+/**
+ * A fault the library promises costs nothing (`costsNoLock`) must not make the holder it hit
+ * report a loss — during the fault, or within `LOSS_ATTRIBUTION_MS` after it (before the next one).
+ */
+const checkNeedlessLosses = (input: CheckInput): Array<Violation> =>
+  input.faults.flatMap((fault, index): Array<Violation> => {
+    if (!fault.costsNoLock || fault.holder === undefined || fault.skipped !== undefined) return []
+    const until = Math.min(fault.endedAt + LOSS_ATTRIBUTION_MS, input.faults[index + 1]?.startedAt ?? Infinity)
+    const lost = input.events.find((e) => e.e === "lost" && e.acq === fault.holder!.acq && e.t >= fault.startedAt && e.t <= until)
+    if (lost?.e !== "lost") return []
+    // When the store let the next holder in says how long it still granted the lease given up.
+    const next = input.events.find((e): e is Stamped & { readonly e: "acquired" } => e.e === "acquired" && BigInt(e.token) > BigInt(lost.token))
+    const nextGrant = next === undefined ? "no later grant" : `the next grant (token ${next.token}) came ${next.t - lost.t} ms after the loss`
+    return [{
+      kind: "needless-loss",
+      detail: `${fault.kind} (${fault.detail}) at ${iso(fault.startedAt)}: holder ${lost.acq} (token ${lost.token}) reported LockLost (${lost.reason}) ${lost.t - fault.startedAt} ms after it began, although this fault must cost no lock; ${nextGrant}`
+    }]
+  })
+
+const recoveryOf = (input: CheckInput, commits: ReadonlyArray<number>, fault: FaultRecord): FaultOutcome => {
+  const lost = fault.holder === undefined
+    ? undefined
+    : input.events.find((e) => e.e === "lost" && e.acq === fault.holder!.acq && e.t >= fault.startedAt)
+  const holderToldAfterMs = lost === undefined ? undefined : lost.t - fault.startedAt
+  if (fault.skipped !== undefined) return { fault, recoveredAfterMs: undefined, status: "skipped", holderToldAfterMs }
+  const next = commits.find((t) => t > fault.endedAt)
+  const recoveredAfterMs = next === undefined ? undefined : next - fault.endedAt
+  const status = recoveredAfterMs !== undefined && recoveredAfterMs <= fault.boundMs
+    ? "ok"
+    : fault.endedAt + fault.boundMs > input.stoppedAt
+    ? "unchecked"
+    : recoveredAfterMs === undefined
+    ? "none"
+    : "late"
+  return { fault, recoveredAfterMs, status, holderToldAfterMs }
+}
+
+export const check = (input: CheckInput): CheckResult => {
+  const commits = input.writes.map((row) => localMillis(commitOf(row), input.serverOffsetMs)).sort((a, b) => a - b)
+  const faultOutcomes = input.faults.map((fault) => recoveryOf(input, commits, fault))
+
+  const violations: Array<Violation> = [
+    ...checkTokenOrder(input.writes),
+    ...checkRounds(input.writes),
+    ...checkWritesAfterLoss(input),
+    ...checkNeedlessLosses(input),
+    ...checkReportedWrites(input),
+    ...faultOutcomes.flatMap((o): Array<Violation> =>
+      o.status === "none" || o.status === "late"
+        ? [{
+          kind: "no-recovery",
+          detail: `${o.fault.kind} (${o.fault.detail}) ended at ${iso(o.fault.endedAt)}: ${
+            o.recoveredAfterMs === undefined ? "no write accepted after it" : `first write accepted ${o.recoveredAfterMs} ms after it`
+          }, bound ${o.fault.boundMs} ms`
+        }]
+        : []
+    ),
+    ...(input.leftovers.advisoryLocks > 0
+      ? [{ kind: "left-held" as const, detail: `${input.leftovers.advisoryLocks} advisory lock(s) in pg_locks after every worker stopped` }]
+      : []),
+    ...(input.leftovers.liveLeases > 0
+      ? [{ kind: "left-held" as const, detail: `${input.leftovers.liveLeases} live lease row(s) after every worker stopped` }]
+      : []),
+    ...input.hungAtStop.map((slot) => ({ kind: "stop-hang" as const, detail: `w${slot} did not stop when asked and was killed` })),
+    ...input.exits.filter((exit) => exit.cause === "crashed").map((exit) => ({
+      kind: "crash" as const,
+      detail: `w${exit.slot}.${exit.incarnation} exited on its own at ${iso(exit.at)} (code ${exit.code}, signal ${exit.signal}): ${exit.stderrTail.split("\n").slice(-3).join(" / ")}`
+    }))
+  ]
+
+  const lossesByReason: Record<string, number> = {}
+  const errorsByTag: Record<string, number> = {}
+  const exitsByCause: Record<string, number> = {}
+  let refusals = 0
+  let acquireTimeouts = 0
+  const acquired: Array<Stamped & { readonly e: "acquired" }> = []
+  const releasedAt = new Map<string, number>()
+  for (const event of input.events) {
+    switch (event.e) {
+      case "acquired":
+        acquired.push(event)
+        break
+      case "released":
+        releasedAt.set(event.acq, event.t)
+        break
+      case "lost":
+        count(lossesByReason, event.reason)
+        break
+      case "refused":
+        refusals++
+        break
+      case "timeout":
+        acquireTimeouts++
+        break
+      case "error":
+        count(errorsByTag, event.tag)
+        break
+    }
+  }
+  for (const exit of input.exits) count(exitsByCause, exit.cause)
+  acquired.sort((a, b) => (BigInt(a.token) < BigInt(b.token) ? -1 : 1))
+  let takeovers = 0
+  for (let i = 1; i < acquired.length; i++) {
+    const released = releasedAt.get(acquired[i - 1]!.acq)
+    if (released === undefined || released > acquired[i]!.t) takeovers++
+  }
+
+  const faultsByKind = Object.fromEntries(FAULT_KINDS.map((kind) => {
+    const outcomes = faultOutcomes.filter((o) => o.fault.kind === kind)
+    const recovered = outcomes.filter((o) => o.status === "ok")
+    const times = recovered.flatMap((o) => (o.recoveredAfterMs === undefined ? [] : [o.recoveredAfterMs]))
+    return [kind, {
+      injected: outcomes.filter((o) => o.status !== "skipped").length,
+      skipped: outcomes.filter((o) => o.status === "skipped").length,
+      recovered: recovered.length,
+      worstRecoveryMs: times.length === 0 ? undefined : Math.max(...times),
+      boundMs: outcomes[0]?.fault.boundMs
+    }]
+  })) as Record<FaultKind, KindSummary>
+
+  const violationsByKind = Object.fromEntries(VIOLATION_KINDS.map((kind) => [kind, violations.filter((v) => v.kind === kind).length])) as Record<
+    ViolationKind,
+    number
+  >
+
+  return {
+    rounds: input.writes.length,
+    acquisitions: acquired.length,
+    takeovers,
+    refusals,
+    lossesByReason,
+    errorsByTag,
+    acquireTimeouts,
+    exitsByCause,
+    faultsByKind,
+    faultOutcomes,
+    violations,
+    violationsByKind,
+    commitTimes: input.writes.length === 0
+      ? "no writes"
+      : input.writes.every((row) => row.committedAt !== undefined)
+      ? "commit timestamps"
+      : "insert times (commit timestamps off)"
+  }
+}

@@ -1,0 +1,98 @@
+/**
+ * What the chaos driver and its worker processes say to each other, and the names both use.
+ *
+ * Workers print one JSON object per stdout line (a `WorkerEvent` stamped with the worker's slot,
+ * incarnation and `Date.now()`); the driver writes one command per stdin line.
+ */
+
+/** The PostgreSQL backends a chaos run exercises. */
+export const BACKENDS = ["pg-advisory", "pg-lease"] as const
+export type Backend = typeof BACKENDS[number]
+
+export const isBackend = (value: string): value is Backend => (BACKENDS as ReadonlyArray<string>).includes(value)
+
+/** The one lock every worker loops on. */
+export const LOCK_NAME = "chaos-round"
+/** The `Fence` resource every accepted write is checked against. */
+export const FENCE_RESOURCE = "chaos_rounds"
+/** The write log: one row per accepted write. No unique constraint on `round`: a double holder must be able to show. */
+export const ROUNDS_TABLE = "chaos_rounds"
+
+export const roundsTableSql = `create table if not exists ${ROUNDS_TABLE} (
+  seq bigserial primary key,
+  round int not null,
+  worker int not null,
+  token bigint not null,
+  acquisition text not null,
+  written_at timestamptz not null
+)`
+
+/** A round's work before its read: short (ms) three times in four… */
+export const SHORT_WORK_MS = { min: 50, max: 250 } as const
+/** …else long, in ttls, so that leases renew while held and faults find holders deep in a round. */
+export const LONG_WORK_TTLS = { min: 0.5, max: 1.5, chance: 0.25 } as const
+/** The deliberate gap between reading the last round and writing the next one (ms). */
+export const GAP_MS = { min: 20, max: 80 } as const
+/** Allowance for the read and the fenced write's transaction in a round. */
+const STATEMENTS_MS = 200
+
+/** The longest a holder keeps the lock in one round when nothing goes wrong. */
+export const longestRoundMs = (ttlMs: number): number => Math.round(LONG_WORK_TTLS.max * ttlMs) + GAP_MS.max + STATEMENTS_MS
+
+/** application_name of a worker's application pool (PgLease's lock statements run on it too). */
+export const appName = (slot: number) => `chaos-w${slot}-app`
+/** application_name of a worker's PgAdvisory lock sessions. */
+export const lockName = (slot: number) => `chaos-w${slot}-lock`
+/** application_name of the driver's own statements, so that no fault ever targets them. */
+export const DRIVER_APPLICATION = "chaos-driver"
+
+export type WorkerEvent =
+  | { readonly e: "ready" }
+  /** Granted: `acq` identifies this acquisition in the write log. */
+  | { readonly e: "acquired"; readonly acq: string; readonly token: string }
+  /** The moment this process learned the lease is gone (its `lost` failed). */
+  | { readonly e: "lost"; readonly acq: string; readonly token: string; readonly reason: string }
+  /** The lock was released (the scope closed) without a loss. */
+  | { readonly e: "released"; readonly acq: string; readonly token: string }
+  /** The fenced write committed. */
+  | { readonly e: "wrote"; readonly acq: string; readonly token: string; readonly round: number; readonly seq: string }
+  /** The fence refused the write: a newer token has written. */
+  | { readonly e: "refused"; readonly acq: string; readonly token: string; readonly current: string }
+  /** Waiting for the lock ran into the worker's own acquire timeout. */
+  | { readonly e: "timeout"; readonly waitedMs: number }
+  | { readonly e: "error"; readonly acq?: string; readonly tag: string; readonly message: string }
+  | { readonly e: "stall-begin"; readonly ms: number }
+  | { readonly e: "stall-end"; readonly ms: number }
+  | { readonly e: "saturate-begin"; readonly connections: number; readonly ms: number }
+  | { readonly e: "saturate-end"; readonly failed: number }
+
+export type Stamped = WorkerEvent & {
+  /** `Date.now()` of the worker when it printed the event. */
+  readonly t: number
+  /** The worker's slot (1..K). */
+  readonly w: number
+  /** How many times this slot was started before (0 for the first process). */
+  readonly i: number
+}
+
+/** Driver → worker, one per stdin line. */
+export type Command =
+  | { readonly c: "stall"; readonly ms: number }
+  | { readonly c: "saturate"; readonly ms: number }
+  | { readonly c: "stop" }
+
+/** What a worker reads from its environment. */
+export interface WorkerConfig {
+  readonly url: string
+  readonly backend: Backend
+  readonly slot: number
+  readonly incarnation: number
+  readonly ttlMs: number
+  readonly poolSize: number
+  readonly seed: number
+}
+
+export const WORKER_ENV = "CHAOS_WORKER_CONFIG"
+
+/** Exit code of a worker whose layers could not be built (a typed failure, e.g. the server was down). */
+export const EXIT_LAYER_FAILED = 3

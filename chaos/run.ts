@@ -1,0 +1,322 @@
+/**
+ * One chaos run: for each PostgreSQL backend, K worker processes loop on one lock in a fresh
+ * database while faults are injected one at a time from a seeded PRNG; afterwards the workers are
+ * stopped, what is left held is counted, the write log is read back and the checker judges it.
+ */
+import * as PgLease from "effect-lock/PgLease"
+import * as Fs from "node:fs"
+import * as Os from "node:os"
+import * as Path from "node:path"
+import pg from "pg"
+import { type Server, startPostgres, withClient } from "../tools/embeddedPostgres.js"
+import { check, type CheckResult, type WriteRow } from "./checker.js"
+import { FAULT_KINDS, type FaultContext, type FaultKind, type FaultRecord, inject, makeDeck } from "./faults.js"
+import { makeFleet } from "./fleet.js"
+import { deriveSeed, makePrng } from "./prng.js"
+import { type Backend, DRIVER_APPLICATION, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
+
+export interface ChaosOptions {
+  readonly backends: ReadonlyArray<Backend>
+  /** Fault injection time per backend; the last fault's recovery may run past it, and every kind is injected at least once. */
+  readonly durationMs: number
+  readonly seed: number
+  readonly workers: number
+  /** Lease ttl of every acquisition (PgLease; PgAdvisory ignores it). */
+  readonly ttlMs: number
+  /** Connections of each worker's own pool. */
+  readonly poolSize: number
+  /** Progress lines. */
+  readonly log: (line: string) => void
+  /** Where each backend's worker log (stderr of the workers) is written. */
+  readonly logDir: string
+  /**
+   * After the first phase (`seed`, `durationMs`), one more phase per seed here, each one deck of
+   * every kind: a test replays a fixed sequence and explores a random one with one set of workers.
+   * A phase's faults are replayed alone by `--seed` with its seed.
+   */
+  readonly extraSeeds?: ReadonlyArray<number> | undefined
+  /** Fault kinds to draw from (default: all). */
+  readonly kinds?: ReadonlyArray<FaultKind> | undefined
+}
+
+export interface ClockAlignment {
+  /** Server clock minus this host's, from the round trip with the smallest delay. */
+  readonly measuredOffsetMs: number
+  /** Half that round trip: the measurement's uncertainty. */
+  readonly uncertaintyMs: number
+  /** The offset the checker applies: 0 on an embedded server (same host, same clock). */
+  readonly appliedOffsetMs: number
+}
+
+export interface BackendRun {
+  readonly backend: Backend
+  readonly startedAt: number
+  readonly stoppedAt: number
+  readonly faults: ReadonlyArray<FaultRecord>
+  readonly check: CheckResult
+  readonly clock: ClockAlignment
+  readonly logFile: string
+  /** Every worker event, fault and write of the run, one JSON object per line, for a post-mortem. */
+  readonly traceFile: string
+}
+
+export interface ChaosRun {
+  readonly seed: number
+  readonly options: Omit<ChaosOptions, "log">
+  readonly server: { readonly embedded: boolean; readonly version: string; readonly commitTimestamps: boolean }
+  readonly runs: ReadonlyArray<BackendRun>
+  readonly violations: number
+}
+
+/** Bound on the workers' start (tsx compiles them on a loaded 2-core machine). */
+const READY_TIMEOUT_MS = 90_000
+/** Bound on the first accepted write, before any fault. */
+const FIRST_WRITE_TIMEOUT_MS = 30_000
+/** A worker asked to stop must have released and exited within this. */
+const STOP_TIMEOUT_MS = 10_000
+/** How long the server may take to end the backends of closed sessions (and drop their locks). */
+const SETTLE_TIMEOUT_MS = 3_000
+const SETTLE_POLL_MS = 100
+const OFFSET_SAMPLES = 5
+
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms))
+
+const databaseUrl = (base: string, database: string) => {
+  const url = new URL(base)
+  url.pathname = `/${database}`
+  return url.toString()
+}
+
+const makeQuery = (url: string) => <R>(text: string, values: ReadonlyArray<unknown> = []): Promise<Array<R>> =>
+  withClient(url, DRIVER_APPLICATION, async (client) => (await client.query<R & pg.QueryResultRow>(text, [...values])).rows)
+
+/** Commit timestamps make "written after the loss" exact; they need a restart to switch on. */
+const enableCommitTimestamps = async (server: Server, embedded: boolean, log: (line: string) => void): Promise<boolean> => {
+  const query = makeQuery(server.url)
+  const on = async () => (await query<{ on: string }>("select current_setting('track_commit_timestamp') as on"))[0]?.on === "on"
+  if (await on()) return true
+  if (!embedded || server.restart === undefined) {
+    log("track_commit_timestamp is off on this server: write times are the inserts' clock_timestamp() (a lower bound of the commit)")
+    return false
+  }
+  await query("alter system set track_commit_timestamp = on")
+  await server.restart()
+  return on()
+}
+
+const measureClock = async (url: string, embedded: boolean): Promise<ClockAlignment> => {
+  let best: { offset: number; rtt: number } | undefined
+  await withClient(url, DRIVER_APPLICATION, async (client) => {
+    for (let i = 0; i < OFFSET_SAMPLES; i++) {
+      const before = Date.now()
+      const { rows } = await client.query<{ now: string }>("select extract(epoch from clock_timestamp()) * 1000 as now")
+      const after = Date.now()
+      const sample = { offset: Number(rows[0]!.now) - (before + after) / 2, rtt: after - before }
+      if (best === undefined || sample.rtt < best.rtt) best = sample
+    }
+  })
+  const measured = best!
+  return {
+    measuredOffsetMs: measured.offset,
+    uncertaintyMs: measured.rtt / 2 + 1,
+    appliedOffsetMs: embedded ? 0 : measured.offset
+  }
+}
+
+const readWrites = async (url: string, commitTimestamps: boolean): Promise<Array<WriteRow>> => {
+  const rows = await makeQuery(url)<{
+    seq: number
+    round: number
+    worker: number
+    token: string
+    acquisition: string
+    written: string
+    committed: string | null
+  }>(
+    `select seq::int as seq, round, worker, token::text as token, acquisition,
+       (extract(epoch from written_at) * 1000)::text as written,
+       ${commitTimestamps ? "(extract(epoch from pg_xact_commit_timestamp(xmin)) * 1000)::text" : "null"} as committed
+     from ${ROUNDS_TABLE} order by seq`
+  )
+  return rows.map((row) => ({
+    seq: row.seq,
+    round: row.round,
+    worker: row.worker,
+    token: BigInt(row.token),
+    acquisition: row.acquisition,
+    writtenAt: Number(row.written),
+    committedAt: row.committed === null ? undefined : Number(row.committed)
+  }))
+}
+
+/** Advisory locks in the database and unexpired lease rows, once the server has ended the closed sessions' backends. */
+const leftovers = async (url: string) => {
+  const query = makeQuery(url)
+  const count = async () => {
+    const [advisory] = await query<{ n: number }>(
+      `select count(*)::int as n from pg_locks where locktype = 'advisory'
+       and database = (select oid from pg_database where datname = current_database())`
+    )
+    const [table] = await query<{ present: boolean }>("select to_regclass($1) is not null as present", [PgLease.DEFAULT_TABLE])
+    const [leases] = table?.present === true
+      ? await query<{ n: number }>(`select count(*)::int as n from ${PgLease.DEFAULT_TABLE} where owner is not null and expires_at > now()`)
+      : [{ n: 0 }]
+    return { advisoryLocks: advisory?.n ?? 0, liveLeases: leases?.n ?? 0 }
+  }
+  const deadline = Date.now() + SETTLE_TIMEOUT_MS
+  for (;;) {
+    const found = await count()
+    if ((found.advisoryLocks === 0 && found.liveLeases === 0) || Date.now() >= deadline) return found
+    await sleep(SETTLE_POLL_MS)
+  }
+}
+
+const writeTrace = (file: string, events: ReadonlyArray<Stamped>, faults: ReadonlyArray<FaultRecord>, writes: ReadonlyArray<WriteRow>) => {
+  const lines = [
+    ...events.map((event) => ({ at: event.t, event })),
+    ...faults.map((fault) => ({ at: fault.startedAt, fault })),
+    ...writes.map((write) => ({ at: write.committedAt ?? write.writtenAt, write }))
+  ].sort((a, b) => a.at - b.at)
+  Fs.writeFileSync(file, lines.map((line) => JSON.stringify(line, (_, v) => (typeof v === "bigint" ? v.toString() : v))).join("\n") + "\n")
+}
+
+const runBackend = async (
+  backend: Backend,
+  options: ChaosOptions,
+  server: Server & { readonly embedded: boolean },
+  commitTimestamps: boolean
+): Promise<BackendRun> => {
+  const { log } = options
+  const database = `chaos_${backend.replace("-", "_")}_${process.pid}`
+  const admin = makeQuery(server.url)
+  await admin(`drop database if exists ${database} with (force)`)
+  await admin(`create database ${database}`)
+  const url = databaseUrl(server.url, database)
+  const query = makeQuery(url)
+  await query(roundsTableSql)
+  const clock = await measureClock(url, server.embedded)
+  const logFile = Path.join(options.logDir, `chaos-${backend}-${options.seed}-${process.pid}.log`)
+  const fleet = makeFleet({
+    workers: options.workers,
+    logFile,
+    config: { url, backend, ttlMs: options.ttlMs, poolSize: options.poolSize, seed: options.seed }
+  })
+  const faults: Array<FaultRecord> = []
+  let stoppedAt = Date.now()
+  let hungAtStop: ReadonlyArray<number> = []
+  let startedAt = Date.now()
+  try {
+    log(`${backend}: starting ${options.workers} workers (log ${logFile})`)
+    await fleet.startAll(READY_TIMEOUT_MS)
+    const first = fleet.events.some((e) => e.e === "wrote") || (await fleet.waitFor((e) => e.e === "wrote", FIRST_WRITE_TIMEOUT_MS)) !== undefined
+    if (!first) log(`${backend}: no write within ${FIRST_WRITE_TIMEOUT_MS} ms of the start; injecting faults anyway`)
+    startedAt = Date.now()
+    const stamp = () => `+${((Date.now() - startedAt) / 1000).toFixed(1).padStart(5)}s`
+    const phases = [{ seed: options.seed, durationMs: options.durationMs }, ...(options.extraSeeds ?? []).map((seed) => ({ seed, durationMs: 0 }))]
+    for (const phase of phases) {
+      const prng = makePrng(deriveSeed(phase.seed, backend))
+      const ctx: FaultContext = {
+        backend,
+        ttlMs: options.ttlMs,
+        workers: options.workers,
+        prng,
+        fleet,
+        server,
+        query,
+        frozenPids,
+        stallAbove: prng.chance(0.5)
+      }
+      const kinds = options.kinds ?? FAULT_KINDS
+      const nextKind = makeDeck(prng, kinds)
+      const phaseStart = Date.now()
+      if (phases.length > 1) log(`${stamp()} ${backend}: faults from seed ${phase.seed}`)
+      // At least one fault of every kind, however short the phase.
+      for (let injected = 0; Date.now() - phaseStart < phase.durationMs || injected < kinds.length; injected++) {
+        const kind = nextKind()
+        const fault: FaultRecord = { ...(await inject(kind, ctx)), seed: phase.seed }
+        faults.push(fault)
+        if (fault.skipped !== undefined) {
+          log(`${stamp()} ${backend}: ${kind} skipped: ${fault.skipped}`)
+        } else {
+          const recovered = fleet.events.find((e) => e.e === "wrote" && e.t > fault.endedAt) ??
+            (await fleet.waitFor((e) => e.e === "wrote" && e.t > fault.endedAt, fault.boundMs))
+          const after = recovered === undefined ? `NO write within ${fault.boundMs} ms` : `next write after ${recovered.t - fault.endedAt} ms`
+          log(`${stamp()} ${backend}: ${kind}: ${fault.detail}${fault.holder === undefined ? "" : ` [holder ${fault.holder.acq}]`}; ${after}`)
+        }
+        await sleep(prng.int(300, 1_000))
+      }
+    }
+  } finally {
+    stoppedAt = Date.now()
+    hungAtStop = await fleet.stop(STOP_TIMEOUT_MS)
+  }
+  const left = await leftovers(url)
+  const writes = await readWrites(url, commitTimestamps)
+  const result = check({
+    writes,
+    events: fleet.events,
+    faults,
+    leftovers: left,
+    hungAtStop,
+    exits: fleet.exits,
+    serverOffsetMs: clock.appliedOffsetMs,
+    stoppedAt
+  })
+  const traceFile = logFile.replace(/\.log$/, ".trace.jsonl")
+  writeTrace(traceFile, fleet.events, faults, writes)
+  await admin(`drop database if exists ${database} with (force)`)
+  return { backend, startedAt, stoppedAt, faults, check: result, clock, logFile, traceFile }
+}
+
+/** Server processes a `server-freeze` has stopped right now. */
+const frozenPids = new Set<number>()
+
+/**
+ * Resumes every server process the run stopped. Called on every way out, signals included: a
+ * stopped backend would block the server's shutdown.
+ */
+export const resumeFrozenServerProcesses = (): void => {
+  for (const pid of frozenPids) {
+    try {
+      process.kill(pid, "SIGCONT")
+    } catch {
+      // already gone
+    }
+  }
+  frozenPids.clear()
+}
+
+/** Runs every backend of `options` in turn on one server (started here unless DATABASE_URL is set). */
+export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
+  const server = await startPostgres()
+  process.once("exit", resumeFrozenServerProcesses)
+  try {
+    const commitTimestamps = await enableCommitTimestamps(server, server.embedded, options.log)
+    const [version] = await makeQuery(server.url)<{ v: string }>("select current_setting('server_version') as v")
+    const runs: Array<BackendRun> = []
+    for (const backend of options.backends) {
+      runs.push(await runBackend(backend, options, server, commitTimestamps))
+    }
+    const { log: _log, ...rest } = options
+    return {
+      seed: options.seed,
+      options: rest,
+      server: { embedded: server.embedded, version: version?.v ?? "unknown", commitTimestamps },
+      runs,
+      violations: runs.reduce((n, run) => n + run.check.violations.length, 0)
+    }
+  } finally {
+    resumeFrozenServerProcesses()
+    process.removeListener("exit", resumeFrozenServerProcesses)
+    await server.stop()
+  }
+}
+
+/** Defaults of `npm run chaos`. */
+export const DEFAULTS = {
+  minutes: 2,
+  workers: 4,
+  ttlMs: 2_000,
+  poolSize: 4,
+  logDir: Os.tmpdir()
+} as const

@@ -1,0 +1,230 @@
+/**
+ * One chaos worker process: loops on one lock forever. Each round, holding the lock, it reads the
+ * last round of the write log, waits a deliberate gap (a second holder would read the same round
+ * in it), then in one transaction checks the lease's fencing token with `Fence.check` and writes
+ * round + 1. It reports on stdout (JSON lines, see `protocol.ts`) and obeys the driver's stdin
+ * commands: an event-loop stall, its own pool saturated, stop.
+ *
+ * It is an ordinary user of the library's public API (`withLock`-style guard, interruptible
+ * write): whatever the checker finds, a user's program would do the same.
+ */
+import * as SqlClient from "@effect/sql/SqlClient"
+import * as PgClient from "@effect/sql-pg/PgClient"
+import * as Cause from "effect/Cause"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Fiber from "effect/Fiber"
+import * as Layer from "effect/Layer"
+import * as Logger from "effect/Logger"
+import * as Option from "effect/Option"
+import * as LogLevel from "effect/LogLevel"
+import * as Redacted from "effect/Redacted"
+import * as Runtime from "effect/Runtime"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import * as Fence from "effect-lock/Fence"
+import type { Lease } from "effect-lock/Lease"
+import type { LockLost } from "effect-lock/LockError"
+import * as PgAdvisory from "effect-lock/PgAdvisory"
+import * as PgLease from "effect-lock/PgLease"
+import * as Readline from "node:readline"
+import { deriveSeed, makePrng } from "./prng.js"
+import {
+  appName,
+  type Command,
+  EXIT_LAYER_FAILED,
+  FENCE_RESOURCE,
+  GAP_MS,
+  LOCK_NAME,
+  LONG_WORK_TTLS,
+  lockName,
+  ROUNDS_TABLE,
+  SHORT_WORK_MS,
+  WORKER_ENV,
+  type WorkerConfig,
+  type WorkerEvent
+} from "./protocol.js"
+
+/** Bound on one wait for the lock: a wait this long with four workers means nobody is writing. */
+const ACQUIRE_TIMEOUT = Duration.seconds(30)
+/** Pause after an error before competing again, so a down server is not hammered. */
+const ERROR_BACKOFF = Duration.millis(200)
+/** Pool checkout bound: a saturated pool fails the write typed instead of waiting forever. */
+const POOL_CONNECT_TIMEOUT = Duration.seconds(5)
+
+const config = JSON.parse(process.env[WORKER_ENV] ?? "null") as WorkerConfig | null
+if (config === null) {
+  console.error(`chaos worker: ${WORKER_ENV} is not set; the driver (chaos/main.ts) starts workers`)
+  process.exit(2)
+}
+const { slot, incarnation } = config
+const prng = makePrng(deriveSeed(config.seed, `worker-${slot}-${incarnation}`))
+const ttl = Duration.millis(config.ttlMs)
+
+// stdout to a pipe is synchronous on Linux: an event printed before a SIGKILL is not lost.
+const print = (event: WorkerEvent): void => {
+  process.stdout.write(`${JSON.stringify({ ...event, t: Date.now(), w: slot, i: incarnation })}\n`)
+}
+const emit = (event: WorkerEvent) => Effect.sync(() => print(event))
+
+/** Work before the read: mostly short (many handoffs), sometimes long (renewals while held). */
+const workMillis = (): number => {
+  // Every draw is made every round, so a worker's PRNG stream does not depend on which kind it got.
+  const long = prng.chance(LONG_WORK_TTLS.chance)
+  const short = prng.int(SHORT_WORK_MS.min, SHORT_WORK_MS.max)
+  const longMillis = prng.int(Math.round(LONG_WORK_TTLS.min * config.ttlMs), Math.round(LONG_WORK_TTLS.max * config.ttlMs))
+  return long ? longMillis : short
+}
+
+/** The round's work: read, gap, fenced write. Interruptible throughout, like any `withLock` body. */
+const work = (lease: Lease, acq: string) =>
+  Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    yield* Effect.sleep(Duration.millis(workMillis()))
+    const [last] = yield* sql<{ last: number }>`select coalesce(max(round), 0)::int as last from ${sql(ROUNDS_TABLE)}`
+    const round = (last?.last ?? 0) + 1
+    // The deliberate gap: a second holder in it would read the same last round and write it twice.
+    yield* Effect.sleep(Duration.millis(prng.int(GAP_MS.min, GAP_MS.max)))
+    const token = lease.token.toString()
+    const seq = yield* sql.withTransaction(
+      Effect.gen(function*() {
+        yield* Fence.check(FENCE_RESOURCE, lease.token)
+        const [row] = yield* sql<{ seq: string }>`
+          insert into ${sql(ROUNDS_TABLE)} (round, worker, token, acquisition, written_at)
+          values (${round}, ${slot}, ${token}::bigint, ${acq}, clock_timestamp())
+          returning seq::text as seq`
+        return row?.seq ?? "?"
+      })
+    )
+    yield* emit({ e: "wrote", acq, token, round, seq })
+  })
+
+/** One acquisition: acquire, watch for loss, run the work under `guard`, release. */
+const round = (n: number) =>
+  Effect.gen(function*() {
+    const acq = `${slot}.${incarnation}.${n}`
+    const state: { token?: string; lost: boolean } = { lost: false }
+    const reportLoss = (error: LockLost) =>
+      Effect.suspend(() => {
+        if (state.lost) return Effect.void
+        state.lost = true
+        return emit({ e: "lost", acq, token: error.token.toString(), reason: error.reason })
+      })
+    const held = Effect.gen(function*() {
+      const lease = yield* DistributedLock.acquire(LOCK_NAME, { ttl, timeout: ACQUIRE_TIMEOUT })
+      state.token = lease.token.toString()
+      yield* emit({ e: "acquired", acq, token: state.token })
+      // Reports the moment this process learns of the loss, not when the body has stopped.
+      yield* Effect.forkScoped(Effect.catchAll(lease.lost, reportLoss))
+      const outcome = yield* Effect.either(DistributedLock.guard(lease, work(lease, acq)))
+      if (outcome._tag === "Right") return
+      const error = outcome.left
+      switch (error._tag) {
+        case "LockLost":
+          return yield* reportLoss(error)
+        case "StaleFencingToken":
+          return yield* emit({ e: "refused", acq, token: state.token, current: error.current.toString() })
+        default:
+          return yield* emit({ e: "error", acq, tag: error._tag, message: error.message })
+      }
+    })
+    const started = Date.now()
+    // Interruption (the driver's stop) goes through; any other failure or defect ends only this round.
+    const failure = yield* Effect.scoped(held).pipe(
+      Effect.as(Option.none<Cause.Cause<DistributedLock.AcquireError>>()),
+      Effect.catchAllCause((cause) => Cause.isInterruptedOnly(cause) ? Effect.failCause(cause) : Effect.succeedSome(cause))
+    )
+    // The scope has closed: the lock was released (or given back) unless it was lost.
+    if (state.token !== undefined && !state.lost) yield* emit({ e: "released", acq, token: state.token })
+    if (Option.isNone(failure)) return
+    const error = Cause.failureOption(failure.value)
+    if (Option.isSome(error) && error.value._tag === "LockTimeout") return yield* emit({ e: "timeout", waitedMs: Date.now() - started })
+    yield* Option.match(error, {
+      // A defect, e.g. a COMMIT on a killed connection, which sql-pg makes a defect.
+      onNone: () => emit({ e: "error", acq, tag: "defect", message: Cause.pretty(failure.value).split("\n")[0] ?? "defect" }),
+      onSome: (e) => emit({ e: "error", acq, tag: e._tag, message: e.message })
+    })
+    // Paced, so that a server that is down is not hammered.
+    yield* Effect.sleep(ERROR_BACKOFF)
+  })
+
+/** All of the pool's connections busy in slow queries, as an application under load would keep them. */
+const saturate = (ms: number) =>
+  Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    yield* emit({ e: "saturate-begin", connections: config.poolSize, ms })
+    const results = yield* Effect.forEach(
+      Array.from({ length: config.poolSize }),
+      () => Effect.either(sql`select pg_sleep(${ms / 1000})`),
+      { concurrency: "unbounded" }
+    )
+    yield* emit({ e: "saturate-end", failed: results.filter((r) => r._tag === "Left").length })
+  })
+
+/** Blocks the event loop: timers and sockets are serviced only afterwards, as after a GC pause. */
+const stall = (ms: number): void => {
+  print({ e: "stall-begin", ms })
+  const until = Date.now() + ms
+  while (Date.now() < until) {
+    // busy: nothing else in this process runs
+  }
+  print({ e: "stall-end", ms })
+}
+
+/** Stops the round loop; its scopes close, so whatever is held is released before the process exits. */
+let stop = (): void => {}
+
+const program = Effect.gen(function*() {
+  const runtime = yield* Effect.runtime<SqlClient.SqlClient>()
+  const main = yield* Effect.fork(
+    Effect.gen(function*() {
+      for (let n = 1;; n++) {
+        yield* round(n)
+        yield* Effect.sleep(Duration.millis(prng.int(20, 150)))
+      }
+    })
+  )
+  stop = () => void Effect.runFork(Fiber.interrupt(main))
+  const lines = Readline.createInterface({ input: process.stdin })
+  lines.on("line", (line) => {
+    const command = JSON.parse(line) as Command
+    switch (command.c) {
+      case "stall":
+        return stall(command.ms)
+      case "saturate":
+        return void Runtime.runFork(runtime)(saturate(command.ms))
+      case "stop":
+        return stop()
+    }
+  })
+  // A closed stdin means the driver is gone: stop cleanly too.
+  lines.on("close", () => stop())
+  yield* emit({ e: "ready" })
+  yield* Fiber.await(main)
+  lines.close()
+})
+
+const SqlLive = PgClient.layer({
+  url: Redacted.make(config.url),
+  applicationName: appName(slot),
+  maxConnections: config.poolSize,
+  connectTimeout: POOL_CONNECT_TIMEOUT
+})
+const LockLive = config.backend === "pg-lease"
+  ? PgLease.layer({ ttl })
+  : PgAdvisory.layer({ url: Redacted.make(config.url), applicationName: lockName(slot) })
+
+Effect.runFork(
+  Effect.scoped(program).pipe(
+    Effect.provide(Layer.provideMerge(LockLive, SqlLive)),
+    Effect.catchAll((error) =>
+      Effect.zipRight(
+        emit({ e: "error", tag: error._tag, message: `layer: ${error.message}` }),
+        Effect.sync(() => process.exit(EXIT_LAYER_FAILED))
+      )
+    ),
+    // The library's warnings go to stderr (the driver keeps them in the run's log), never into the events.
+    Effect.provide(Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.logfmtLogger))),
+    Logger.withMinimumLogLevel(LogLevel.Info)
+  )
+).addObserver((exit) => process.exit(exit._tag === "Success" ? 0 : 1))
+process.on("SIGTERM", () => stop())

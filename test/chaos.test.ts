@@ -1,0 +1,207 @@
+import { describe, expect, it } from "@effect/vitest"
+import { check, type CheckInput, type ViolationKind, type WriteRow } from "../chaos/checker.js"
+import { FAULT_KINDS, type FaultRecord } from "../chaos/faults.js"
+import type { WorkerExit } from "../chaos/fleet.js"
+import { randomSeed } from "../chaos/prng.js"
+import type { Backend, Stamped, WorkerEvent } from "../chaos/protocol.js"
+import { renderMarkdown } from "../chaos/report.js"
+import { DEFAULTS, runChaos } from "../chaos/run.js"
+
+// --- the checker on hand-made logs ---------------------------------------------------------------
+
+/** A row committed at `at` (ms, this host's clock; the server's is the same). */
+const row = (seq: number, round: number, token: number, acquisition: string, at: number): WriteRow => ({
+  seq,
+  round,
+  worker: Number(acquisition.split(".")[0]),
+  token: BigInt(token),
+  acquisition,
+  writtenAt: at - 0.6,
+  committedAt: at + 0.4
+})
+
+const event = (t: number, w: number, e: WorkerEvent): Stamped => ({ ...e, t, w, i: 0 })
+
+/** One clean round: acquire, write, release. */
+const round = (w: number, n: number, token: number, at: number, seq: number, roundNo: number) => {
+  const acq = `${w}.0.${n}`
+  return {
+    row: row(seq, roundNo, token, acq, at + 50),
+    events: [
+      event(at, w, { e: "acquired", acq, token: String(token) }),
+      event(at + 51, w, { e: "wrote", acq, token: String(token), round: roundNo, seq: String(seq) }),
+      event(at + 60, w, { e: "released", acq, token: String(token) })
+    ]
+  }
+}
+
+const kill: FaultRecord = {
+  kind: "worker-kill",
+  target: 3,
+  detail: "SIGKILL w3",
+  startedAt: 1_000,
+  endedAt: 1_000,
+  boundMs: 5_000,
+  costsNoLock: false
+}
+
+/** Rounds 1–3 by w1, w2, w4, w3 killed at 1000 while waiting, w4's write at 1450 is the recovery. */
+const cleanLog = (): CheckInput => {
+  const rounds = [round(1, 1, 1, 100, 1, 1), round(2, 1, 2, 300, 2, 2), round(4, 1, 4, 1_400, 3, 3)]
+  return {
+    writes: rounds.map((r) => r.row),
+    events: [...rounds.flatMap((r) => r.events), event(1_500, 3, { e: "refused", acq: "3.0.1", token: "3", current: "4" })],
+    faults: [kill],
+    leftovers: { advisoryLocks: 0, liveLeases: 0 },
+    hungAtStop: [],
+    exits: [],
+    serverOffsetMs: 0,
+    stoppedAt: 10_000
+  }
+}
+
+const kinds = (input: CheckInput): Array<ViolationKind> => check(input).violations.map((v) => v.kind)
+
+describe("chaos checker", () => {
+  it("finds no violation in a clean log and counts rounds, refusals and the recovery", () => {
+    const result = check(cleanLog())
+    expect(result.violations).toEqual([])
+    expect(result.rounds).toBe(3)
+    expect(result.refusals).toBe(1)
+    expect(result.takeovers).toBe(0)
+    expect(result.faultOutcomes[0]).toMatchObject({ status: "ok", recoveredAfterMs: 450 })
+    expect(result.commitTimes).toBe("commit timestamps")
+  })
+
+  it("flags a round written twice", () => {
+    const log = cleanLog()
+    const result = check({ ...log, writes: [...log.writes, row(4, 3, 5, "3.0.2", 1_500)] })
+    expect(result.violations.map((v) => v.kind)).toEqual(["round-duplicate"])
+    expect(result.violations[0]!.detail).toContain("round 3 written 2 times")
+  })
+
+  it("flags a token going backwards in commit order, and a token accepted twice", () => {
+    const log = cleanLog()
+    expect(kinds({ ...log, writes: [...log.writes, row(4, 4, 3, "3.0.2", 1_500)] })).toEqual(["token-order"])
+    expect(kinds({ ...log, writes: [...log.writes, row(4, 4, 4, "4.0.1", 1_500)] })).toEqual(["token-order"])
+  })
+
+  it("flags a write committed after its holder reported the loss, not one committed in the same millisecond", () => {
+    const log = cleanLog()
+    // w2's write (round 2) committed at 350.4; the loss was reported at 350 (same ms) or 349 (before).
+    const lostAt = (t: number) => ({ ...log, events: [...log.events, event(t, 2, { e: "lost", acq: "2.0.1", token: "2", reason: "expired" })] })
+    expect(kinds(lostAt(350))).toEqual([])
+    const late = check(lostAt(349))
+    expect(late.violations.map((v) => v.kind)).toEqual(["write-after-loss"])
+    expect(late.violations[0]!.detail).toContain("1 ms after w2 reported the loss (expired)")
+    expect(late.lossesByReason).toEqual({ expired: 1 })
+  })
+
+  it("flags a fault not followed by an accepted write within its bound, unless the run stopped first", () => {
+    const log = cleanLog()
+    const noneAfter = { ...log, faults: [{ ...kill, startedAt: 2_000, endedAt: 2_000 }] }
+    expect(check(noneAfter).faultOutcomes[0]!.status).toBe("none")
+    expect(kinds(noneAfter)).toEqual(["no-recovery"])
+    const late = { ...log, faults: [{ ...kill, boundMs: 400 }] }
+    expect(check(late).faultOutcomes[0]).toMatchObject({ status: "late", recoveredAfterMs: 450 })
+    expect(kinds(late)).toEqual(["no-recovery"])
+    expect(kinds({ ...noneAfter, stoppedAt: 6_000 })).toEqual([])
+    expect(kinds({ ...noneAfter, faults: [{ ...noneAfter.faults[0]!, skipped: "no server process" }] })).toEqual([])
+  })
+
+  it("flags a skipped round, a reported write missing from the log, locks left held, a hung stop and a crash", () => {
+    const log = cleanLog()
+    const crash: WorkerExit = { slot: 2, incarnation: 0, at: 900, code: 1, signal: null, cause: "crashed", stderrTail: "TypeError: boom" }
+    const result = check({
+      ...log,
+      writes: log.writes.filter((r) => r.round !== 2),
+      leftovers: { advisoryLocks: 1, liveLeases: 1 },
+      hungAtStop: [4],
+      exits: [crash, { ...crash, slot: 3, cause: "killed" }]
+    })
+    expect(result.violations.map((v) => v.kind).sort()).toEqual(
+      ["crash", "left-held", "left-held", "round-skipped", "stop-hang", "write-missing"].sort()
+    )
+    expect(result.exitsByCause).toEqual({ crashed: 1, killed: 1 })
+  })
+
+  it("flags a loss caused by a fault that must cost no lock, not one that may", () => {
+    const log = cleanLog()
+    const saturation: FaultRecord = {
+      kind: "pool-saturation",
+      target: 2,
+      holder: { slot: 2, incarnation: 0, acq: "2.0.1", token: 2n },
+      detail: "w2's pool busy",
+      startedAt: 320,
+      endedAt: 1_300,
+      boundMs: 5_000,
+      costsNoLock: true
+    }
+    const lost = event(355, 2, { e: "lost", acq: "2.0.1", token: "2", reason: "renewal-failed" })
+    const input = { ...log, faults: [saturation], events: [...log.events, lost] }
+    const result = check(input)
+    expect(result.violations.map((v) => v.kind)).toEqual(["needless-loss"])
+    expect(result.violations[0]!.detail).toContain("holder 2.0.1 (token 2) reported LockLost (renewal-failed) 35 ms after it began")
+    expect(result.violations[0]!.detail).toContain("the next grant (token 4) came 1045 ms after the loss")
+    expect(kinds({ ...input, faults: [{ ...saturation, costsNoLock: false }] })).toEqual([])
+    expect(kinds({ ...input, faults: [{ ...saturation, startedAt: 356 }] })).toEqual([])
+  })
+
+  it("counts a grant made before the previous holder released, or with no release at all, as a takeover", () => {
+    const log = cleanLog()
+    const events = log.events.filter((e) => !(e.e === "released" && e.acq === "2.0.1"))
+    expect(check({ ...log, events }).takeovers).toBe(1)
+    // w2 reports its release only after w4 (acquired at 1400) was granted.
+    const late = [...events, event(1_401, 2, { e: "released", acq: "2.0.1", token: "2" })]
+    expect(check({ ...log, events: late }).takeovers).toBe(1)
+    const inTime = [...events, event(1_399, 2, { e: "released", acq: "2.0.1", token: "2" })]
+    expect(check({ ...log, events: inTime }).takeovers).toBe(0)
+  })
+})
+
+// --- a shortened chaos run -------------------------------------------------------------------
+
+/** No minimum time: each seed draws one deck (every kind once, about 20 s at a 1 s ttl). */
+const DURATION_MS = 0
+const TTL_MS = 1_000
+/** Replays the same fault sequence every time; a random seed explores a new one after it. */
+const FIXED_SEED = 20_240_601
+
+/** One set of workers per backend: a deck of faults from the fixed seed, then one from a random seed. */
+const shortRun = async (backend: Backend) => {
+  const random = randomSeed()
+  console.log(`chaos ${backend}: seeds ${FIXED_SEED} (fixed) then ${random} (random)`)
+  const lines: Array<string> = []
+  const run = await runChaos({
+    backends: [backend],
+    durationMs: DURATION_MS,
+    seed: FIXED_SEED,
+    extraSeeds: [random],
+    workers: DEFAULTS.workers,
+    ttlMs: TTL_MS,
+    poolSize: DEFAULTS.poolSize,
+    logDir: DEFAULTS.logDir,
+    log: (line) => lines.push(line)
+  })
+  const result = run.runs[0]!
+  // Printed on failure: the seeds replay the fault sequences, the report says what happened.
+  const context = `chaos ${backend} seeds ${FIXED_SEED} then ${random}\n${lines.join("\n")}\n\n${renderMarkdown(run)}`
+  expect(result.check.violations, context).toEqual([])
+  // Without a server of its own (DATABASE_URL) a run cannot restart or stop server processes.
+  const allowedMissing: ReadonlyArray<string> = run.server.embedded ? [] : ["db-restart", "server-freeze"]
+  for (const seed of [FIXED_SEED, random]) {
+    const injected = new Set(result.faults.filter((f) => f.seed === seed && f.skipped === undefined).map((f) => f.kind))
+    expect(FAULT_KINDS.filter((kind) => !injected.has(kind) && !allowedMissing.includes(kind)), `${context}\nseed ${seed}`).toEqual([])
+  }
+  expect(result.check.rounds, context).toBeGreaterThan(14)
+}
+
+describe("npm run chaos, shortened", () => {
+  for (const backend of ["pg-advisory", "pg-lease"] as const) {
+    it(
+      `${backend}: every fault kind from a fixed and a random seed, no violation`,
+      { timeout: 240_000 },
+      () => shortRun(backend)
+    )
+  }
+})
