@@ -13,8 +13,9 @@
  *
  * @since 0.1.0
  */
-import * as SqlClient from "@effect/sql/SqlClient"
+import type * as SqlClient from "@effect/sql/SqlClient"
 import type { SqlError } from "@effect/sql/SqlError"
+import * as Context from "effect/Context"
 import { monotonicMillis } from "./internal/clock.js"
 import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
@@ -33,7 +34,7 @@ import * as inspect from "./internal/inspectAdvisory.js"
 import { advisoryKey } from "./internal/lockKey.js"
 import { sqlStateOf } from "./internal/sqlState.js"
 import { parseTable } from "./internal/sqlTable.js"
-import * as internal from "./internal/pgAdvisory.js"
+import * as internal from "./internal/pgAdvisory/engine.js"
 import { decodeDuration, validateMode, validateName } from "./internal/validate.js"
 
 /**
@@ -68,6 +69,12 @@ export interface Options {
   readonly heartbeatTimeout?: Duration.DurationInput | undefined
 }
 
+/**
+ * The `SqlClient` tag, referenced by its key so that importing this module (or `effect-lock`)
+ * does not load `@effect/sql`: only its types are imported.
+ */
+const SqlClientTag = Context.GenericTag<SqlClient.SqlClient>("@effect/sql/SqlClient")
+
 /** Sessions a layer opens when `maxSessions` is not given. */
 const DEFAULT_MAX_SESSIONS = 4
 const DEFAULT_APPLICATION_NAME = "effect-lock"
@@ -97,11 +104,12 @@ const resolve = (options: Options): Effect.Effect<internal.BackendOptions, LockB
       if (typeof table === "string") throw new Error(`fencingTable: ${table}`)
       return {
         connect: {
-          connectionString: Redacted.isRedacted(options.url) ? Redacted.value(options.url) : options.url,
+          client: { connectionString: Redacted.isRedacted(options.url) ? Redacted.value(options.url) : options.url },
           applicationName: options.applicationName ?? DEFAULT_APPLICATION_NAME,
-          connectTimeoutMillis: positiveMillis(options.connectTimeout, DEFAULT_CONNECT_TIMEOUT, "connectTimeout")
+          connectTimeoutMillis: positiveMillis(options.connectTimeout, DEFAULT_CONNECT_TIMEOUT, "connectTimeout"),
+          explicitApplicationName: options.applicationName !== undefined
         },
-        explicitApplicationName: options.applicationName !== undefined,
+        createTables: true,
         maxSessions,
         namespace: options.namespace ?? "",
         fencingTable: table,
@@ -330,7 +338,7 @@ export const withXactLock: {
     Effect.gen(function*() {
       const name = yield* validateName(rawName, MAX_NAME_BYTES)
       const mode = yield* validateMode(name, options?.mode)
-      const sql = yield* SqlClient.SqlClient
+      const sql = yield* SqlClientTag
       const key = advisoryKey(name, options?.namespace)
       // The body's failures and defects are marked so they pass through unchanged; everything
       // else that fails or dies here belongs to the transaction machinery.
@@ -439,7 +447,7 @@ export const listHolders = (
   options?: ListHoldersOptions
 ): Effect.Effect<ReadonlyArray<AdvisoryHolder>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const sql = yield* SqlClient.SqlClient
+    const sql = yield* SqlClientTag
     const table = parseTable(options?.fencingTable ?? DEFAULT_FENCING_TABLE)
     if (typeof table === "string") return yield* Effect.fail(new Error(`fencingTable: ${table}`))
     const raw = yield* sql.unsafe<inspect.LockRow>(inspect.listSql, [table.sql]).withoutTransform
