@@ -2,16 +2,16 @@
  * PgAdvisory under faults a real deployment brings: event-loop stalls, a frozen server process,
  * a killed or frozen wait session, a database restart. Real server, real stalls, real signals.
  */
+import { SqlClient } from "@effect/sql"
 import { describe, expect, it } from "@effect/vitest"
-import { Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Metric, Option, Scope } from "effect"
+import { Cause, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Metric, Option, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
-import type { Lease } from "../src/Lease.js"
 import * as LockMetrics from "../src/LockMetrics.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { spawn } from "node:child_process"
 import * as Readline from "node:readline"
 import { startEmbedded } from "../tools/embeddedPostgres.js"
-import { useTestDatabase, withClient } from "./support/pg.js"
+import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory_faults")
@@ -110,7 +110,7 @@ const destroyedSessions = Effect.map(
 /** Holds `name` in a guarded body until the body is interrupted; the result says how it ended. */
 const holdUntilLost = (lock: DistributedLock.Service, name: string) =>
   Effect.gen(function*() {
-    const holding = yield* Deferred.make<Lease>()
+    const holding = yield* Deferred.make<{ readonly token: bigint }>()
     const running = yield* Effect.fork(
       DistributedLock.withLock(
         Effect.flatMap(DistributedLock.inspect, ([held]) => Effect.zipRight(Deferred.succeed(holding, held!), Effect.never)),
@@ -298,4 +298,74 @@ describe("PgAdvisory with a frozen or restarted server", () => {
       const other = yield* Effect.scoped(Effect.map(lock.tryAcquire("after-restart"), Option.isSome))
       expect(other).toBe(true)
     }), 60_000)
+})
+
+describe("PgAdvisory.withXactLock with a frozen connection", () => {
+  it.scopedLive("a connection frozen at COMMIT ends in LockBackendError within the statement timeout", () =>
+    Effect.gen(function*() {
+      const freezeScope = yield* Scope.make()
+      const bodyEnded = { at: 0 }
+      const exit = yield* Effect.exit(
+        PgAdvisory.withXactLock(
+          Effect.gen(function*() {
+            const sql = yield* SqlClient.SqlClient
+            const [row] = yield* sql<{ pid: number }>`select pg_backend_pid() as pid`
+            // The transaction's own backend stops: the COMMIT that follows gets no answer.
+            yield* frozen([row!.pid]).pipe(Scope.extend(freezeScope))
+            bodyEnded.at = Date.now()
+          }),
+          "xact-frozen-commit",
+          { statementTimeout: "1 second" }
+        )
+      )
+      const waited = Date.now() - bodyEnded.at
+      yield* Scope.close(freezeScope, Exit.void)
+      expect(Exit.isFailure(exit)).toBe(true)
+      const error = Exit.isFailure(exit) ? Option.getOrUndefined(Cause.failureOption(exit.cause)) : undefined
+      expect(error).toMatchObject({ _tag: "LockBackendError", operation: "transaction" })
+      // The promised bound: the statement timeout (1 s) plus two event-loop turns.
+      expect(waited).toBeLessThan(2_500)
+    }).pipe(Effect.provide(PgTest.layer(db))))
+
+  it.scopedLive("a connection frozen in a contended wait ends in LockBackendError within a slice plus the statement timeout", () =>
+    Effect.gen(function*() {
+      const name = "xact-frozen-wait"
+      const holding = yield* Deferred.make<void>()
+      const release = yield* Deferred.make<void>()
+      const holder = yield* Effect.fork(
+        PgAdvisory.withXactLock(Effect.zipRight(Deferred.succeed(holding, undefined), Deferred.await(release)), name)
+      )
+      yield* Deferred.await(holding)
+      const waiter = yield* Effect.fork(
+        Effect.exit(PgAdvisory.withXactLock(Effect.void, name, { statementTimeout: "1 second" }))
+      )
+      const key = PgAdvisory.keyOf(name)
+      const unsigned = BigInt.asUintN(64, key)
+      const pid = yield* eventually(
+        Effect.promise(() =>
+          withClient(db.url, async (client) =>
+            (await client.query<{ pid: number }>(
+              "select pid from pg_locks where locktype = 'advisory' and not granted and classid = $1 and objid = $2",
+              [String(unsigned >> 32n), String(unsigned & 0xffffffffn)]
+            )).rows[0]?.pid
+          )
+        ),
+        (found) => found !== undefined,
+        3_000,
+        "the waiter queued at the server"
+      )
+      const freezeScope = yield* Scope.make()
+      const frozenAt = Date.now()
+      yield* frozen([pid!]).pipe(Scope.extend(freezeScope))
+      const exit = yield* Fiber.join(waiter)
+      const waited = Date.now() - frozenAt
+      yield* Scope.close(freezeScope, Exit.void)
+      yield* Deferred.succeed(release, undefined)
+      yield* Fiber.join(holder)
+      const error = Exit.isFailure(exit) ? Option.getOrUndefined(Cause.failureOption(exit.cause)) : undefined
+      expect(error).toMatchObject({ _tag: "LockBackendError" })
+      // The promised bound: a slice's statement_timeout (2 s) plus the statement timeout (1 s)
+      // for the slice, then the statement timeout again for the ROLLBACK, plus loop turns.
+      expect(waited).toBeLessThan(5_500)
+    }).pipe(Effect.provide(PgTest.layer(db))))
 })
