@@ -3,6 +3,7 @@
  * that reach the server through a pooler) and the fencing table. Every step is bounded.
  */
 import * as Effect from "effect/Effect"
+import * as Option from "effect/Option"
 import type pg from "pg"
 import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as driver from "../pgDriver.js"
@@ -25,14 +26,23 @@ const unsafe = (problem: string) =>
 
 const probeError = (cause: unknown) => new LockBackendError({ operation: "connect", cause })
 
+/** Statements the session sends after the other clients' transactions ended (a round-robin pooler hops among them). */
+const PROBE_AFTER = 3
+
 /**
  * Session affinity check for a session that reaches its backend through a pooler (its announced
- * pid is not its backend's): a second client opens a transaction and keeps it open, and the
- * session reads its backend pid again. On a real session (or PgBouncer session mode) the pid is
- * stable and differs from the other client's; a transaction-mode pooler hands the backend to the
- * other client's transaction, or the session to another backend (round robin), so it moves or
- * has to wait. Whatever server connection the pooler hands out, one of the two shows. Each
- * session keeps proving it afterwards: every statement's answer must come from `pid`.
+ * pid is not its backend's), behavioural and independent of which server connection the pooler
+ * hands out:
+ *
+ * 1. two other clients open a transaction each and keep it open (each pins a server connection);
+ *    the session reads its backend pid. A transaction-mode pooler has to give the session another
+ *    server connection (the pid changes), make it wait for one (no answer in time), or has
+ *    already given one of the others the session's own backend (equal pids);
+ * 2. the others commit; the session reads its pid a few more times. A pooler that hands out
+ *    server connections in turn (`server_round_robin`) moves it among the now idle ones.
+ *
+ * On a real session (or PgBouncer session mode) the pid never changes and differs from the
+ * others'. The session keeps proving it afterwards: every statement's answer must come from `pid`.
  */
 export const probeAffinity = (
   engine: Engine,
@@ -52,34 +62,43 @@ export const probeAffinity = (
       bound,
       () => new Error(`the affinity probe's ${text} got no answer within ${bound} ms`)
     )
-  return Effect.acquireUseRelease(
+  const other = Effect.acquireRelease(
     withinOrFail(
       driver.connect(engine.driver, engine.clientConfig, { onClosed: () => {} }),
       bound,
       () => new Error(`connecting the affinity probe got no answer within ${bound} ms`)
     ),
-    (other) =>
-      Effect.gen(function*() {
-        yield* run(other, "begin")
-        const otherPid = yield* pidOf(other)
-        const after = yield* Effect.fork(pidOf(session))
-        const answered = yield* within(Effect.flatMap(after.await, Effect.succeed), PROBE_WAIT_MS)
-        yield* run(other, "commit")
-        const afterPid = yield* Effect.flatten(after.await)
-        if (answered._tag === "None") {
-          return yield* unsafe(
-            `a statement on one connection waited for another client's transaction to end (backend pid ${pid} then ${afterPid})`
-          )
-        }
-        if (afterPid !== pid) {
-          return yield* unsafe(
-            `the backend pid of one connection changed from ${pid} to ${afterPid} while another client held a transaction open`
-          )
-        }
-        if (otherPid === pid) return yield* unsafe(`two connections were served by the same backend (pid ${pid})`)
-      }),
-    (other) => Effect.sync(() => driver.destroy(other))
-  ).pipe(Effect.mapError((error) => error instanceof UnsafeConnectionPooling ? error : probeError(error)))
+    (client) => Effect.sync(() => driver.destroy(client))
+  )
+  return Effect.gen(function*() {
+    const others = [yield* other, yield* other]
+    yield* Effect.forEach(others, (client) => run(client, "begin"), { discard: true })
+    const otherPids = yield* Effect.forEach(others, pidOf)
+    const during = yield* Effect.fork(pidOf(session))
+    const answered = yield* within(Effect.flatten(during.await), PROBE_WAIT_MS)
+    yield* Effect.forEach(others, (client) => run(client, "commit"), { discard: true })
+    const duringPid = yield* Effect.flatten(during.await)
+    if (Option.isNone(answered)) {
+      return yield* unsafe(
+        `a statement on one connection waited for other clients' transactions to end (backend pid ${pid} then ${duringPid})`
+      )
+    }
+    if (duringPid !== pid) {
+      return yield* unsafe(
+        `the backend pid of one connection changed from ${pid} to ${duringPid} while other clients held transactions open`
+      )
+    }
+    if (otherPids.includes(pid)) return yield* unsafe(`two connections were served by the same backend (pid ${pid})`)
+    for (let i = 0; i < PROBE_AFTER; i++) {
+      const after = yield* pidOf(session)
+      if (after !== pid) {
+        return yield* unsafe(`the backend pid of one connection changed from ${pid} to ${after} between two statements`)
+      }
+    }
+  }).pipe(
+    Effect.scoped,
+    Effect.mapError((error) => error instanceof UnsafeConnectionPooling ? error : probeError(error))
+  )
 }
 
 /** The fencing-token table: one counter per key, bumped in each grant's statement. */
