@@ -129,10 +129,13 @@ export const connect = (driver: Driver, config: pg.ClientConfig, events: ClientE
     return Effect.sync(() => destroy(client))
   })
 
+/** Statements of each client still waiting for their answer, so that `destroy` can end them. */
+const unanswered = new WeakMap<pg.Client, Set<(failure: StatementFailure) => void>>()
+
 /**
  * Runs one statement; a text without values goes over the simple protocol (several statements
  * allowed; the last result is kept). A sent statement cannot be taken back: interrupting this
- * only stops waiting for its answer.
+ * only stops waiting for its answer. `destroy` ends it with a `Connection` failure.
  */
 export const query = (
   client: pg.Client,
@@ -140,7 +143,23 @@ export const query = (
   values?: ReadonlyArray<unknown>
 ): Effect.Effect<pg.QueryResult, StatementFailure> =>
   Effect.async<pg.QueryResult, StatementFailure>((resume) => {
+    let waiting = unanswered.get(client)
+    if (waiting === undefined) unanswered.set(client, waiting = new Set())
+    const pending = waiting
+    let answered = false
+    const abort = (failure: StatementFailure) => {
+      if (answered) return
+      answered = true
+      resume(Effect.fail(failure))
+    }
+    pending.add(abort)
+    const P = (globalThis as any).__perf as Array<[string, number]> | undefined
+    P?.push(["send", performance.now()])
     const callback = (error: Error | null, result: pg.QueryResult | Array<pg.QueryResult> | undefined) => {
+      P?.push(["answer", performance.now()])
+      pending.delete(abort)
+      if (answered) return
+      answered = true
       if (error) return resume(Effect.fail(classify(error)))
       const last = Array.isArray(result) ? result[result.length - 1] : result
       resume(
@@ -179,6 +198,12 @@ export const announcedPid = (client: pg.Client): number | undefined => {
  * and with it every session lock the backend held.
  */
 export const destroy = (client: pg.Client): void => {
+  const waiting = unanswered.get(client)
+  if (waiting !== undefined) {
+    unanswered.delete(client)
+    const failure: StatementFailure = { _tag: "Connection", error: new Error("the session was destroyed") }
+    for (const abort of waiting) abort(failure)
+  }
   try {
     internals(client).connection?.stream?.destroy?.()
   } catch {

@@ -65,9 +65,10 @@ import { advisoryKey } from "../lockKey.js"
 import * as driver from "../pgDriver.js"
 import { within } from "./bounded.js"
 import { ensureFencingTable } from "./bootstrap.js"
-import { Busy, joinShared, Retry, type Step, TimedOut, tryGrant } from "./grants.js"
-import { asBackendError, BACKEND, changed, isFreeWaitSession, markDead, open, statement, worker } from "./session.js"
-import { HEARTBEAT_SQL } from "./sql.js"
+import { Busy, interestKeyOf, joinShared, Retry, type Step, TimedOut, tryGrant } from "./grants.js"
+import { yieldToIO } from "../stallSafe.js"
+import { asBackendError, BACKEND, changed, isFreeWaitSession, killOverdue, markDead, open, statement, worker } from "./session.js"
+import { HEARTBEAT_SQL, INTEREST_SQL, UNINTEREST_SQL } from "./sql.js"
 import type { BackendOptions, Engine, Hint, Holder, Session } from "./state.js"
 import { blockingWait, nextHint } from "./wait.js"
 
@@ -80,6 +81,10 @@ export type { BackendOptions } from "./state.js"
 const STATEMENT_TIMEOUT_MS = 5_000
 /** Re-try interval of a request that waits on notifications only (all wait sessions in use). */
 const FALLBACK_RETRY_MS = 1_000
+/** Names whose advisory keys are remembered. */
+const KEY_CACHE_SIZE = 4_096
+/** How often the watchdog looks for overdue statements: a bound is kept within this much. */
+const WATCHDOG_TICK_MS = 100
 /** Bound on closing a session gracefully at shutdown before its socket is destroyed. */
 const CLOSE_TIMEOUT_MS = 2_000
 
@@ -180,13 +185,32 @@ const fastPathSession = (engine: Engine, request: AcquireRequest): Effect.Effect
 
 type Reservation = { readonly _tag: "Session"; readonly session: Session } | typeof TimedOut | typeof Retry
 
+/**
+ * Registers this request's interest in release notifications of its key, on the home session,
+ * until the scope closes (see `releaseSql`): `true` when registered now — the request must then
+ * try the lock once more before it waits, `false` when it cannot be (no home session, or a release
+ * is checking at this moment: trying again is right then too).
+ */
+const registerInterest = (engine: Engine, keyText: string): Effect.Effect<boolean, never, Scope.Scope> =>
+  Effect.gen(function*() {
+    const home = engine.sessions.find((session) => session.role === "home" && session.state === "open")
+    if (home === undefined) return false
+    const interestKey = interestKeyOf(keyText)
+    const settled = yield* statement(engine, home, INTEREST_SQL, [interestKey])
+    if (settled._tag !== "Ok" || settled.rows[0]?.registered !== true) return false
+    // Withdrawn on the same session; gone anyway if that session dies.
+    yield* Effect.addFinalizer(() => home.state === "open" ? statement(engine, home, UNINTEREST_SQL, [interestKey]) : Effect.void)
+    return true
+  })
+
 /** A wait session that holds nothing, reserved for one blocking wait; or a reason to try again. */
 const reserveWaitSession = (
   engine: Engine,
   request: AcquireRequest,
   hints: Queue.Dequeue<Hint>,
-  keyText: string
-): Effect.Effect<Reservation, LockBackendError> =>
+  keyText: string,
+  interest: { registered: boolean }
+): Effect.Effect<Reservation, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     while (true) {
       if (engine.closing) return yield* shuttingDown(request.name)
@@ -203,8 +227,13 @@ const reserveWaitSession = (
         continue
       }
       // Every wait session is busy or holds a lock: wait for one to come free, or for a hint
-      // that this key was released, then try again. Notifications are hints (a crashed holder
-      // sends none), hence the fallback re-try.
+      // that this key was released, then try again. Releases elsewhere notify only registered
+      // waiters, so register first (and try once more). Notifications are hints (a crashed
+      // holder sends none), hence the fallback re-try.
+      if (!interest.registered) {
+        interest.registered = yield* registerInterest(engine, keyText)
+        if (interest.registered) return Retry
+      }
       const woke = yield* request.waitUntilDeadline(
         Effect.race(nextHint(hints, keyText), Effect.as(Effect.sleep(Duration.millis(FALLBACK_RETRY_MS)), "released" as const))
       )
@@ -213,17 +242,34 @@ const reserveWaitSession = (
     }
   })
 
-const grantLoop = (
+/**
+ * The uncontended path, kept free of the contended one's setup (a scope, a subscription): one
+ * try-lock on a claimed session. `Retry` and `Busy` go on to `grantLoop`.
+ */
+const firstTry = (
   engine: Engine,
   request: AcquireRequest,
   key: bigint,
   keyText: string,
   admission: Admission
+): Effect.Effect<Step, LockBackendError> =>
+  Effect.flatMap(fastPathSession(engine, request), (session) =>
+    Option.isNone(session) ? Effect.succeed(TimedOut) : tryGrant(engine, session.value, request, key, keyText, admission))
+
+const grantLoop = (
+  engine: Engine,
+  request: AcquireRequest,
+  key: bigint,
+  keyText: string,
+  admission: Admission,
+  afterBusyTry: boolean
 ): Effect.Effect<AcquireResult<Grant>, LockBackendError> =>
   Effect.gen(function*() {
-    let hints: Queue.Dequeue<Hint> | undefined
+    // After a busy first try: subscribed before trying again, so a release in between is not missed.
+    let hints: Queue.Dequeue<Hint> | undefined = afterBusyTry ? yield* PubSub.subscribe(engine.hints) : undefined
     // A shared request that found an exclusive one queued at the server queues there too.
     let mustQueue = false
+    const interest = { registered: false }
     while (true) {
       if (request.mode === "shared" && !mustQueue) {
         const joined = yield* joinShared(engine, request, key, keyText, admission)
@@ -247,7 +293,7 @@ const grantLoop = (
         mustQueue = false
         continue
       }
-      const reservation = yield* reserveWaitSession(engine, request, hints, keyText)
+      const reservation = yield* reserveWaitSession(engine, request, hints, keyText, interest)
       if (reservation._tag === "TimedOut") return TimedOut
       if (reservation._tag === "Retry") {
         mustQueue = false
@@ -306,6 +352,12 @@ export const make = (
     )
     yield* Effect.forkScoped(Effect.repeat(heartbeat, Schedule.spaced(Duration.millis(options.heartbeatIntervalMillis))))
 
+    // Watchdog: one timer for every statement bound. It reads pending I/O before it judges, so an
+    // answer that arrived during an event-loop stall counts (a stall costs nothing).
+    yield* Effect.forkScoped(
+      Effect.repeat(Effect.zipRight(yieldToIO, killOverdue(engine)), Schedule.spaced(Duration.millis(WATCHDOG_TICK_MS)))
+    )
+
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {
         // Holders still alive were already told and released by DistributedLock's own close,
@@ -330,15 +382,37 @@ export const make = (
     yield* adopt(engine, home)
     yield* ensureFencingTable(engine, (text, values) => statement(engine, home, text, values))
 
+    // Hashing a name (SHA-256) costs more than the rest of an uncontended acquire's CPU work:
+    // names are few and reused, so their keys are remembered (up to a bound).
+    const keys = new Map<string, { readonly key: bigint; readonly keyText: string }>()
+    const keyOf = (name: string) => {
+      let found = keys.get(name)
+      if (found === undefined) {
+        if (keys.size >= KEY_CACHE_SIZE) keys.clear()
+        const key = advisoryKey(name, options.namespace)
+        found = { key, keyText: key.toString() }
+        keys.set(name, found)
+      }
+      return found
+    }
+
     const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<Grant>, LockBackendError> =>
       Effect.gen(function*() {
-        const key = advisoryKey(request.name, options.namespace)
-        const keyText = key.toString()
+        const { key, keyText } = keyOf(request.name)
         const admission = request.attempt === "once"
           ? yield* engine.local.tryAdmit(keyText, request.mode)
           : yield* engine.local.admit(keyText, request.mode, request.waitUntilDeadline)
         if (Option.isNone(admission)) return request.attempt === "once" ? Busy : TimedOut
-        return yield* grantLoop(engine, request, key, keyText, admission.value).pipe(
+        const first: Step | undefined = request.mode === "exclusive"
+          ? yield* firstTry(engine, request, key, keyText, admission.value).pipe(
+            Effect.onError(() => engine.local.leave(admission.value, false))
+          )
+          : undefined
+        if (first !== undefined && first._tag !== "Retry" && (first._tag !== "Busy" || request.attempt === "once")) {
+          if (first._tag !== "Granted") yield* engine.local.leave(admission.value, false)
+          return first
+        }
+        return yield* grantLoop(engine, request, key, keyText, admission.value, first?._tag === "Busy").pipe(
           Effect.onExit((exit) =>
             Exit.isSuccess(exit) && exit.value._tag === "Granted" ? Effect.void : engine.local.leave(admission.value, false)
           )

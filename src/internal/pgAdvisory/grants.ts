@@ -18,7 +18,8 @@ import { lockTagOfKey } from "../inspectAdvisory.js"
 import type { Admission } from "../localKeys.js"
 import * as driver from "../pgDriver.js"
 import { changed, isFatal, kill, sqlCode, statement, submitStatement, submitTry, type Submitted, takeBack } from "./session.js"
-import { CHANNEL, joinBumpSql, unlockSql } from "./sql.js"
+import { advisoryKey } from "../lockKey.js"
+import { CHANNEL, INTEREST_NAMESPACE, joinBumpSql, releaseSql, undoSql } from "./sql.js"
 import type { Engine, Holder, ServerGrant, Session, Settled } from "./state.js"
 
 /** What one step of an acquire came to; `Retry` starts the attempt over (the session died, a transient error). */
@@ -33,6 +34,21 @@ export const Retry = { _tag: "Retry" } as const
  * fencing row (40P01, 40001), a fencing-row lock wait past the session's lock_timeout (55P03).
  */
 export const TRANSIENT: ReadonlySet<string> = new Set(["57014", "40P01", "40001", "55P03"])
+
+const interestKeys = new Map<string, string>()
+/** Interest keys remembered, as lock keys are (a hash per release would cost more than the rest). */
+const INTEREST_CACHE_SIZE = 4_096
+
+/** The interest key of a lock key (see `releaseSql`), in decimal. */
+export const interestKeyOf = (keyText: string): string => {
+  let found = interestKeys.get(keyText)
+  if (found === undefined) {
+    if (interestKeys.size >= INTEREST_CACHE_SIZE) interestKeys.clear()
+    found = advisoryKey(keyText, INTEREST_NAMESPACE).toString()
+    interestKeys.set(keyText, found)
+  }
+  return found
+}
 
 export const tokenOf = (settled: Settled): FencingToken.FencingToken | undefined => {
   if (settled._tag !== "Ok") return undefined
@@ -62,8 +78,8 @@ export const closeIfUnused = (engine: Engine, grant: ServerGrant): Effect.Effect
     if (session.state !== "open") return Effect.void
     const unlock = submitStatement(
       session,
-      unlockSql(grant.mode, true),
-      [grant.keyText, CHANNEL, grant.keyText],
+      releaseSql(grant.mode),
+      [grant.keyText, interestKeyOf(grant.keyText), CHANNEL],
       engine.statementTimeoutMillis
     )
     return Effect.flatMap(unlock.outcome, (settled) => {
@@ -192,7 +208,7 @@ export const joinShared = (
 const undoTry = (engine: Engine, session: Session, keyText: string, shared: boolean): Effect.Effect<void> =>
   Effect.gen(function*() {
     if (session.state !== "open") return
-    const settled = yield* statement(engine, session, unlockSql(shared ? "shared" : "exclusive", false), [keyText])
+    const settled = yield* statement(engine, session, undoSql(shared ? "shared" : "exclusive"), [keyText])
     if (settled._tag !== "Ok" || !driver.isIdle(session.client)) {
       yield* kill(engine, session, "undoing a grant was not proven")
     }

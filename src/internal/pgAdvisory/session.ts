@@ -14,13 +14,13 @@ import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as FiberId from "effect/FiberId"
-import * as Option from "effect/Option"
 import * as Queue from "effect/Queue"
 import type pg from "pg"
 import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as metrics from "../metrics.js"
+import { monotonicMillis } from "../clock.js"
 import * as driver from "../pgDriver.js"
-import { within, withinOrFail } from "./bounded.js"
+import { withinOrFail } from "./bounded.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, setupSql, tryBatchSql } from "./sql.js"
 import type { Engine, Job, Row, Session, Settled, StatementJob, TryJob } from "./state.js"
@@ -116,8 +116,9 @@ const verify = (session: Session, result: pg.QueryResult): Settled => {
 }
 
 /**
- * Runs one statement on the session now (the worker's turn), bounded by `timeoutMillis`;
- * destroys the session when the outcome leaves its state unknown.
+ * Runs one statement on the session now (the worker's turn), bounded by `timeoutMillis` (the
+ * watchdog, `killOverdue`, destroys the session past it, which ends the statement); destroys the
+ * session when the outcome leaves its state unknown.
  */
 const execute = (
   engine: Engine,
@@ -126,14 +127,33 @@ const execute = (
   values: ReadonlyArray<unknown> | undefined,
   timeoutMillis: number
 ): Effect.Effect<Settled> =>
-  within(driver.query(session.client, text, values), timeoutMillis).pipe(
-    Effect.map((answer): Settled => Option.isNone(answer) ? { _tag: "NoAnswer" } : verify(session, answer.value)),
-    Effect.catchAll((failure) => Effect.succeed<Settled>({ _tag: "Failed", failure })),
-    Effect.tap((settled) => isFatal(settled) ? kill(engine, session, reasonOf(settled)) : Effect.void)
-  )
+  Effect.flatMap(monotonicMillis, (since) => {
+    session.inflight = { since, bound: timeoutMillis }
+    return driver.query(session.client, text, values).pipe(
+      Effect.map((result) => verify(session, result)),
+      Effect.catchAll((failure) => Effect.succeed<Settled>({ _tag: "Failed", failure })),
+      Effect.tap((settled) => {
+        session.inflight = undefined
+        return isFatal(settled) ? kill(engine, session, reasonOf(settled)) : Effect.void
+      })
+    )
+  })
+
+/**
+ * The watchdog's check: destroys every session whose statement is past its bound. Run it after
+ * `yieldToIO`, so that an answer that arrived during an event-loop stall is read first.
+ */
+export const killOverdue = (engine: Engine): Effect.Effect<void> =>
+  Effect.flatMap(monotonicMillis, (now) =>
+    Effect.forEach(
+      engine.sessions.filter((s) => s.inflight !== undefined && now - s.inflight.since > s.inflight.bound),
+      (session) => kill(engine, session, "a statement got no answer in time"),
+      { discard: true }
+    ))
 
 /** Hands a job its outcome; one synchronous step with the session's bookkeeping. */
 const settle = (engine: Engine, session: Session, job: TryJob | StatementJob, settled: Settled): void => {
+  ;(globalThis as any).__perf?.push(["settle", performance.now()])
   session.pending -= 1
   Deferred.unsafeDone(job.done, Exit.succeed(settled))
   if (isFreeWaitSession(session)) changed(engine)
@@ -197,6 +217,7 @@ export const worker = (engine: Engine, session: Session): Effect.Effect<void> =>
   Effect.gen(function*() {
     while (true) {
       const batch = Chunk.toReadonlyArray(yield* Queue.takeBetween(session.jobs, 1, MAX_BATCH))
+      ;(globalThis as any).__perf?.push(["took", performance.now()])
       let stopped = false
       let i = 0
       while (i < batch.length) {
@@ -222,6 +243,7 @@ export const worker = (engine: Engine, session: Session): Effect.Effect<void> =>
 
 /** Queues a job, in the same synchronous step as checking the session is open. */
 const submit = (session: Session, job: TryJob | StatementJob): boolean => {
+  ;(globalThis as any).__perf?.push(["submit", performance.now()])
   if (session.state !== "open") return false
   session.pending += 1
   Queue.unsafeOffer(session.jobs, job)
@@ -330,7 +352,8 @@ export const open = (
         pending: 0,
         claims: 0,
         grants: new Set(),
-        jobs: yield* Queue.unbounded<Job>()
+        jobs: yield* Queue.unbounded<Job>(),
+        inflight: undefined
       }
       events.session = session
       return session

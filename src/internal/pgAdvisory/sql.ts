@@ -91,14 +91,37 @@ export const waitSql = (table: TableRef, key: bigint, name: string, mode: LockMo
     `RETURNING f.token::text AS token, pg_backend_pid() AS pid`
   ].join("; ")
 
+/** Namespace of the interest keys (see `releaseSql`). */
+export const INTEREST_NAMESPACE = "effect-lock/PgAdvisory/release-interest"
+
 /**
- * Unlocks one key. With `notify`, also tells other processes that wait on notifications only.
- * Parameters: $1 key; with notify $2 channel, $3 key text.
+ * Gives a lock back, and tells the processes that wait for it on notifications only — if there
+ * are any. Such a waiter holds the key's *interest* lock shared on its home session while it
+ * waits (`INTEREST_SQL`); the release tries the interest lock exclusively for its own statement
+ * (`pg_try_advisory_xact_lock`, gone at its commit): it fails only when a waiter holds it, and
+ * only then is `pg_notify` sent. A release nobody waits for notifies nobody, so its commit is
+ * free of NOTIFY's database-wide queue lock. A waiter registers before its last try, so a
+ * release either comes before that try (which then succeeds) or sees the interest.
+ *
+ * Parameters: $1 key, $2 its interest key, $3 channel.
  */
-export const unlockSql = (mode: LockMode, notify: boolean): string =>
-  notify
-    ? `select pg_advisory_unlock${suffix(mode)}($1::bigint) as released, pg_backend_pid() as pid, pg_notify($2, $3)`
-    : `select pg_advisory_unlock${suffix(mode)}($1::bigint) as released, pg_backend_pid() as pid`
+export const releaseSql = (mode: LockMode): string =>
+  `select pg_advisory_unlock${suffix(mode)}($1::bigint) as released, pg_backend_pid() as pid, ` +
+  `case when pg_try_advisory_xact_lock($2::bigint) then null else pg_notify($3, $1::bigint::text) end as notified`
+
+/** Undoes a grant that was never handed out: nobody can be waiting on its release yet. Parameters: $1 key. */
+export const undoSql = (mode: LockMode): string =>
+  `select pg_advisory_unlock${suffix(mode)}($1::bigint) as released, pg_backend_pid() as pid`
+
+/**
+ * Registers interest in a key's release notifications (see `releaseSql`); never waits: `false`
+ * when a release is checking for interest at this very moment (the caller then simply tries the
+ * lock again). Parameters: $1 the interest key.
+ */
+export const INTEREST_SQL = "select pg_try_advisory_lock_shared($1::bigint) as registered, pg_backend_pid() as pid"
+
+/** Withdraws a registered interest. Parameters: $1 the interest key. */
+export const UNINTEREST_SQL = "select pg_advisory_unlock_shared($1::bigint) as released, pg_backend_pid() as pid"
 
 /** Drops every session lock of a wait session that held nothing before its wait. */
 export const UNLOCK_ALL_SQL = "select pg_advisory_unlock_all(), pg_backend_pid() as pid"

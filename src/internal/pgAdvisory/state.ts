@@ -85,6 +85,12 @@ export interface Session {
   claims: number
   readonly grants: Set<ServerGrant>
   readonly jobs: Queue.Queue<Job>
+  /**
+   * The statement on the wire: when it was sent (monotonic Clock ms) and its bound. The engine's
+   * watchdog destroys the session once it is overdue (one timer for all sessions, not one per
+   * statement).
+   */
+  inflight: { readonly since: number; readonly bound: number } | undefined
 }
 
 /** One lock the server granted to one session. */
