@@ -108,7 +108,8 @@ const bounded = <A>(
  */
 const lockInTransaction = (
   sql: SqlClient.SqlClient,
-  request: XactRequest
+  request: XactRequest,
+  progress: Progress
 ): Effect.Effect<void, LockTimeout | LockBackendError> =>
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
@@ -128,10 +129,14 @@ const lockInTransaction = (
       /** Interruption takes effect here, between statements. */
       const checkpoint = restore(Effect.void)
 
-      const tried = yield* run<{ granted: boolean }>(
+      // The first statement is bounded by the watchdog of `run` (no race of its own: the
+      // uncontended path stays one statement); the contended path's statements bound themselves.
+      yield* Deferred.succeed(progress.began, undefined)
+      const tried = yield* sql.unsafe<{ granted: boolean }>(
         `select pg_try_advisory_xact_lock${shared}($1::bigint) as granted`,
         [keyText]
-      )
+      ).withoutTransform.pipe(Effect.mapError(backendError))
+      progress.tried = true
       if (tried[0]?.granted === true) return
       const millis = timeout === undefined || !Duration.isFinite(timeout) ? undefined : Duration.toMillis(timeout)
       if (millis !== undefined && millis <= 0) return yield* new LockTimeout({ name, waited: Duration.zero })
@@ -180,11 +185,22 @@ const lockInTransaction = (
     })
   )
 
+/** What the watchdog of `run` watches. */
+interface Progress {
+  /** The transaction began (BEGIN answered; the pool's wait for a connection is the pool's to bound). */
+  readonly began: Deferred.Deferred<void>
+  /** The first lock statement answered. */
+  tried: boolean
+  /** The body ended (or the lock failed): the COMMIT or ROLLBACK is on its way. */
+  readonly ended: Deferred.Deferred<void>
+}
+
 /**
- * Runs `self` in a transaction holding the lock. The transaction runs in a child fiber; once the
- * body has ended (or the lock failed), the COMMIT or ROLLBACK has `statementTimeoutMillis` to
- * finish, else the caller gets a `LockBackendError` and the child is left to finish in the
- * background. An interrupted caller waits for the ROLLBACK within the same bound.
+ * Runs `self` in a transaction holding the lock. The transaction runs in a daemon fiber watched
+ * by one timer at a time: the first lock statement must answer within `statementTimeoutMillis`
+ * of the transaction's start, and once the body has ended (or the lock failed) the COMMIT or
+ * ROLLBACK within the same bound; else the caller gets a `LockBackendError` and the daemon is
+ * left to finish in the background. An interrupted caller waits for the ROLLBACK within the bound.
  */
 export const run = <A, E, R>(
   sql: SqlClient.SqlClient,
@@ -194,7 +210,7 @@ export const run = <A, E, R>(
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
       const { name, statementTimeoutMillis: bound } = request
-      const ended = yield* Deferred.make<void>()
+      const progress: Progress = { began: yield* Deferred.make<void>(), tried: false, ended: yield* Deferred.make<void>() }
       // The body's failures and defects are marked so they pass through unchanged; everything
       // else that fails or dies here belongs to the transaction machinery.
       const body = self.pipe(
@@ -202,7 +218,9 @@ export const run = <A, E, R>(
         Effect.catchAllDefect((defect) => Effect.die(new BodyDefect(defect)))
       )
       const transaction = sql.withTransaction(
-        Effect.zipRight(lockInTransaction(sql, request), body).pipe(Effect.ensuring(Deferred.succeed(ended, undefined)))
+        Effect.zipRight(lockInTransaction(sql, request, progress), body).pipe(
+          Effect.ensuring(Deferred.succeed(progress.ended, undefined))
+        )
       ).pipe(
         Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
           if (error instanceof BodyFailure) return Effect.fail(error.error as E)
@@ -219,25 +237,35 @@ export const run = <A, E, R>(
       // A daemon, not a child: a parent fiber waits for its children when it exits, and a stuck
       // COMMIT/ROLLBACK (uninterruptible in @effect/sql) would hold the caller with it.
       const fiber = yield* Effect.forkDaemon(restore(transaction))
-      const ending = Effect.zipRight(Deferred.await(ended), sleepThenReadIO(Duration.millis(bound)))
+      const watchdog = Effect.gen(function*() {
+        yield* Deferred.await(progress.began)
+        yield* sleepThenReadIO(Duration.millis(bound))
+        if (!progress.tried) return "the transaction lock's first statement"
+        yield* Deferred.await(progress.ended)
+        yield* sleepThenReadIO(Duration.millis(bound))
+        return "the transaction's COMMIT or ROLLBACK"
+      })
       const outcome = yield* restore(
-        Effect.raceFirst(Effect.asSome(Fiber.await(fiber)), Effect.as(ending, Option.none()))
+        Effect.raceFirst(
+          Effect.map(Fiber.await(fiber), (exit) => ({ _tag: "Done", exit }) as const),
+          Effect.map(watchdog, (what) => ({ _tag: "Overdue", what }) as const)
+        )
       ).pipe(
         // Interrupted: the transaction is rolled back; its ROLLBACK gets the same bound.
         Effect.onInterrupt(() => Effect.asVoid(within(Fiber.interrupt(fiber), bound)))
       )
-      if (Option.isSome(outcome)) {
+      if (outcome._tag === "Done") {
         // As `Fiber.join` would: the body's FiberRef changes carry over to the caller.
         yield* Fiber.inheritAll(fiber)
-        return yield* Exit.matchEffect(outcome.value, { onFailure: Effect.failCause, onSuccess: Effect.succeed })
+        return yield* Exit.matchEffect(outcome.exit, { onFailure: Effect.failCause, onSuccess: Effect.succeed })
       }
       yield* Fiber.interruptFork(fiber)
       return yield* new LockBackendError({
         operation: "transaction",
         name,
         cause: new Error(
-          `the transaction's COMMIT or ROLLBACK got no answer within ${bound} ms: the connection is dead or frozen, ` +
-            "and whether the transaction committed is unknown"
+          `${outcome.what} got no answer within ${bound} ms: the connection is dead or frozen` +
+            (progress.tried ? ", and whether the transaction committed is unknown" : "")
         )
       })
     })
