@@ -153,10 +153,7 @@ export const query = (
       resume(Effect.fail(failure))
     }
     pending.add(abort)
-    const P = (globalThis as any).__perf as Array<[string, number]> | undefined
-    P?.push(["send", performance.now()])
     const callback = (error: Error | null, result: pg.QueryResult | Array<pg.QueryResult> | undefined) => {
-      P?.push(["answer", performance.now()])
       pending.delete(abort)
       if (answered) return
       answered = true

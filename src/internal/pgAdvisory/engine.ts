@@ -204,12 +204,17 @@ const registerInterest = (engine: Engine, keyText: string): Effect.Effect<boolea
   })
 
 /** A wait session that holds nothing, reserved for one blocking wait; or a reason to try again. */
+/** What a request needs to wait in-process: hints (subscribed), and interest in notifications. */
+interface InProcessWait {
+  hints: Queue.Dequeue<Hint> | undefined
+  registered: boolean
+}
+
 const reserveWaitSession = (
   engine: Engine,
   request: AcquireRequest,
-  hints: Queue.Dequeue<Hint>,
   keyText: string,
-  interest: { registered: boolean }
+  inProcess: InProcessWait
 ): Effect.Effect<Reservation, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     while (true) {
@@ -227,13 +232,19 @@ const reserveWaitSession = (
         continue
       }
       // Every wait session is busy or holds a lock: wait for one to come free, or for a hint
-      // that this key was released, then try again. Releases elsewhere notify only registered
-      // waiters, so register first (and try once more). Notifications are hints (a crashed
-      // holder sends none), hence the fallback re-try.
-      if (!interest.registered) {
-        interest.registered = yield* registerInterest(engine, keyText)
-        if (interest.registered) return Retry
+      // that this key was released, then try again. Subscribed first, and tried once more: a
+      // release between the busy try and the subscription is not missed. Releases elsewhere
+      // notify only registered waiters, so register too (and try once more). Notifications are
+      // hints (a crashed holder sends none), hence the fallback re-try.
+      if (inProcess.hints === undefined) {
+        inProcess.hints = yield* PubSub.subscribe(engine.hints)
+        return Retry
       }
+      if (!inProcess.registered) {
+        inProcess.registered = yield* registerInterest(engine, keyText)
+        if (inProcess.registered) return Retry
+      }
+      const hints = inProcess.hints
       const woke = yield* request.waitUntilDeadline(
         Effect.race(nextHint(hints, keyText), Effect.as(Effect.sleep(Duration.millis(FALLBACK_RETRY_MS)), "released" as const))
       )
@@ -265,11 +276,10 @@ const grantLoop = (
   afterBusyTry: boolean
 ): Effect.Effect<AcquireResult<Grant>, LockBackendError> =>
   Effect.gen(function*() {
-    // After a busy first try: subscribed before trying again, so a release in between is not missed.
-    let hints: Queue.Dequeue<Hint> | undefined = afterBusyTry ? yield* PubSub.subscribe(engine.hints) : undefined
-    // A shared request that found an exclusive one queued at the server queues there too.
-    let mustQueue = false
-    const interest = { registered: false }
+    // A shared request that found an exclusive one queued at the server queues there too; a
+    // request whose first try was just busy goes straight to its wait.
+    let mustQueue = afterBusyTry
+    const inProcess: InProcessWait = { hints: undefined, registered: false }
     while (true) {
       if (request.mode === "shared" && !mustQueue) {
         const joined = yield* joinShared(engine, request, key, keyText, admission)
@@ -286,14 +296,7 @@ const grantLoop = (
         if (tried._tag === "Granted") return tried
       }
       if (request.attempt === "once") return Busy
-      if (hints === undefined) {
-        // Subscribed on the first contention, then tried once more: a release between the busy
-        // try and the subscription is not missed.
-        hints = yield* PubSub.subscribe(engine.hints)
-        mustQueue = false
-        continue
-      }
-      const reservation = yield* reserveWaitSession(engine, request, hints, keyText, interest)
+      const reservation = yield* reserveWaitSession(engine, request, keyText, inProcess)
       if (reservation._tag === "TimedOut") return TimedOut
       if (reservation._tag === "Retry") {
         mustQueue = false

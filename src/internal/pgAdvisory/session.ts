@@ -153,7 +153,6 @@ export const killOverdue = (engine: Engine): Effect.Effect<void> =>
 
 /** Hands a job its outcome; one synchronous step with the session's bookkeeping. */
 const settle = (engine: Engine, session: Session, job: TryJob | StatementJob, settled: Settled): void => {
-  ;(globalThis as any).__perf?.push(["settle", performance.now()])
   session.pending -= 1
   Deferred.unsafeDone(job.done, Exit.succeed(settled))
   if (isFreeWaitSession(session)) changed(engine)
@@ -217,7 +216,6 @@ export const worker = (engine: Engine, session: Session): Effect.Effect<void> =>
   Effect.gen(function*() {
     while (true) {
       const batch = Chunk.toReadonlyArray(yield* Queue.takeBetween(session.jobs, 1, MAX_BATCH))
-      ;(globalThis as any).__perf?.push(["took", performance.now()])
       let stopped = false
       let i = 0
       while (i < batch.length) {
@@ -243,7 +241,6 @@ export const worker = (engine: Engine, session: Session): Effect.Effect<void> =>
 
 /** Queues a job, in the same synchronous step as checking the session is open. */
 const submit = (session: Session, job: TryJob | StatementJob): boolean => {
-  ;(globalThis as any).__perf?.push(["submit", performance.now()])
   if (session.state !== "open") return false
   session.pending += 1
   Queue.unsafeOffer(session.jobs, job)
