@@ -14,6 +14,8 @@
  * @since 0.1.0
  */
 import type * as SqlClient from "@effect/sql/SqlClient"
+import type { PgClient } from "@effect/sql-pg/PgClient"
+import type { ConnectionOptions } from "node:tls"
 import type { SqlError } from "@effect/sql/SqlError"
 import * as Context from "effect/Context"
 import * as Config from "effect/Config"
@@ -33,13 +35,21 @@ import * as inspect from "./internal/inspectAdvisory.js"
 import { advisoryKey } from "./internal/lockKey.js"
 import { parseTable } from "./internal/sqlTable.js"
 import * as internal from "./internal/pgAdvisory/engine.js"
+import * as optionsOf from "./internal/pgAdvisory/options.js"
 import * as xact from "./internal/pgAdvisory/xact.js"
 import { decodeDuration, validateMode, validateName } from "./internal/validate.js"
 
 /**
  * Options of the session-lock layer.
  *
- * - `url`: PostgreSQL connection URL (directly, or through a pooler in **session** mode).
+ * Where to connect (directly, or through a pooler in **session** mode):
+ * - `url`: a PostgreSQL connection URL (`sslmode`, `application_name`, … in it work as in node-pg);
+ * - or, also on top of a URL, fields: `host` (a unix-socket directory works too), `port`,
+ *   `database`, `user`, `password` (text, `Redacted`, or a function asked at each connect, for
+ *   rotating credentials), and `ssl` (`true`, or node's TLS options, e.g. `{ ca }` for a custom
+ *   CA). `layerFromPgClient` takes all of them from the app's `PgClient` instead.
+ *
+ * The layer:
  * - `maxSessions`: most server connections the layer opens (default 4, at least 1). One carries
  *   every uncontended lock; the others are for waiting on contended ones. With 1, contended
  *   waits rely on release notifications.
@@ -47,22 +57,30 @@ import { decodeDuration, validateMode, validateName } from "./internal/validate.
  *   (default `"effect-lock"`; an `application_name` in the URL is used when this is not given).
  * - `namespace`: mixed into every key, so two applications can use the same names apart.
  * - `fencingTable`: table of per-name fencing counters, `name` or `schema.name` as for
- *   `PgLease`'s table, created on first use (default `effect_lock_fencing`, in the session's
- *   search_path).
+ *   `PgLease`'s table (default `effect_lock_fencing`, in the session's search_path).
+ * - `createTables`: create the fencing table on first use (default `true`). With `false` the
+ *   layer only checks it exists, for roles that may not run DDL: create it with `migration()`.
  * - `connectTimeout`: bound on opening one session (default 10 s).
  * - `heartbeatInterval` / `heartbeatTimeout`: idle sessions are checked this often and
  *   destroyed (their leases lost) when a check gets no answer in time (default 500 ms / 1 s), so a
- *   holder learns of a silent network drop within about 1.5 s.
+ *   holder learns of a silent network drop or a frozen server within about 1.6 s.
  *
  * @since 0.1.0
  * @category models
  */
 export interface Options {
-  readonly url: string | Redacted.Redacted<string>
+  readonly url?: string | Redacted.Redacted<string> | undefined
+  readonly host?: string | undefined
+  readonly port?: number | undefined
+  readonly database?: string | undefined
+  readonly user?: string | undefined
+  readonly password?: optionsOf.Password | undefined
+  readonly ssl?: boolean | ConnectionOptions | undefined
   readonly maxSessions?: number | undefined
   readonly applicationName?: string | undefined
   readonly namespace?: string | undefined
   readonly fencingTable?: string | undefined
+  readonly createTables?: boolean | undefined
   readonly connectTimeout?: Duration.DurationInput | undefined
   readonly heartbeatInterval?: Duration.DurationInput | undefined
   readonly heartbeatTimeout?: Duration.DurationInput | undefined
@@ -74,50 +92,11 @@ export interface Options {
  */
 const SqlClientTag = Context.GenericTag<SqlClient.SqlClient>("@effect/sql/SqlClient")
 
-/** Sessions a layer opens when `maxSessions` is not given. */
-const DEFAULT_MAX_SESSIONS = 4
-const DEFAULT_APPLICATION_NAME = "effect-lock"
-const DEFAULT_FENCING_TABLE = "effect_lock_fencing"
-const DEFAULT_CONNECT_TIMEOUT = Duration.seconds(10)
-const DEFAULT_HEARTBEAT_INTERVAL = Duration.millis(500)
-const DEFAULT_HEARTBEAT_TIMEOUT = Duration.millis(1_000)
 /** Same bound as the other backends, although the key is a hash: names behave alike everywhere. */
 const MAX_NAME_BYTES = 1024
 
-const positiveMillis = (input: Duration.DurationInput | undefined, fallback: Duration.Duration, what: string) => {
-  const millis = Duration.toMillis(decodeDuration(input) ?? fallback)
-  if (!Number.isFinite(millis) || millis <= 0) {
-    throw new Error(`${what} must be a positive, finite duration`)
-  }
-  return Math.ceil(millis)
-}
-
-const resolve = (options: Options): Effect.Effect<internal.BackendOptions, LockBackendError> =>
-  Effect.try({
-    try: (): internal.BackendOptions => {
-      const maxSessions = options.maxSessions ?? DEFAULT_MAX_SESSIONS
-      if (!Number.isInteger(maxSessions) || maxSessions < 1) {
-        throw new Error(`maxSessions must be a whole number of at least 1, got ${maxSessions}`)
-      }
-      const table = parseTable(options.fencingTable ?? DEFAULT_FENCING_TABLE)
-      if (typeof table === "string") throw new Error(`fencingTable: ${table}`)
-      return {
-        connect: {
-          client: { connectionString: Redacted.isRedacted(options.url) ? Redacted.value(options.url) : options.url },
-          applicationName: options.applicationName ?? DEFAULT_APPLICATION_NAME,
-          connectTimeoutMillis: positiveMillis(options.connectTimeout, DEFAULT_CONNECT_TIMEOUT, "connectTimeout"),
-          explicitApplicationName: options.applicationName !== undefined
-        },
-        createTables: true,
-        maxSessions,
-        namespace: options.namespace ?? "",
-        fencingTable: table,
-        heartbeatIntervalMillis: positiveMillis(options.heartbeatInterval, DEFAULT_HEARTBEAT_INTERVAL, "heartbeatInterval"),
-        heartbeatTimeoutMillis: positiveMillis(options.heartbeatTimeout, DEFAULT_HEARTBEAT_TIMEOUT, "heartbeatTimeout")
-      }
-    },
-    catch: (cause) => new LockBackendError({ operation: "configure", cause })
-  })
+/** The `PgClient` tag, by its key (see `SqlClientTag`). */
+const PgClientTag = Context.GenericTag<PgClient>("@effect/sql-pg/PgClient")
 
 /**
  * Builds the backend (the SPI) for wrapping or for `DistributedLock.make`. Fails with
@@ -128,9 +107,9 @@ const resolve = (options: Options): Effect.Effect<internal.BackendOptions, LockB
  * @category constructors
  */
 export const makeBackend = (
-  options: Options
+  settings: Options
 ): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
-  Effect.flatMap(resolve(options), internal.make)
+  Effect.flatMap(optionsOf.resolve(settings), internal.make)
 
 /**
  * `DistributedLock` on PostgreSQL session advisory locks, on sessions this layer owns. Needs
@@ -152,9 +131,37 @@ export const layer = (
  * @category layers
  */
 export const layerConfig = (
-  config: Config.Config.Wrap<Options>
+  config: Config.Config.Wrap<Omit<Options, "password" | "ssl">>
 ): Layer.Layer<DistributedLock.DistributedLock, ConfigError.ConfigError | UnsafeConnectionPooling | LockBackendError> =>
   DistributedLock.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
+
+/**
+ * `layer` on the same server, database, credentials and TLS as the app's `PgClient`
+ * (`PgClient.config`) — its own sessions, never the app's pool connections. `settings` adds or
+ * overrides layer options (`maxSessions`, `namespace`, …).
+ *
+ * @since 0.1.0
+ * @category layers
+ */
+export const layerFromPgClient = (
+  settings?: Omit<Options, "url" | "host" | "port" | "database" | "user" | "password" | "ssl">
+): Layer.Layer<DistributedLock.DistributedLock, UnsafeConnectionPooling | LockBackendError, PgClient> =>
+  DistributedLock.layerBackend(
+    Effect.flatMap(PgClientTag, (client) => makeBackend({ ...optionsOf.fromPgClientConfig(client.config), ...settings }))
+  )
+
+/**
+ * The fencing table's DDL, for roles that may not run DDL at run time (`createTables: false`):
+ * run it once in your migrations. `fencingTable` as for `layer`; an invalid name throws.
+ *
+ * @since 0.1.0
+ * @category layers
+ */
+export const migration = (settings?: { readonly fencingTable?: string | undefined }): string => {
+  const table = parseTable(settings?.fencingTable ?? optionsOf.DEFAULT_FENCING_TABLE)
+  if (typeof table === "string") throw new RangeError(`fencingTable: ${table}`)
+  return `${internal.fencingTableSql(table)};`
+}
 
 /**
  * The signed 64-bit advisory-lock key of a lock name, as PostgreSQL sees it in `pg_locks`
@@ -324,7 +331,7 @@ export const listHolders = (
 ): Effect.Effect<ReadonlyArray<AdvisoryHolder>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
     const sql = yield* SqlClientTag
-    const table = parseTable(options?.fencingTable ?? DEFAULT_FENCING_TABLE)
+    const table = parseTable(options?.fencingTable ?? optionsOf.DEFAULT_FENCING_TABLE)
     if (typeof table === "string") return yield* Effect.fail(new Error(`fencingTable: ${table}`))
     const raw = yield* sql.unsafe<inspect.LockRow>(inspect.listSql, [table.sql]).withoutTransform
     const rows = raw.flatMap((row) => {

@@ -66,24 +66,38 @@ export interface ConnectConfig {
 
 /**
  * Builds the client config. An application name given in the URL wins over the default, but an
- * explicit `applicationName` option wins over the URL.
+ * explicit `applicationName` option wins over the URL; so do explicit connection fields (node-pg
+ * itself lets a URL override them, so they are written into the URL).
  */
 export const clientConfig = (config: ConnectConfig): pg.ClientConfig => {
-  let connectionString = config.client.connectionString
-  if (config.explicitApplicationName && connectionString !== undefined) {
+  const client = { ...config.client }
+  if (client.connectionString !== undefined) {
     try {
-      const url = new URL(connectionString)
-      if (url.searchParams.has("application_name")) {
+      const url = new URL(client.connectionString)
+      if (config.explicitApplicationName && url.searchParams.has("application_name")) {
         url.searchParams.set("application_name", config.applicationName)
-        connectionString = url.toString()
       }
+      if (client.host !== undefined) url.hostname = client.host
+      if (client.port !== undefined) url.port = String(client.port)
+      if (client.database !== undefined) url.pathname = `/${encodeURIComponent(client.database)}`
+      if (client.user !== undefined) url.username = encodeURIComponent(client.user)
+      if (typeof client.password === "string") url.password = encodeURIComponent(client.password)
+      // Explicit TLS options win: the URL's TLS parameters would replace them wholesale.
+      if (client.ssl !== undefined) {
+        for (const param of ["ssl", "sslmode", "sslcert", "sslkey", "sslrootcert"]) url.searchParams.delete(param)
+      }
+      client.connectionString = url.toString()
+      delete client.host
+      delete client.port
+      delete client.database
+      delete client.user
+      if (typeof client.password === "string") delete client.password
     } catch {
       // Not a URL (a key=value or socket form): pg parses it; the explicit name applies below.
     }
   }
   return {
-    ...config.client,
-    ...(connectionString === undefined ? {} : { connectionString }),
+    ...client,
     application_name: config.applicationName,
     connectionTimeoutMillis: config.connectTimeoutMillis,
     // TCP keepalive on the client side, so a dead peer is eventually noticed even mid-wait.
@@ -106,6 +120,9 @@ export interface ClientEvents {
 export const connect = (driver: Driver, config: pg.ClientConfig, events: ClientEvents): Effect.Effect<pg.Client, unknown> =>
   Effect.async<pg.Client, unknown>((resume) => {
     const client = new driver.Client(config)
+    // A password function must survive a URL: node-pg lets the URL's (possibly empty) password
+    // override the config's, so it is set on the client itself, where pg asks it at connect.
+    if (typeof config.password === "function") (client as unknown as { password: unknown }).password = config.password
     let connected = false
     client.on("error", (error: unknown) => {
       if (connected) events.onClosed(error)
