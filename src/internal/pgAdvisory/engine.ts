@@ -316,8 +316,17 @@ const grantLoop = (
 export const make = (
   options: BackendOptions
 ): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
+  Effect.flatMap(driver.load, (pg) => makeWith(options, pg))
+
+/**
+ * `make` on a given driver module: node-pg, or a fake edge in tests of the session logic on the
+ * TestClock (heartbeats, bounds), in addition to the tests against the real server.
+ */
+export const makeWith = (
+  options: BackendOptions,
+  pg: driver.Driver
+): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
-    const pg = yield* driver.load
     const engine: Engine = {
       options,
       driver: pg,
