@@ -24,6 +24,7 @@ import {
   withClient
 } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
+import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory")
@@ -608,10 +609,11 @@ describe("PgAdvisory.layer", () => {
       expect(seen.map((row) => row.setting)).toEqual(seen.map(() => "on"))
     }))
 
-  it.scopedLive("interruption fuzz: 1,000 acquires interrupted at random moments leave no lock and no extra session", () =>
+  const fuzz = (label: string, apps: readonly [string, string], budget: number | undefined) =>
+  it.scopedLive(`interruption fuzz${label}: 1,000 acquires interrupted at random moments leave no lock and no extra session`, () =>
     Effect.gen(function*() {
-      const a = yield* service("adv-fuzz-a", { maxSessions: 4 })
-      const b = yield* service("adv-fuzz-b", { maxSessions: 4 })
+      const a = yield* service(apps[0], { maxSessions: 4 })
+      const b = yield* service(apps[1], { maxSessions: 4 })
       const names = Array.from({ length: 8 }, (_, i) => `fuzz-${i}`)
       const outcomes = { held: 0, interrupted: 0, timedOut: 0 }
       // Seeded, printed, and settable (ADV_FUZZ_SEED=<n>) so a failing run can be repeated.
@@ -662,7 +664,7 @@ describe("PgAdvisory.layer", () => {
       const sampler = yield* Effect.fork(
         Effect.forever(
           Effect.gen(function*() {
-            const rows = [...(yield* locksOf("adv-fuzz-a")), ...(yield* locksOf("adv-fuzz-b"))]
+            const rows = [...(yield* locksOf(apps[0])), ...(yield* locksOf(apps[1]))]
             const blocked = new Set(rows.filter((row) => !row.granted).map((row) => row.pid))
             violations.push(...rows.filter((row) => row.granted && blocked.has(row.pid)))
             samples++
@@ -671,7 +673,9 @@ describe("PgAdvisory.layer", () => {
         )
       )
       const started = Date.now()
-      yield* Effect.forEach(Array.from({ length: 1_000 }, (_, i) => i), round, { concurrency: 16, discard: true })
+      const rounds = Effect.forEach(Array.from({ length: 1_000 }, (_, i) => i), round, { concurrency: 16, discard: true })
+      // With a small yield budget every window between two steps of the engine is a real one.
+      yield* (budget === undefined ? rounds : withYieldBudget(budget)(rounds))
       yield* Fiber.interrupt(sampler)
       expect(samples).toBeGreaterThan(10)
       expect(violations).toEqual([])
@@ -680,17 +684,20 @@ describe("PgAdvisory.layer", () => {
       expect(outcomes.held).toBeGreaterThan(100)
 
       const leftover = yield* eventually(
-        Effect.zipWith(locksOf("adv-fuzz-a"), locksOf("adv-fuzz-b"), (x, y) => [...x, ...y]),
+        Effect.zipWith(locksOf(apps[0]), locksOf(apps[1]), (x, y) => [...x, ...y]),
         (rows) => rows.length === 0
       )
       expect(leftover).toEqual([])
-      expect(yield* sessionsOf("adv-fuzz-a")).toBeLessThanOrEqual(4)
-      expect(yield* sessionsOf("adv-fuzz-b")).toBeLessThanOrEqual(4)
+      expect(yield* sessionsOf(apps[0])).toBeLessThanOrEqual(4)
+      expect(yield* sessionsOf(apps[1])).toBeLessThanOrEqual(4)
       // Both layers still work.
       for (const lock of [a, b]) {
         for (const name of names) yield* Effect.scoped(lock.acquire(name, { timeout: "2 seconds" }))
       }
-    }))
+    }), 60_000)
+
+  fuzz("", ["adv-fuzz-a", "adv-fuzz-b"], undefined)
+  fuzz(`, yielding every ${TIGHT_YIELD_BUDGET} ops`, ["adv-fuzz-ya", "adv-fuzz-yb"], TIGHT_YIELD_BUDGET)
 })
 
 describe("PgAdvisory admission (localKeys)", () => {
