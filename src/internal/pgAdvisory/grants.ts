@@ -17,7 +17,7 @@ import { monotonicMillis } from "../clock.js"
 import { lockTagOfKey } from "../inspectAdvisory.js"
 import type { Admission } from "../localKeys.js"
 import * as driver from "../pgDriver.js"
-import { changed, isFatal, kill, sqlCode, statement, submitStatement, submitTry, type Submitted, takeBack } from "./session.js"
+import { changed, forgetShared, isFatal, kill, sqlCode, statement, submitStatement, submitTry, type Submitted, takeBack } from "./session.js"
 import { advisoryKey } from "../lockKey.js"
 import { CHANNEL, INTEREST_NAMESPACE, joinBumpSql, releaseSql, undoSql } from "./sql.js"
 import type { Engine, Holder, ServerGrant, Session, Settled } from "./state.js"
@@ -72,7 +72,7 @@ export const closeIfUnused = (engine: Engine, grant: ServerGrant): Effect.Effect
   Effect.suspend(() => {
     if (grant.holders.size > 0 || grant.closed) return Effect.void
     grant.closed = true
-    if (engine.sharedGrants.get(grant.keyText) === grant) engine.sharedGrants.delete(grant.keyText)
+    forgetShared(engine, grant)
     const session = grant.session
     // The lock died with its session; there is nothing left to unlock.
     if (session.state !== "open") return Effect.void

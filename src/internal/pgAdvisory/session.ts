@@ -23,7 +23,7 @@ import * as driver from "../pgDriver.js"
 import { withinOrFail } from "./bounded.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, setupSql, tryBatchSql } from "./sql.js"
-import type { Engine, Job, Row, Session, Settled, StatementJob, TryJob } from "./state.js"
+import type { Engine, Job, Row, ServerGrant, Session, Settled, StatementJob, TryJob } from "./state.js"
 
 /** Short backend name for spans and metrics. */
 export const BACKEND = "pg-advisory"
@@ -56,6 +56,24 @@ export const changed = (engine: Engine): void => {
 }
 
 /**
+ * A closed shared grant is no longer joined. Another open shared grant of the key (a request that
+ * had to queue at the server got one on another session) is joined instead, so that a fresh
+ * request never goes to a session that still holds the key.
+ */
+export const forgetShared = (engine: Engine, grant: ServerGrant): void => {
+  if (engine.sharedGrants.get(grant.keyText) !== grant) return
+  engine.sharedGrants.delete(grant.keyText)
+  for (const session of engine.sessions) {
+    for (const other of session.grants) {
+      if (other !== grant && !other.closed && other.keyText === grant.keyText && other.mode === "shared") {
+        engine.sharedGrants.set(grant.keyText, other)
+        return
+      }
+    }
+  }
+}
+
+/**
  * Marks a session dead, in one synchronous step: its grants close, every lease handed out on it
  * is queued to be told `connection-lost`, and its socket is destroyed (the server then drops its
  * locks). Callable from driver events.
@@ -67,7 +85,7 @@ export const markDead = (engine: Engine, session: Session): void => {
   if (index >= 0) engine.sessions.splice(index, 1)
   for (const grant of session.grants) {
     grant.closed = true
-    if (engine.sharedGrants.get(grant.keyText) === grant) engine.sharedGrants.delete(grant.keyText)
+    forgetShared(engine, grant)
     for (const holder of grant.holders) {
       if (holder.state !== "held") continue
       holder.state = "lost"
