@@ -54,9 +54,13 @@ const fakeDriver = (script: Script): Driver => {
       this.closed = true
       for (const listener of this.listeners.get("end") ?? []) listener()
     }
-    query(text: string, valuesOrCallback: unknown, maybeCallback?: Callback) {
+    query(textOrConfig: string | { readonly text: string; readonly values: unknown }, valuesOrCallback: unknown, maybeCallback?: Callback) {
+      // node-pg's forms: (text, callback), (text, values, callback), ({ name, text, values }, callback).
+      const text = typeof textOrConfig === "string" ? textOrConfig : textOrConfig.text
       const callback = (typeof valuesOrCallback === "function" ? valuesOrCallback : maybeCallback) as Callback
-      const values = (typeof valuesOrCallback === "function" ? undefined : valuesOrCallback) as Array<Array<string>> | undefined
+      const values = (typeof textOrConfig === "string"
+        ? typeof valuesOrCallback === "function" ? undefined : valuesOrCallback
+        : textOrConfig.values) as Array<Array<string>> | undefined
       const answer = (rows: Array<Record<string, unknown>>) => queueMicrotask(() => callback(null, { rows }))
       if (text.startsWith("select pg_backend_pid() as pid")) {
         script.heartbeats++

@@ -79,19 +79,38 @@ const rawSubject = (
   concurrency: number,
   durationMs: number,
   setup: (client: pg.Client) => Promise<unknown>,
-  cycle: (query: Query, worker: number) => Promise<void>
+  cycle: (query: Query, worker: number) => Promise<void>,
+  prepared = false
 ): Subject<ThroughputSample> => ({
   id,
   open: async () => {
     const clients = await connectMany(database.url, sessions, `bench-${id}`)
     await setup(clients[0]!)
-    const queries = clients.map(serialized)
+    const queries = clients.map(prepared ? serializedPrepared : serialized)
     return {
       run: (round) => promiseLoop(concurrency, lengthOf(round, durationMs), (worker) => cycle(queries[worker % queries.length]!, worker)),
       close: () => closeAll(clients)
     }
   }
 })
+
+const preparedNames = new Map<string, string>()
+
+/**
+ * `serialized` with named (prepared) statements, as PgAdvisory sends its parameterised
+ * statements: parsed and planned once per session, then only bound.
+ */
+const serializedPrepared = (client: pg.Client): Query => {
+  let tail: Promise<unknown> = Promise.resolve()
+  return <R extends pg.QueryResultRow>(text: string, values?: ReadonlyArray<unknown>): Promise<pg.QueryResult<R>> => {
+    let name = preparedNames.get(text)
+    if (name === undefined) preparedNames.set(text, name = `bench_prepared_${preparedNames.size + 1}`)
+    const config = values === undefined ? text : { name, text, values: [...values] }
+    const next = tail.then(() => client.query<R>(config))
+    tail = next.catch(() => {})
+    return next
+  }
+}
 
 const expectRows = (result: pg.QueryResult, rows: number, what: string): void => {
   if (result.rows.length !== rows) throw new Error(`${what}: expected ${rows} rows, got ${result.rows.length}`)
@@ -127,7 +146,8 @@ export const rawAdvisoryFenced = (
       // One row for the granted key, one carrying the backend pid (PgAdvisory checks it).
       expectRows(await query(tryGrantSql, [[keys[w]], [names[w]], [false]]), 2, "try-lock + fencing upsert")
       await query(releaseSql, [keys[w], interestKeys[w], AdvisorySql.CHANNEL])
-    }
+    },
+    true
   )
 }
 
@@ -320,7 +340,8 @@ const render = (result: UncontendedResult): string => {
     "`pg_try_advisory_lock` fused with the fencing-counter upsert (`insert … on conflict do update set token = token + 1`; " +
     "PgAdvisory's batch statement, `unnest` of keys, with the one key a single caller sends), and `pg_advisory_unlock` " +
     "fused with a check for registered notification-only waiters (`pg_notify` only if one is registered: here none). " +
-    "The first commits a write, and a commit that writes waits for the WAL flush.",
+    "The first commits a write, and a commit that writes waits for the WAL flush. Both are prepared statements " +
+    "(named: parsed and planned once per session), as PgAdvisory sends them.",
     "- *… N callers on 1 connection*: the same statements one at a time, all workers sharing one session. PgAdvisory " +
     "also takes uncontended locks on one session (its home session), but sends the tries queued behind a running " +
     "statement together as one statement (one commit); this row shows what one session does without that.",

@@ -157,7 +157,8 @@ const unanswered = new WeakMap<pg.Client, Set<(failure: StatementFailure) => voi
 export const query = (
   client: pg.Client,
   text: string,
-  values?: ReadonlyArray<unknown>
+  values?: ReadonlyArray<unknown>,
+  prepared?: string
 ): Effect.Effect<pg.QueryResult, StatementFailure> =>
   Effect.async<pg.QueryResult, StatementFailure>((resume) => {
     let waiting = unanswered.get(client)
@@ -183,8 +184,24 @@ export const query = (
       )
     }
     if (values === undefined) client.query(text, callback as never)
+    else if (prepared !== undefined) client.query({ name: prepared, text, values: [...values] }, callback as never)
     else client.query(text, [...values], callback as never)
   })
+
+const preparedNames = new Map<string, string>()
+
+/**
+ * A prepared-statement name for a statement text, the same for the life of the process (node-pg
+ * parses a named statement once per connection and then only binds it: no parse, no plan).
+ */
+export const preparedName = (text: string): string => {
+  let name = preparedNames.get(text)
+  if (name === undefined) {
+    name = `effect_lock_${preparedNames.size + 1}`
+    preparedNames.set(text, name)
+  }
+  return name
+}
 
 /** True when the session is idle outside any transaction (ReadyForQuery status 'I'). */
 export const isIdle = (client: pg.Client): boolean => client.getTransactionStatus() === "I"

@@ -147,7 +147,9 @@ const execute = (
 ): Effect.Effect<Settled> =>
   Effect.flatMap(monotonicMillis, (since) => {
     session.inflight = { since, bound: timeoutMillis }
-    return driver.query(session.client, text, values).pipe(
+    // Every parameterised statement of a session is one of a few fixed texts: prepared once per
+    // session, then only bound (the server plans it once, not on every grant and release).
+    return driver.query(session.client, text, values, values === undefined ? undefined : driver.preparedName(text)).pipe(
       Effect.map((result) => verify(session, result)),
       Effect.catchAll((failure) => Effect.succeed<Settled>({ _tag: "Failed", failure })),
       Effect.tap((settled) => {
