@@ -159,23 +159,35 @@ const openWait = (engine: Engine): Effect.Effect<Option.Option<Deferred.Deferred
  * Opens the home session if it is gone (it also carries the LISTEN).
  */
 const fastPathSession = (engine: Engine, request: AcquireRequest): Effect.Effect<Option.Option<Session>, LockBackendError> =>
+  Effect.suspend(() => {
+    if (engine.closing) return Effect.fail(shuttingDown(request.name))
+    // Usually a session is there: selected and claimed right here, in one synchronous step.
+    const ready = claimFastPathSession(engine)
+    return ready !== undefined ? Effect.succeed(Option.some(ready)) : fastPathSessionSlow(engine, request)
+  })
+
+/**
+ * Selects and claims a session for a try-lock, in one synchronous step: between two Effect steps
+ * another fiber may run, release the session's last grant and reserve it for a blocking wait,
+ * which this try would then queue behind (and whose clean-up would drop this try's grant).
+ */
+const claimFastPathSession = (engine: Engine): Session | undefined => {
+  let best: Session | undefined
+  for (const session of engine.sessions) {
+    if (session.state !== "open" || session.waiting) continue
+    if (session.role === "wait" && session.grants.size === 0) continue
+    if (best === undefined || session.pending < best.pending) best = session
+  }
+  if (best !== undefined) best.claims += 1
+  return best
+}
+
+const fastPathSessionSlow = (engine: Engine, request: AcquireRequest): Effect.Effect<Option.Option<Session>, LockBackendError> =>
   Effect.gen(function*() {
     while (true) {
       if (engine.closing) return yield* shuttingDown(request.name)
       const opening = engine.sessions.some((session) => session.role === "home") ? undefined : yield* openHome(engine)
-      // Selected and claimed in one synchronous step: between two Effect steps another fiber
-      // may run, release the session's last grant and reserve it for a blocking wait, which
-      // this try would then queue behind (and whose clean-up would drop this try's grant).
-      const best = yield* Effect.sync(() => {
-        let best: Session | undefined
-        for (const session of engine.sessions) {
-          if (session.state !== "open" || session.waiting) continue
-          if (session.role === "wait" && session.grants.size === 0) continue
-          if (best === undefined || session.pending < best.pending) best = session
-        }
-        if (best !== undefined) best.claims += 1
-        return best
-      })
+      const best = yield* Effect.sync(() => claimFastPathSession(engine))
       if (best !== undefined) return Option.some(best)
       const done = opening ?? (yield* openHome(engine))
       const outcome = yield* request.waitUntilDeadline(Deferred.await(done))

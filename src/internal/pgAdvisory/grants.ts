@@ -224,6 +224,33 @@ const abandonTry = (engine: Engine, session: Session, sent: Submitted, keyText: 
     yield* undoTry(engine, session, keyText, shared)
   })
 
+/** What a try-lock's answer comes to: a grant recorded, busy, or undone after an error. */
+const tryOutcome = (
+  engine: Engine,
+  session: Session,
+  request: AcquireRequest,
+  key: bigint,
+  keyText: string,
+  admission: Admission,
+  settled: Settled
+): Effect.Effect<Step, LockBackendError> => {
+  if (settled._tag === "Ok") {
+    const token = tokenOf(settled)
+    if (token === undefined) return Effect.succeed(Busy)
+    return recordGrant(engine, session, key, keyText, token, request, admission, false)
+  }
+  // No answer / connection lost / moved: the session was destroyed, any grant on it went with it.
+  if (isFatal(settled)) return Effect.succeed(Retry)
+  // The server answered with an error, possibly after granting (the bump failed): undo.
+  return Effect.zipRight(
+    undoTry(engine, session, keyText, request.mode === "shared"),
+    Effect.suspend(() => {
+      const code = sqlCode(settled)
+      return code !== undefined && TRANSIENT.has(code) ? Effect.succeed<Step>(Retry) : Effect.fail(failed(request, settled))
+    })
+  )
+}
+
 /**
  * One try-lock + bump on a session that was claimed for it; the claim is given back once the
  * outcome is recorded or undone. Waiting for its turn is interruptible and bounded by the
@@ -239,29 +266,25 @@ export const tryGrant = (
   keyText: string,
   admission: Admission
 ): Effect.Effect<Step, LockBackendError> =>
-  Effect.gen(function*() {
+  Effect.suspend(() => {
     const shared = request.mode === "shared"
     const sent = submitTry(session, keyText, request.name, shared)
-    const now = yield* monotonicMillis
-    const expired = Option.isSome(request.deadline) && request.deadline.value <= now
-    const turn = request.attempt === "once" && expired
-      ? Effect.asSome(request.interruptible(sent.outcome))
+    // A single attempt whose deadline already passed still gets its turn (only `once` asks).
+    const turn = request.attempt === "once"
+      ? Effect.flatMap(monotonicMillis, (now) =>
+        Option.isSome(request.deadline) && request.deadline.value <= now
+          ? Effect.asSome(request.interruptible(sent.outcome))
+          : request.waitUntilDeadline(sent.outcome))
       : request.waitUntilDeadline(sent.outcome)
-    const early = yield* turn.pipe(Effect.onInterrupt(() => abandonTry(engine, session, sent, keyText, shared)))
-    if (Option.isNone(early) && takeBack(sent.job)) return TimedOut
-    const settled = Option.isSome(early) ? early.value : yield* sent.outcome
-    if (settled._tag === "Ok") {
-      const token = tokenOf(settled)
-      if (token === undefined) return Busy
-      return yield* recordGrant(engine, session, key, keyText, token, request, admission, false)
-    }
-    // No answer / connection lost / moved: the session was destroyed, any grant on it went with it.
-    if (isFatal(settled)) return Retry
-    // The server answered with an error, possibly after granting (the bump failed): undo.
-    yield* undoTry(engine, session, keyText, shared)
-    const code = sqlCode(settled)
-    if (code !== undefined && TRANSIENT.has(code)) return Retry
-    return yield* failed(request, settled)
+    return turn.pipe(
+      Effect.onInterrupt(() => abandonTry(engine, session, sent, keyText, shared)),
+      Effect.flatMap((early) => {
+        if (Option.isNone(early) && takeBack(sent.job)) return Effect.succeed<Step>(TimedOut)
+        return Option.isSome(early)
+          ? tryOutcome(engine, session, request, key, keyText, admission, early.value)
+          : Effect.flatMap(sent.outcome, (settled) => tryOutcome(engine, session, request, key, keyText, admission, settled))
+      })
+    )
   }).pipe(
     Effect.ensuring(Effect.sync(() => {
       session.claims -= 1
