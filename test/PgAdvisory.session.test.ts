@@ -22,6 +22,8 @@ interface Script {
   heartbeats: number
   /** Keys of the try-lock statements the fake server received. */
   readonly tried: Array<string>
+  /** When set, try-locks are answered by another backend, as after a pooler moved the session. */
+  movedTo?: number
 }
 
 const PID = 4242
@@ -69,7 +71,7 @@ const fakeDriver = (script: Script): Driver => {
       } else if (text.startsWith("with request as")) {
         const keys = values![0]!
         script.tried.push(...keys)
-        answer([...keys.map((key) => ({ key, token: "1", pid: null })), { key: null, token: null, pid: PID }])
+        answer([...keys.map((key) => ({ key, token: "1", pid: null })), { key: null, token: null, pid: script.movedTo ?? PID }])
       } else if (text.startsWith("select pg_advisory_unlock")) {
         answer([{ released: true, pid: PID }])
       } else {
@@ -150,5 +152,21 @@ describe("PgAdvisory session logic on the TestClock", () => {
       const again = yield* backend.acquire(request("queued", lost))
       expect(again._tag).toBe("Granted")
       if (again._tag === "Granted") yield* again.grant.release
+    }))
+
+  it.scoped("a statement answered by another backend (a pooler moved the session) fails the acquire loudly and tells the other leases", () =>
+    Effect.gen(function*() {
+      const script: Script = { holdHeartbeats: false, held: [], heartbeats: 0, tried: [] }
+      const backend = yield* makeWith(options, fakeDriver(script))
+      const lost: Array<LostReason> = []
+      const first = yield* backend.acquire(request("before-move", lost))
+      expect(first._tag).toBe("Granted")
+      script.movedTo = PID + 1
+      const error = yield* Effect.flip(backend.acquire(request("after-move", [])))
+      expect(error).toMatchObject({ _tag: "LockBackendError", operation: "acquire", name: "after-move" })
+      expect(String(error.message)).toMatch(/session affinity/)
+      yield* settle
+      // The moved session was destroyed: the lock granted on it before is gone, and its holder told.
+      expect(lost).toEqual(["connection-lost"])
     }))
 })

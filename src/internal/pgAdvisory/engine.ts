@@ -81,6 +81,15 @@ export type { BackendOptions } from "./state.js"
 const STATEMENT_TIMEOUT_MS = 5_000
 /** Re-try interval of a request that waits on notifications only (all wait sessions in use). */
 const FALLBACK_RETRY_MS = 1_000
+/**
+ * The fallback re-try's pause: one interval, jittered, so that the in-process waiters of many
+ * processes (all woken by the same restart, say) do not re-try in step.
+ */
+const fallbackPause = Effect.repeat(Effect.void, {
+  schedule: Schedule.jittered(Schedule.spaced(Duration.millis(FALLBACK_RETRY_MS))),
+  times: 1
+})
+
 /** Names whose advisory keys are remembered. */
 const KEY_CACHE_SIZE = 4_096
 /** How often the watchdog looks for overdue statements: a bound is kept within this much. */
@@ -258,7 +267,7 @@ const reserveWaitSession = (
       }
       const hints = inProcess.hints
       const woke = yield* request.waitUntilDeadline(
-        Effect.race(nextHint(hints, keyText), Effect.as(Effect.sleep(Duration.millis(FALLBACK_RETRY_MS)), "released" as const))
+        Effect.race(nextHint(hints, keyText), Effect.as(fallbackPause, "released" as const))
       )
       if (Option.isNone(woke)) return TimedOut
       if (woke.value === "released") return Retry

@@ -17,7 +17,7 @@ import { monotonicMillis } from "../clock.js"
 import { lockTagOfKey } from "../inspectAdvisory.js"
 import type { Admission } from "../localKeys.js"
 import * as driver from "../pgDriver.js"
-import { changed, forgetShared, isFatal, kill, sqlCode, statement, submitStatement, submitTry, type Submitted, takeBack } from "./session.js"
+import { changed, forgetShared, isFatal, kill, movedError, sqlCode, statement, submitStatement, submitTry, type Submitted, takeBack } from "./session.js"
 import { advisoryKey } from "../lockKey.js"
 import { CHANNEL, INTEREST_NAMESPACE, joinBumpSql, releaseSql, undoSql } from "./sql.js"
 import type { Engine, Holder, ServerGrant, Session, Settled } from "./state.js"
@@ -198,6 +198,8 @@ export const joinShared = (
     if (token !== undefined) return yield* attach(engine, grant, token, admission, holder)
     grant.holders.delete(holder)
     yield* closeIfUnused(engine, grant)
+    const moved = movedError(request.name, settled)
+    if (moved !== undefined) return yield* moved
     if (settled._tag === "Ok") return JoinRefused
     const code = sqlCode(settled)
     if (code !== undefined && !TRANSIENT.has(code)) return yield* failed(request, settled)
@@ -240,6 +242,8 @@ const tryOutcome = (
     return recordGrant(engine, session, key, keyText, token, request, admission, false)
   }
   // No answer / connection lost / moved: the session was destroyed, any grant on it went with it.
+  const moved = movedError(request.name, settled)
+  if (moved !== undefined) return Effect.fail(moved)
   if (isFatal(settled)) return Effect.succeed(Retry)
   // The server answered with an error, possibly after granting (the bump failed): undo.
   return Effect.zipRight(

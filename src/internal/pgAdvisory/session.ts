@@ -382,6 +382,21 @@ const onNotification = (engine: Engine, channel: string, payload: string | undef
   engine.hints.unsafeOffer({ _tag: "Released", keyText: payload })
 }
 
+/**
+ * An answer from another backend than the session's: a pooler moved it. The acquire that saw it
+ * fails loudly (the session is already destroyed) rather than trying again on a connection
+ * without session affinity.
+ */
+export const movedError = (name: string, settled: Settled): LockBackendError | undefined =>
+  settled._tag !== "Moved" ? undefined : new LockBackendError({
+    operation: "acquire",
+    name,
+    cause: new UnsafeConnectionPooling({
+      detail: `a statement was answered by backend ${settled.pid}, not by the one the lock session was opened on: ` +
+        "the connection has no session affinity (a pooler moved the session), so session advisory locks are unsafe on it"
+    })
+  })
+
 /** An affinity failure found while opening a session during an acquire is that acquire's backend error. */
 export const asBackendError = (name: string) => (error: LockBackendError | UnsafeConnectionPooling): LockBackendError =>
   error._tag === "LockBackendError" ? error : new LockBackendError({ operation: "connect", name, cause: error })

@@ -26,7 +26,7 @@ import type { Admission } from "../localKeys.js"
 import * as driver from "../pgDriver.js"
 import { within } from "./bounded.js"
 import { recordGrant, Retry, type Step, TimedOut, tokenOf, TRANSIENT } from "./grants.js"
-import { changed, isFatal, kill, sqlCode, statement, submitStatement, type Submitted, takeBack } from "./session.js"
+import { changed, isFatal, kill, movedError, sqlCode, statement, submitStatement, type Submitted, takeBack } from "./session.js"
 import { UNLOCK_ALL_SQL, waitSql } from "./sql.js"
 import type { Engine, Hint, Session, Settled } from "./state.js"
 
@@ -125,6 +125,8 @@ export const blockingWait = (
         if (token !== undefined) return yield* recordGrant(engine, session, key, keyText, token, request, admission, true)
       }
       // No answer, connection lost, moved: the worker destroyed the session; the server drops the wait.
+      const moved = movedError(request.name, settled)
+      if (moved !== undefined) return yield* moved
       if (isFatal(settled)) return Retry
       // Anything else may have left the lock granted (a bump that failed after the grant): clean first.
       if (!(yield* cleanWaitSession(engine, session))) return Retry
