@@ -3,7 +3,7 @@
  * a killed or frozen wait session, a database restart. Real server, real stalls, real signals.
  */
 import { SqlClient } from "@effect/sql"
-import { describe, expect, it } from "@effect/vitest"
+import { afterAll, describe, expect, it } from "@effect/vitest"
 import { Cause, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Metric, Option, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import * as LockMetrics from "../src/LockMetrics.js"
@@ -95,11 +95,30 @@ const stalls = (durations: ReadonlyArray<number>): Effect.Effect<void> =>
     next(0)
   })
 
+/** Server processes this file has stopped and not yet continued. */
+const stopped = new Set<number>()
+const thaw = (pid: number) => {
+  stopped.delete(pid)
+  try {
+    process.kill(pid, "SIGCONT")
+  } catch {
+    // already gone
+  }
+}
+// A test that times out may never close its scope: no server process stays stopped after this file.
+afterAll(() => stopped.forEach(thaw))
+process.once("exit", () => stopped.forEach(thaw))
+
 /** SIGSTOPs server processes for as long as the scope lasts; SIGCONT on close, whatever happened. */
 const frozen = (pids: ReadonlyArray<number>): Effect.Effect<void, never, Scope.Scope> =>
   Effect.acquireRelease(
-    Effect.sync(() => pids.forEach((pid) => process.kill(pid, "SIGSTOP"))),
-    () => Effect.sync(() => pids.forEach((pid) => process.kill(pid, "SIGCONT")))
+    Effect.sync(() =>
+      pids.forEach((pid) => {
+        stopped.add(pid)
+        process.kill(pid, "SIGSTOP")
+      })
+    ),
+    () => Effect.sync(() => pids.forEach(thaw))
   ).pipe(Effect.asVoid)
 
 const destroyedSessions = Effect.map(
