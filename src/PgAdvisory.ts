@@ -13,9 +13,11 @@
  *
  * @since 0.1.0
  */
-import * as SqlClient from "@effect/sql/SqlClient"
+import type * as SqlClient from "@effect/sql/SqlClient"
+import type { PgClient } from "@effect/sql-pg/PgClient"
+import type { ConnectionOptions } from "node:tls"
 import type { SqlError } from "@effect/sql/SqlError"
-import { monotonicMillis } from "./internal/clock.js"
+import * as Context from "effect/Context"
 import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
 import * as Duration from "effect/Duration"
@@ -31,15 +33,23 @@ import type { LockBackend } from "./LockBackend.js"
 import { type InvalidLockName, LockBackendError, LockTimeout, type UnsafeConnectionPooling } from "./LockError.js"
 import * as inspect from "./internal/inspectAdvisory.js"
 import { advisoryKey } from "./internal/lockKey.js"
-import { sqlStateOf } from "./internal/sqlState.js"
 import { parseTable } from "./internal/sqlTable.js"
-import * as internal from "./internal/pgAdvisory.js"
+import * as internal from "./internal/pgAdvisory/engine.js"
+import * as optionsOf from "./internal/pgAdvisory/options.js"
+import * as xact from "./internal/pgAdvisory/xact.js"
 import { decodeDuration, validateMode, validateName } from "./internal/validate.js"
 
 /**
  * Options of the session-lock layer.
  *
- * - `url`: PostgreSQL connection URL (directly, or through a pooler in **session** mode).
+ * Where to connect (directly, or through a pooler in **session** mode):
+ * - `url`: a PostgreSQL connection URL (`sslmode`, `application_name`, … in it work as in node-pg);
+ * - or, also on top of a URL, fields: `host` (a unix-socket directory works too), `port`,
+ *   `database`, `user`, `password` (text, `Redacted`, or a function asked at each connect, for
+ *   rotating credentials), and `ssl` (`true`, or node's TLS options, e.g. `{ ca }` for a custom
+ *   CA). `layerFromPgClient` takes all of them from the app's `PgClient` instead.
+ *
+ * The layer:
  * - `maxSessions`: most server connections the layer opens (default 4, at least 1). One carries
  *   every uncontended lock; the others are for waiting on contended ones. With 1, contended
  *   waits rely on release notifications.
@@ -47,70 +57,46 @@ import { decodeDuration, validateMode, validateName } from "./internal/validate.
  *   (default `"effect-lock"`; an `application_name` in the URL is used when this is not given).
  * - `namespace`: mixed into every key, so two applications can use the same names apart.
  * - `fencingTable`: table of per-name fencing counters, `name` or `schema.name` as for
- *   `PgLease`'s table, created on first use (default `effect_lock_fencing`, in the session's
- *   search_path).
+ *   `PgLease`'s table (default `effect_lock_fencing`, in the session's search_path).
+ * - `createTables`: create the fencing table on first use (default `true`). With `false` the
+ *   layer only checks it exists, for roles that may not run DDL: create it with `migration()`.
  * - `connectTimeout`: bound on opening one session (default 10 s).
  * - `heartbeatInterval` / `heartbeatTimeout`: idle sessions are checked this often and
  *   destroyed (their leases lost) when a check gets no answer in time (default 500 ms / 1 s), so a
- *   holder learns of a silent network drop within about 1.5 s.
+ *   holder learns of a silent network drop or a frozen server within about 1.6 s.
  *
  * @since 0.1.0
  * @category models
  */
 export interface Options {
-  readonly url: string | Redacted.Redacted<string>
+  readonly url?: string | Redacted.Redacted<string> | undefined
+  readonly host?: string | undefined
+  readonly port?: number | undefined
+  readonly database?: string | undefined
+  readonly user?: string | undefined
+  readonly password?: optionsOf.Password | undefined
+  readonly ssl?: boolean | ConnectionOptions | undefined
   readonly maxSessions?: number | undefined
   readonly applicationName?: string | undefined
   readonly namespace?: string | undefined
   readonly fencingTable?: string | undefined
+  readonly createTables?: boolean | undefined
   readonly connectTimeout?: Duration.DurationInput | undefined
   readonly heartbeatInterval?: Duration.DurationInput | undefined
   readonly heartbeatTimeout?: Duration.DurationInput | undefined
 }
 
-/** Sessions a layer opens when `maxSessions` is not given. */
-const DEFAULT_MAX_SESSIONS = 4
-const DEFAULT_APPLICATION_NAME = "effect-lock"
-const DEFAULT_FENCING_TABLE = "effect_lock_fencing"
-const DEFAULT_CONNECT_TIMEOUT = Duration.seconds(10)
-const DEFAULT_HEARTBEAT_INTERVAL = Duration.millis(500)
-const DEFAULT_HEARTBEAT_TIMEOUT = Duration.millis(1_000)
+/**
+ * The `SqlClient` tag, referenced by its key so that importing this module (or `effect-lock`)
+ * does not load `@effect/sql`: only its types are imported.
+ */
+const SqlClientTag = Context.GenericTag<SqlClient.SqlClient>("@effect/sql/SqlClient")
+
 /** Same bound as the other backends, although the key is a hash: names behave alike everywhere. */
 const MAX_NAME_BYTES = 1024
 
-const positiveMillis = (input: Duration.DurationInput | undefined, fallback: Duration.Duration, what: string) => {
-  const millis = Duration.toMillis(decodeDuration(input) ?? fallback)
-  if (!Number.isFinite(millis) || millis <= 0) {
-    throw new Error(`${what} must be a positive, finite duration`)
-  }
-  return Math.ceil(millis)
-}
-
-const resolve = (options: Options): Effect.Effect<internal.BackendOptions, LockBackendError> =>
-  Effect.try({
-    try: (): internal.BackendOptions => {
-      const maxSessions = options.maxSessions ?? DEFAULT_MAX_SESSIONS
-      if (!Number.isInteger(maxSessions) || maxSessions < 1) {
-        throw new Error(`maxSessions must be a whole number of at least 1, got ${maxSessions}`)
-      }
-      const table = parseTable(options.fencingTable ?? DEFAULT_FENCING_TABLE)
-      if (typeof table === "string") throw new Error(`fencingTable: ${table}`)
-      return {
-        connect: {
-          connectionString: Redacted.isRedacted(options.url) ? Redacted.value(options.url) : options.url,
-          applicationName: options.applicationName ?? DEFAULT_APPLICATION_NAME,
-          connectTimeoutMillis: positiveMillis(options.connectTimeout, DEFAULT_CONNECT_TIMEOUT, "connectTimeout")
-        },
-        explicitApplicationName: options.applicationName !== undefined,
-        maxSessions,
-        namespace: options.namespace ?? "",
-        fencingTable: table,
-        heartbeatIntervalMillis: positiveMillis(options.heartbeatInterval, DEFAULT_HEARTBEAT_INTERVAL, "heartbeatInterval"),
-        heartbeatTimeoutMillis: positiveMillis(options.heartbeatTimeout, DEFAULT_HEARTBEAT_TIMEOUT, "heartbeatTimeout")
-      }
-    },
-    catch: (cause) => new LockBackendError({ operation: "configure", cause })
-  })
+/** The `PgClient` tag, by its key (see `SqlClientTag`). */
+const PgClientTag = Context.GenericTag<PgClient>("@effect/sql-pg/PgClient")
 
 /**
  * Builds the backend (the SPI) for wrapping or for `DistributedLock.make`. Fails with
@@ -121,9 +107,9 @@ const resolve = (options: Options): Effect.Effect<internal.BackendOptions, LockB
  * @category constructors
  */
 export const makeBackend = (
-  options: Options
+  settings: Options
 ): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
-  Effect.flatMap(resolve(options), internal.make)
+  Effect.flatMap(optionsOf.resolve(settings), internal.make)
 
 /**
  * `DistributedLock` on PostgreSQL session advisory locks, on sessions this layer owns. Needs
@@ -145,9 +131,37 @@ export const layer = (
  * @category layers
  */
 export const layerConfig = (
-  config: Config.Config.Wrap<Options>
+  config: Config.Config.Wrap<Omit<Options, "password" | "ssl">>
 ): Layer.Layer<DistributedLock.DistributedLock, ConfigError.ConfigError | UnsafeConnectionPooling | LockBackendError> =>
   DistributedLock.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
+
+/**
+ * `layer` on the same server, database, credentials and TLS as the app's `PgClient`
+ * (`PgClient.config`) — its own sessions, never the app's pool connections. `settings` adds or
+ * overrides layer options (`maxSessions`, `namespace`, …).
+ *
+ * @since 0.1.0
+ * @category layers
+ */
+export const layerFromPgClient = (
+  settings?: Omit<Options, "url" | "host" | "port" | "database" | "user" | "password" | "ssl">
+): Layer.Layer<DistributedLock.DistributedLock, UnsafeConnectionPooling | LockBackendError, PgClient> =>
+  DistributedLock.layerBackend(
+    Effect.flatMap(PgClientTag, (client) => makeBackend({ ...optionsOf.fromPgClientConfig(client.config), ...settings }))
+  )
+
+/**
+ * The fencing table's DDL, for roles that may not run DDL at run time (`createTables: false`):
+ * run it once in your migrations. `fencingTable` as for `layer`; an invalid name throws.
+ *
+ * @since 0.1.0
+ * @category layers
+ */
+export const migration = (settings?: { readonly fencingTable?: string | undefined }): string => {
+  const table = parseTable(settings?.fencingTable ?? optionsOf.DEFAULT_FENCING_TABLE)
+  if (typeof table === "string") throw new RangeError(`fencingTable: ${table}`)
+  return `${internal.fencingTableSql(table)};`
+}
 
 /**
  * The signed 64-bit advisory-lock key of a lock name, as PostgreSQL sees it in `pg_locks`
@@ -166,130 +180,20 @@ export const keyOf = (name: string, namespace?: string): bigint => advisoryKey(n
  *   `statement_timeout` shorter than `timeout` does not cut the wait short.
  * - `mode`: `exclusive` (default) or `shared`.
  * - `namespace`: as for `layer`; the same name and namespace give the same key in both.
+ * - `statementTimeout`: client-side bound on each statement `withXactLock` sends itself — the
+ *   lock statements (a wait slice gets it on top of the slice) and the COMMIT or ROLLBACK after
+ *   the body (default 5 s). A killed or frozen connection there ends in `LockBackendError`
+ *   within it; at COMMIT that error means the transaction's outcome is unknown.
  *
  * @since 0.1.0
  * @category models
  */
 export interface XactLockOptions {
   readonly timeout?: Duration.DurationInput | undefined
+  readonly statementTimeout?: Duration.DurationInput | undefined
   readonly mode?: LockMode | undefined
   readonly namespace?: string | undefined
 }
-
-class BodyFailure<E> {
-  readonly _tag = "effect-lock/PgAdvisory/BodyFailure"
-  constructor(readonly error: E) {}
-}
-
-class BodyDefect {
-  readonly _tag = "effect-lock/PgAdvisory/BodyDefect"
-  constructor(readonly defect: unknown) {}
-}
-
-
-/** Longest single lock wait of `withXactLock`: interruption and the deadline are checked between slices. */
-const XACT_SLICE_MS = 1_000
-/** The slice's own statement_timeout: past its lock_timeout, so that only lock_timeout ends a slice. */
-const XACT_SLICE_STATEMENT_TIMEOUT_MS = XACT_SLICE_MS + 1_000
-/** Savepoint a slice waits in: ROLLBACK TO it undoes a timed-out wait and keeps the transaction usable. */
-const XACT_SAVEPOINT = "effect_lock_wait"
-/**
- * A slice that ended without the lock: its lock_timeout struck (55P03), or a cancel hit it
- * (57014: a stray cancel, or the slice's own statement_timeout). Both are retried within the deadline.
- */
-const SLICE_ENDED = new Set(["55P03", "57014"])
-
-const millisText = (ms: number) => `${Math.max(1, Math.ceil(ms))}ms`
-
-/**
- * Takes the transaction advisory lock.
- *
- * Uncontended, it is one `pg_try_advisory_xact_lock` and the session's settings are never
- * touched. Contended, it waits in **slices** inside the caller's transaction (so it works behind
- * transaction-mode PgBouncer): with a transaction-local `lock_timeout` of at most
- * `XACT_SLICE_MS` (and a `statement_timeout` covering it, so a pool's shorter one cannot cut the
- * wait into a `LockBackendError`), each slice runs `pg_advisory_xact_lock` in a savepoint; when
- * the slice times out, `ROLLBACK TO SAVEPOINT` undoes it and the next slice starts.
- *
- * Every statement here runs **uninterruptibly**, and interruption is honoured between them. An
- * interruptible statement would be cancelled by @effect/sql-pg through its pool
- * (`pg_cancel_backend`), which needs a free connection: with the pool full it took 5 s and left
- * the wait running, and the transaction's ROLLBACK then queued behind a wait with no end
- * (PG-FACTS.md). A slice always ends by itself, so an interrupt takes effect within one slice.
- *
- * When granted, the savepoint is released (the lock moves to the transaction) and the session's
- * own lock_timeout and statement_timeout are put back for the body.
- *
- * The price: between two slices (one round trip) the waiter is out of the server's lock queue,
- * so a waiter that queued later can be served first. Waits are not FIFO across slices.
- */
-const lockInTransaction = (
-  sql: SqlClient.SqlClient,
-  name: string,
-  key: bigint,
-  mode: LockMode,
-  timeout: Duration.Duration | undefined
-): Effect.Effect<void, LockTimeout | LockBackendError> =>
-  Effect.uninterruptibleMask((restore) =>
-    Effect.gen(function*() {
-      const start = yield* monotonicMillis
-      const shared = mode === "shared" ? "_shared" : ""
-      const keyText = key.toString()
-      const backendError = (operation: string) => (cause: SqlError) => new LockBackendError({ operation, name, cause })
-      // Without the client's row transforms: the column names below are read as written.
-      const run = <A extends object = never>(text: string, values?: ReadonlyArray<unknown>) =>
-        sql.unsafe<A>(text, values).withoutTransform.pipe(Effect.mapError(backendError("acquire")))
-      const timedOut: Effect.Effect<never, LockTimeout> = Effect.flatMap(
-        monotonicMillis,
-        (now) => new LockTimeout({ name, waited: Duration.millis(now - start) })
-      )
-      /** Interruption takes effect here, between statements. */
-      const checkpoint = restore(Effect.void)
-
-      const tried = yield* run<{ granted: boolean }>(
-        `select pg_try_advisory_xact_lock${shared}($1::bigint) as granted`,
-        [keyText]
-      )
-      if (tried[0]?.granted === true) return
-      const millis = timeout === undefined || !Duration.isFinite(timeout) ? undefined : Duration.toMillis(timeout)
-      if (millis !== undefined && millis <= 0) return yield* new LockTimeout({ name, waited: Duration.zero })
-      const deadline = millis === undefined ? undefined : start + millis
-      /** What is left of the caller's timeout, in ms (Infinity without one). */
-      const remaining = Effect.map(monotonicMillis, (now) => deadline === undefined ? Infinity : deadline - now)
-
-      yield* checkpoint
-      const first = yield* remaining
-      if (first <= 0) return yield* timedOut
-      // The slices' settings are set outside the savepoint, so ROLLBACK TO keeps them.
-      const outerSlice = Math.min(first, XACT_SLICE_MS)
-      const previous = yield* run<{ lock_timeout: string; statement_timeout: string }>(
-        "select current_setting('lock_timeout') as lock_timeout, current_setting('statement_timeout') as statement_timeout, " +
-          "set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
-        [millisText(outerSlice), millisText(XACT_SLICE_STATEMENT_TIMEOUT_MS)]
-      )
-      yield* run(`SAVEPOINT ${XACT_SAVEPOINT}`)
-      let left = first
-      while (true) {
-        // A shorter last slice: set inside the savepoint, so the next ROLLBACK TO reverts it.
-        if (left < outerSlice) yield* run("select set_config('lock_timeout', $1, true)", [millisText(left)])
-        const slice = yield* sql.unsafe(`select pg_advisory_xact_lock${shared}($1::bigint)`, [keyText]).pipe(Effect.either)
-        if (slice._tag === "Right") break
-        const code = sqlStateOf(slice.left)
-        if (code === undefined || !SLICE_ENDED.has(code)) return yield* Effect.fail(backendError("acquire")(slice.left))
-        yield* run(`ROLLBACK TO SAVEPOINT ${XACT_SAVEPOINT}`)
-        yield* checkpoint
-        left = yield* remaining
-        if (left <= 0) return yield* timedOut
-      }
-      // Granted in the savepoint: RELEASE hands the lock to the transaction. The body's statements
-      // run with the session's own lock_timeout and statement_timeout, not the lock wait's.
-      yield* run(`RELEASE SAVEPOINT ${XACT_SAVEPOINT}`)
-      yield* run("select set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)", [
-        previous[0]?.lock_timeout ?? "0",
-        previous[0]?.statement_timeout ?? "0"
-      ])
-    })
-  )
 
 /**
  * Runs `self` in a transaction of the current `SqlClient` holding the transaction advisory
@@ -330,29 +234,16 @@ export const withXactLock: {
     Effect.gen(function*() {
       const name = yield* validateName(rawName, MAX_NAME_BYTES)
       const mode = yield* validateMode(name, options?.mode)
-      const sql = yield* SqlClient.SqlClient
+      const sql = yield* SqlClientTag
       const key = advisoryKey(name, options?.namespace)
-      // The body's failures and defects are marked so they pass through unchanged; everything
-      // else that fails or dies here belongs to the transaction machinery.
-      const body = self.pipe(
-        Effect.mapError((error) => new BodyFailure(error)),
-        Effect.catchAllDefect((defect) => Effect.die(new BodyDefect(defect)))
-      )
-      return yield* sql.withTransaction(
-        Effect.zipRight(lockInTransaction(sql, name, key, mode, decodeDuration(options?.timeout)), body)
-      ).pipe(
-        Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
-          if (error instanceof BodyFailure) return Effect.fail(error.error as E)
-          if (error instanceof LockTimeout || error instanceof LockBackendError) return Effect.fail(error)
-          return Effect.fail(new LockBackendError({ operation: "transaction", name, cause: error }))
-        }),
-        // COMMIT and ROLLBACK die in @effect/sql (a killed connection is a defect there).
-        Effect.catchAllDefect((defect) =>
-          defect instanceof BodyDefect
-            ? Effect.die(defect.defect)
-            : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect }))
-        )
-      )
+      const statementTimeout = decodeDuration(options?.statementTimeout)
+      return yield* xact.run(sql, self, {
+        name,
+        key,
+        mode,
+        timeout: decodeDuration(options?.timeout),
+        statementTimeoutMillis: statementTimeout === undefined ? xact.DEFAULT_STATEMENT_TIMEOUT_MS : Duration.toMillis(statementTimeout)
+      })
     }).pipe(Effect.withSpan("effect-lock.withXactLock", { captureStackTrace: false, attributes: { "lock.name": rawName } }))
 )
 
@@ -439,8 +330,8 @@ export const listHolders = (
   options?: ListHoldersOptions
 ): Effect.Effect<ReadonlyArray<AdvisoryHolder>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const sql = yield* SqlClient.SqlClient
-    const table = parseTable(options?.fencingTable ?? DEFAULT_FENCING_TABLE)
+    const sql = yield* SqlClientTag
+    const table = parseTable(options?.fencingTable ?? optionsOf.DEFAULT_FENCING_TABLE)
     if (typeof table === "string") return yield* Effect.fail(new Error(`fencingTable: ${table}`))
     const raw = yield* sql.unsafe<inspect.LockRow>(inspect.listSql, [table.sql]).withoutTransform
     const rows = raw.flatMap((row) => {

@@ -24,6 +24,7 @@ import {
   withClient
 } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
+import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory")
@@ -61,6 +62,17 @@ const locksOf = (applicationName: string): Effect.Effect<ReadonlyArray<AdvisoryL
 
 const sessionsOf = (applicationName: string) => Effect.promise(() => countSessions(db.url, applicationName))
 
+/** `pg_stat_activity.state` of each session of an application. */
+const sessionStatesOf = (applicationName: string) =>
+  Effect.promise(() =>
+    withClient(db.url, async (client) =>
+      (await client.query<{ state: string }>(
+        "select state from pg_stat_activity where datname = current_database() and application_name = $1",
+        [applicationName]
+      )).rows.map((row) => row.state)
+    )
+  )
+
 /** Polls until `check` holds (or fails the test after `ms`). */
 const eventually = <A>(read: Effect.Effect<A>, check: (a: A) => boolean, ms = 3_000): Effect.Effect<A> =>
   Effect.gen(function*() {
@@ -74,6 +86,16 @@ const eventually = <A>(read: Effect.Effect<A>, check: (a: A) => boolean, ms = 3_
       yield* Effect.sleep(Duration.millis(10))
     }
   })
+
+/**
+ * Waits until a forked acquire is suspended in its wait (started and blocked, not finished): an
+ * observable condition, unlike a sleep that passes when the fiber never started.
+ */
+const suspendedIn = <A, E>(fiber: Fiber.RuntimeFiber<A, E>) =>
+  eventually(
+    Effect.map(Fiber.status(fiber), (status) => status._tag),
+    (tag) => tag === "Suspended"
+  )
 
 /** Waits until `applicationName` has a lock request queued (not granted) at the server. */
 const blockedAtServer = (applicationName: string) =>
@@ -203,7 +225,7 @@ describe("PgAdvisory.layer", () => {
 
       // A second local request is woken as soon as the first holder releases.
       const waiter = yield* Effect.fork(Effect.scoped(Effect.zipRight(lock.acquire("job"), Effect.sync(() => Date.now()))))
-      yield* Effect.sleep(Duration.millis(50))
+      yield* suspendedIn(waiter)
       const releasedAt = Date.now()
       yield* Scope.close(scope, Exit.void)
       const grantedAt = yield* Fiber.join(waiter)
@@ -256,7 +278,12 @@ describe("PgAdvisory.layer", () => {
         const held = yield* Scope.make()
         yield* a.acquire("notified").pipe(Scope.extend(held))
         const waiting = yield* Effect.fork(Effect.scoped(Effect.zipRight(b.acquire("notified"), Effect.sync(() => performance.now()))))
-        yield* Effect.sleep(Duration.millis(50))
+        // Waiting in-process (its only session holds a lock, so it never blocks at the server):
+        // suspended, with its session idle, i.e. not in the middle of a try.
+        yield* eventually(
+          Effect.zipWith(Fiber.status(waiting), sessionStatesOf("adv-notify-b"), (status, states) => [status._tag, states]),
+          ([status, states]) => status === "Suspended" && JSON.stringify(states) === JSON.stringify(["idle"])
+        )
         const releasedAt = performance.now()
         yield* Scope.close(held, Exit.void)
         waits.push((yield* Fiber.join(waiting)) - releasedAt)
@@ -530,13 +557,16 @@ describe("PgAdvisory.layer", () => {
       yield* Effect.promise(() => rowLock.query("commit"))
       const granted = yield* Fiber.join(second)
       expect(granted._tag).toBe("Granted")
-      yield* Effect.sleep(Duration.millis(200))
-      expect(lost1).toEqual(["connection-lost"])
-      // The retry's grant is healthy: no loss may be reported for it.
-      expect(lost2).toEqual([])
       expect((yield* locksOf("adv-join-lost")).map((row) => [row.granted, row.mode])).toEqual([[true, "ShareLock"]])
+      // Losses are told in order from one queue: once the retry's session dies too and its loss
+      // is told, any report queued by the first death has been told before it.
+      expect(yield* Effect.promise(() => terminateBackends(db.url, "adv-join-lost"))).toBeGreaterThanOrEqual(1)
+      yield* eventually(Effect.sync(() => lost2), (reasons) => reasons.length > 0)
+      expect(lost1).toEqual(["connection-lost"])
+      // The retry's grant was healthy until now: exactly one loss, the second death's.
+      expect(lost2).toEqual(["connection-lost"])
       if (granted._tag === "Granted") yield* granted.grant.release
-      expect(yield* locksOf("adv-join-lost")).toEqual([])
+      yield* eventually(locksOf("adv-join-lost"), (rows) => rows.length === 0)
     }))
 
   it.scopedLive("fencing bumps commit with synchronous_commit = on, even where the server default is off", () =>
@@ -579,19 +609,32 @@ describe("PgAdvisory.layer", () => {
       expect(seen.map((row) => row.setting)).toEqual(seen.map(() => "on"))
     }))
 
-  it.scopedLive("interruption fuzz: 1,000 acquires interrupted at random moments leave no lock and no extra session", () =>
+  const fuzz = (label: string, apps: readonly [string, string], budget: number | undefined) =>
+  it.scopedLive(`interruption fuzz${label}: 1,000 acquires interrupted at random moments leave no lock and no extra session`, () =>
     Effect.gen(function*() {
-      const a = yield* service("adv-fuzz-a", { maxSessions: 4 })
-      const b = yield* service("adv-fuzz-b", { maxSessions: 4 })
+      const a = yield* service(apps[0], { maxSessions: 4 })
+      const b = yield* service(apps[1], { maxSessions: 4 })
       const names = Array.from({ length: 8 }, (_, i) => `fuzz-${i}`)
       const outcomes = { held: 0, interrupted: 0, timedOut: 0 }
-      const random = (max: number) => Math.random() * max
+      // Seeded, printed, and settable (ADV_FUZZ_SEED=<n>) so a failing run can be repeated.
+      const seed = Number(process.env["ADV_FUZZ_SEED"] ?? Math.floor(Math.random() * 2 ** 31))
+      console.log(`[PgAdvisory] interruption fuzz seed ${seed} (re-run with ADV_FUZZ_SEED=${seed})`)
+      let state = seed >>> 0
+      // mulberry32: small, fast, good enough to spread interruption points.
+      const next = () => {
+        state = (state + 0x6d2b79f5) >>> 0
+        let t = state
+        t = Math.imul(t ^ (t >>> 15), t | 1)
+        t ^= t + Math.imul(t ^ (t >>> 7), t | 61)
+        return ((t ^ (t >>> 14)) >>> 0) / 4294967296
+      }
+      const random = (max: number) => next() * max
       const round = (i: number) =>
         Effect.gen(function*() {
           const lock = i % 2 === 0 ? a : b
           const name = names[Math.floor(random(names.length))]!
-          const mode = Math.random() < 0.2 ? "shared" as const : "exclusive" as const
-          const timeout = Math.random() < 0.2 ? Duration.millis(random(10)) : undefined
+          const mode = next() < 0.2 ? "shared" as const : "exclusive" as const
+          const timeout = next() < 0.2 ? Duration.millis(random(10)) : undefined
           const acquired = yield* Deferred.make<void>()
           const attempt = Effect.scoped(
             Effect.gen(function*() {
@@ -621,7 +664,7 @@ describe("PgAdvisory.layer", () => {
       const sampler = yield* Effect.fork(
         Effect.forever(
           Effect.gen(function*() {
-            const rows = [...(yield* locksOf("adv-fuzz-a")), ...(yield* locksOf("adv-fuzz-b"))]
+            const rows = [...(yield* locksOf(apps[0])), ...(yield* locksOf(apps[1]))]
             const blocked = new Set(rows.filter((row) => !row.granted).map((row) => row.pid))
             violations.push(...rows.filter((row) => row.granted && blocked.has(row.pid)))
             samples++
@@ -630,26 +673,31 @@ describe("PgAdvisory.layer", () => {
         )
       )
       const started = Date.now()
-      yield* Effect.forEach(Array.from({ length: 1_000 }, (_, i) => i), round, { concurrency: 16, discard: true })
+      const rounds = Effect.forEach(Array.from({ length: 1_000 }, (_, i) => i), round, { concurrency: 16, discard: true })
+      // With a small yield budget every window between two steps of the engine is a real one.
+      yield* (budget === undefined ? rounds : withYieldBudget(budget)(rounds))
       yield* Fiber.interrupt(sampler)
       expect(samples).toBeGreaterThan(10)
       expect(violations).toEqual([])
-      console.log(`[PgAdvisory] interruption fuzz: ${JSON.stringify(outcomes)} in ${Date.now() - started} ms`)
+      console.log(`[PgAdvisory] interruption fuzz (seed ${seed}): ${JSON.stringify(outcomes)} in ${Date.now() - started} ms`)
       expect(outcomes.interrupted).toBeGreaterThan(100)
       expect(outcomes.held).toBeGreaterThan(100)
 
       const leftover = yield* eventually(
-        Effect.zipWith(locksOf("adv-fuzz-a"), locksOf("adv-fuzz-b"), (x, y) => [...x, ...y]),
+        Effect.zipWith(locksOf(apps[0]), locksOf(apps[1]), (x, y) => [...x, ...y]),
         (rows) => rows.length === 0
       )
       expect(leftover).toEqual([])
-      expect(yield* sessionsOf("adv-fuzz-a")).toBeLessThanOrEqual(4)
-      expect(yield* sessionsOf("adv-fuzz-b")).toBeLessThanOrEqual(4)
+      expect(yield* sessionsOf(apps[0])).toBeLessThanOrEqual(4)
+      expect(yield* sessionsOf(apps[1])).toBeLessThanOrEqual(4)
       // Both layers still work.
       for (const lock of [a, b]) {
         for (const name of names) yield* Effect.scoped(lock.acquire(name, { timeout: "2 seconds" }))
       }
-    }))
+    }), 60_000)
+
+  fuzz("", ["adv-fuzz-a", "adv-fuzz-b"], undefined)
+  fuzz(`, yielding every ${TIGHT_YIELD_BUDGET} ops`, ["adv-fuzz-ya", "adv-fuzz-yb"], TIGHT_YIELD_BUDGET)
 })
 
 describe("PgAdvisory admission (localKeys)", () => {
@@ -736,14 +784,28 @@ describe("PgAdvisory.withXactLock", () => {
         // A waiter without timeout gets it once the holder commits.
         const order: Array<string> = []
         const waiter = yield* Effect.fork(PgAdvisory.withXactLock(Effect.sync(() => order.push("waiter")), "xact-excl"))
-        yield* Effect.sleep(Duration.millis(50))
+        yield* eventually(xactLocksOf("xact-excl"), (rows) => rows.some((row) => !row.granted))
         order.push("holder commits")
         yield* Deferred.succeed(release, undefined)
         yield* Fiber.join(holder)
         yield* Fiber.join(waiter)
         expect(order).toEqual(["holder commits", "waiter"])
-        // The session-lock layer excludes it too: same key.
-        expect(PgAdvisory.keyOf("xact-excl")).toBe(PgAdvisory.keyOf("xact-excl", ""))
+      }))
+
+    it.scoped("session locks of PgAdvisory.layer and transaction locks exclude each other on the same name", () =>
+      Effect.gen(function*() {
+        const lock = yield* service("adv-xact-excl")
+        const held = yield* Scope.make()
+        yield* lock.acquire("xact-excl-both").pipe(Scope.extend(held))
+        const refused = yield* Effect.flip(PgAdvisory.withXactLock(Effect.void, "xact-excl-both", { timeout: 0 }))
+        expect(refused).toBeInstanceOf(LockTimeout)
+        yield* Scope.close(held, Exit.void)
+        const inside = yield* PgAdvisory.withXactLock(
+          Effect.map(Effect.scoped(lock.tryAcquire("xact-excl-both")), Option.isSome),
+          "xact-excl-both"
+        )
+        expect(inside).toBe(false)
+        expect(yield* Effect.scoped(Effect.map(lock.tryAcquire("xact-excl-both"), Option.isSome))).toBe(true)
       }))
 
     it.effect("shared transaction locks coexist and exclude exclusive ones", () =>
@@ -810,7 +872,15 @@ describe("PgAdvisory.withXactLock", () => {
             Effect.gen(function*() {
               const [{ pid }] = yield* sql<{ pid: number }>`select pg_backend_pid() as pid`
               yield* Effect.promise(() => withClient(db.url, (client) => client.query("select pg_terminate_backend($1)", [pid])))
-              yield* Effect.sleep(Duration.millis(50))
+              // The backend is gone before the body ends, so the COMMIT meets a dead connection.
+              yield* eventually(
+                Effect.promise(() =>
+                  withClient(db.url, async (client) =>
+                    (await client.query("select 1 from pg_stat_activity where pid = $1", [pid])).rowCount ?? 0
+                  )
+                ),
+                (n) => n === 0
+              )
             }),
             "xact-killed"
           )
@@ -849,6 +919,31 @@ describe("PgAdvisory.withXactLock", () => {
       })
     )
 
+  /** Start times (server clock, ms) of the waits queued at the server for `name`'s key. */
+  const waitStartsOf = (name: string) =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const { classid, objid } = keyParts(PgAdvisory.keyOf(name))
+        const result = await client.query<{ started: number; now: number }>(
+          `select (extract(epoch from waitstart) * 1000)::float8 as started, (extract(epoch from clock_timestamp()) * 1000)::float8 as now
+           from pg_locks where locktype = 'advisory' and not granted and classid = $1 and objid = $2 and waitstart is not null`,
+          [classid, objid]
+        )
+        return result.rows
+      })
+    )
+
+  /** How long the (single) wait for `name` has been queued at the server, in ms; 0 when none is. */
+  const waitedAtServer = (name: string) =>
+    Effect.map(waitStartsOf(name), (rows) => rows.length === 0 ? 0 : Math.max(...rows.map((row) => row.now - row.started)))
+
+  /** Waits until the wait for `name` is in a later slice than when this was called (its wait restarted). */
+  const crossedSlice = (name: string) =>
+    Effect.gen(function*() {
+      const [first] = yield* eventually(waitStartsOf(name), (rows) => rows.length > 0)
+      yield* eventually(waitStartsOf(name), (rows) => rows.some((row) => row.started > first!.started), 5_000)
+    })
+
   /** pg_locks rows of the key of `name` (granted or awaited), in the test database. */
   const xactLocksOf = (name: string) =>
     Effect.map(xactLocks, (rows) => {
@@ -863,7 +958,8 @@ describe("PgAdvisory.withXactLock", () => {
         const waiter = yield* Effect.fork(PgAdvisory.withXactLock(Effect.void, "xact-full-pool"))
         // The pool's only connection is the waiting transaction.
         yield* eventually(xactLocksOf("xact-full-pool"), (rows) => rows.some((row) => !row.granted))
-        yield* Effect.sleep(Duration.millis(300))
+        // Interrupted well inside a slice (not at its start): the wait has lasted 300 ms at the server.
+        yield* eventually(waitedAtServer("xact-full-pool"), (ms) => ms >= 300)
         const started = Date.now()
         const interrupting = yield* Effect.fork(Fiber.interrupt(waiter))
         // Bounded here so that a hanging interrupt fails the test instead of timing it out.
@@ -905,7 +1001,8 @@ describe("PgAdvisory.withXactLock", () => {
         expect(Date.now() - begun).toBeGreaterThanOrEqual(1_290)
 
         const cancelled = yield* Effect.fork(xact(Effect.void))
-        yield* Effect.sleep(Duration.millis(1_200))
+        // Interrupted after at least one slice boundary: a second slice is waiting at the server.
+        yield* crossedSlice("xact-bouncer")
         const started = Date.now()
         yield* Fiber.interrupt(cancelled)
         expect(Date.now() - started).toBeLessThan(1_500)
@@ -914,7 +1011,7 @@ describe("PgAdvisory.withXactLock", () => {
         const waiter = yield* Effect.fork(
           xact(sql<{ n: number }>`select count(*)::int as n from pg_locks where locktype = 'advisory' and pid = pg_backend_pid()`)
         )
-        yield* Effect.sleep(Duration.millis(1_200))
+        yield* crossedSlice("xact-bouncer")
         yield* holder.unlock
         // The body runs on the backend that holds the lock: the transaction stayed on one connection.
         expect(yield* Fiber.join(waiter)).toEqual([{ n: 1 }])
@@ -943,7 +1040,8 @@ describe("PgAdvisory.withXactLock", () => {
             timeout: "10 seconds"
           })
         )
-        yield* Effect.sleep(Duration.millis(1_300))
+        // Granted in a later slice than the first, past the session's 300 ms statement_timeout.
+        yield* crossedSlice("xact-statement-timeout")
         yield* holder.unlock
         expect(yield* Fiber.join(waiter)).toEqual([{ statement_timeout: "300ms", lock_timeout: "0" }])
       })))

@@ -17,6 +17,7 @@ import * as Crypto from "node:crypto"
 import * as Os from "node:os"
 import * as DistributedLock from "../../src/DistributedLock.js"
 import { advisoryKey } from "../../src/internal/lockKey.js"
+import * as AdvisorySql from "../../src/internal/pgAdvisory/sql.js"
 import * as LeaseSql from "../../src/internal/pgLeaseSql.js"
 import * as MemoryBackend from "../../src/MemoryBackend.js"
 import * as PgAdvisory from "../../src/PgAdvisory.js"
@@ -38,29 +39,27 @@ const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => 
 // ---------------------------------------------------------------- the statements mirrored
 
 /**
- * What PgAdvisory sends per uncontended cycle (src/internal/pgAdvisory.ts, `tryBatchSql` and
- * `unlockSql`): the try-lock fused with the fencing-counter upsert — its batch statement, which
- * carries every try queued on a session, here with one key as a single caller sends it — then
- * the unlock fused with the release notification. Extended protocol with parameters.
+ * What PgAdvisory sends per uncontended cycle — its own SQL text, imported from
+ * src/internal/pgAdvisory/sql.ts so the mirror cannot drift: `tryBatchSql`, the try-lock fused
+ * with the fencing-counter upsert (its batch statement, which carries every try queued on a
+ * session, here with one key as a single caller sends it), then `releaseSql`, the unlock that
+ * notifies only when a notification-only waiter registered interest (here nobody does). Extended
+ * protocol with parameters.
  */
 export const RAW_FENCING_TABLE = "bench_raw_fencing"
-const ADVISORY_CHANNEL = "effect_lock_released"
+const RAW_FENCING = { text: RAW_FENCING_TABLE, sql: `"${RAW_FENCING_TABLE}"`, relname: RAW_FENCING_TABLE }
 const fencingDdl = `CREATE TABLE IF NOT EXISTS "${RAW_FENCING_TABLE}" (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`
-const tryGrantSql =
-  `with request as (select * from unnest($1::bigint[], $2::text[], $3::boolean[]) as r(key, name, shared)), ` +
-  `attempt as (select key, name, case when shared then pg_try_advisory_lock_shared(key) ` +
-  `else pg_try_advisory_lock(key) end as granted from request) ` +
-  `insert into "${RAW_FENCING_TABLE}" as f (key, name, token) select key, name, 1 from attempt where granted ` +
-  `on conflict (key) do update set token = f.token + 1, name = excluded.name ` +
-  `returning f.key::text as key, f.token::text as token`
-const unlockNotifySql = "select pg_advisory_unlock($1::bigint) as released, pg_notify($2, $3)"
+const tryGrantSql = AdvisorySql.tryBatchSql(RAW_FENCING)
+const releaseSql = AdvisorySql.releaseSql("exclusive")
+const interestKeyOf = (key: string) => advisoryKey(key, AdvisorySql.INTEREST_NAMESPACE).toString()
 
-/** What withXactLock sends per cycle (src/PgAdvisory.ts, `lockInTransaction`) with an empty body. */
+/**
+ * What withXactLock sends per uncontended cycle (src/internal/pgAdvisory/xact.ts,
+ * `lockInTransaction`) with an empty body: the try succeeds, so no setting is touched.
+ */
 const xactStatements = (key: string): ReadonlyArray<readonly [string, ReadonlyArray<unknown>]> => [
   ["BEGIN", []],
-  ["select current_setting('lock_timeout') as previous, set_config('lock_timeout', $1, true)", ["0"]],
-  ["select pg_advisory_xact_lock($1::bigint)", [key]],
-  ["select set_config('lock_timeout', $1, true)", ["0"]],
+  ["select pg_try_advisory_xact_lock($1::bigint) as granted", [key]],
   ["COMMIT", []]
 ]
 
@@ -80,13 +79,14 @@ const rawSubject = (
   concurrency: number,
   durationMs: number,
   setup: (client: pg.Client) => Promise<unknown>,
-  cycle: (query: Query, worker: number) => Promise<void>
+  cycle: (query: Query, worker: number) => Promise<void>,
+  prepared = false
 ): Subject<ThroughputSample> => ({
   id,
   open: async () => {
     const clients = await connectMany(database.url, sessions, `bench-${id}`)
     await setup(clients[0]!)
-    const queries = clients.map(serialized)
+    const queries = clients.map(prepared ? serializedPrepared : serialized)
     return {
       run: (round) => promiseLoop(concurrency, lengthOf(round, durationMs), (worker) => cycle(queries[worker % queries.length]!, worker)),
       close: () => closeAll(clients)
@@ -94,8 +94,26 @@ const rawSubject = (
   }
 })
 
-const expectRow = (result: pg.QueryResult, what: string): void => {
-  if (result.rows.length !== 1) throw new Error(`${what}: expected one row, got ${result.rows.length}`)
+const preparedNames = new Map<string, string>()
+
+/**
+ * `serialized` with named (prepared) statements, as PgAdvisory sends its parameterised
+ * statements: parsed and planned once per session, then only bound.
+ */
+const serializedPrepared = (client: pg.Client): Query => {
+  let tail: Promise<unknown> = Promise.resolve()
+  return <R extends pg.QueryResultRow>(text: string, values?: ReadonlyArray<unknown>): Promise<pg.QueryResult<R>> => {
+    let name = preparedNames.get(text)
+    if (name === undefined) preparedNames.set(text, name = `bench_prepared_${preparedNames.size + 1}`)
+    const config = values === undefined ? text : { name, text, values: [...values] }
+    const next = tail.then(() => client.query<R>(config))
+    tail = next.catch(() => {})
+    return next
+  }
+}
+
+const expectRows = (result: pg.QueryResult, rows: number, what: string): void => {
+  if (result.rows.length !== rows) throw new Error(`${what}: expected ${rows} rows, got ${result.rows.length}`)
 }
 
 /** Raw pg: plain `pg_advisory_lock` + `pg_advisory_unlock`, no fencing write. */
@@ -107,7 +125,7 @@ export const rawAdvisoryLock = (database: Database, concurrency: number, duratio
   })
 }
 
-/** Raw pg: exactly PgAdvisory's two statements (try-lock + fencing upsert; unlock + notify). */
+/** Raw pg: exactly PgAdvisory's two statements (try-lock + fencing upsert; unlock + notify if anyone waits). */
 export const rawAdvisoryFenced = (
   database: Database,
   concurrency: number,
@@ -116,6 +134,7 @@ export const rawAdvisoryFenced = (
 ): Subject<ThroughputSample> => {
   const names = workerNames(`raw-fenced-s${sessions}`, concurrency)
   const keys = names.map((name) => advisoryKey(name).toString())
+  const interestKeys = keys.map(interestKeyOf)
   return rawSubject(
     `raw-advisory-fenced-${concurrency}-${sessions}`,
     database,
@@ -124,9 +143,11 @@ export const rawAdvisoryFenced = (
     durationMs,
     (client) => client.query(fencingDdl),
     async (query, w) => {
-      expectRow(await query(tryGrantSql, [[keys[w]], [names[w]], [false]]), "try-lock + fencing upsert")
-      await query(unlockNotifySql, [keys[w], ADVISORY_CHANNEL, keys[w]])
-    }
+      // One row for the granted key, one carrying the backend pid (PgAdvisory checks it).
+      expectRows(await query(tryGrantSql, [[keys[w]], [names[w]], [false]]), 2, "try-lock + fencing upsert")
+      await query(releaseSql, [keys[w], interestKeys[w], AdvisorySql.CHANNEL])
+    },
+    true
   )
 }
 
@@ -165,7 +186,7 @@ export const rawXactMinimal = (database: Database, concurrency: number, duration
   })
 }
 
-/** Raw pg: exactly withXactLock's five statements. */
+/** Raw pg: exactly withXactLock's statements (uncontended: BEGIN, the try, COMMIT). */
 export const rawXactLibrary = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const keys = workerNames("raw-xact-lib", concurrency).map((name) => advisoryKey(name).toString())
   return rawSubject(`raw-xact-lib-${concurrency}`, database, concurrency, concurrency, durationMs, async () => {}, async (query, w) => {
@@ -275,7 +296,7 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
     { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: rawLease(database, c, ms) },
     { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: pool(c), concurrency: c, baseline: "raw-lease", subject: pgLeaseSubject(database, c, ms) },
     { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: rawXactMinimal(database, c, ms) },
-    { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's 5 statements", connections: `${c}`, concurrency: c, subject: rawXactLibrary(database, c, ms) },
+    { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's statements", connections: `${c}`, concurrency: c, subject: rawXactLibrary(database, c, ms) },
     { block: "xact", id: "pg-xact", label: "PgAdvisory.withXactLock", connections: pool(c), concurrency: c, baseline: "raw-xact-lib", subject: xactSubject(database, c, ms) }
   )
   return specs
@@ -318,14 +339,16 @@ const render = (result: UncontendedResult): string => {
     "- *raw pg: PgAdvisory's statements (fenced)*: the two statements PgAdvisory sends per cycle — " +
     "`pg_try_advisory_lock` fused with the fencing-counter upsert (`insert … on conflict do update set token = token + 1`; " +
     "PgAdvisory's batch statement, `unnest` of keys, with the one key a single caller sends), and `pg_advisory_unlock` " +
-    "fused with `pg_notify`. Both commit, and a commit that writes waits for the WAL flush.",
+    "fused with a check for registered notification-only waiters (`pg_notify` only if one is registered: here none). " +
+    "The first commits a write, and a commit that writes waits for the WAL flush. Both are prepared statements " +
+    "(named: parsed and planned once per session), as PgAdvisory sends them.",
     "- *… N callers on 1 connection*: the same statements one at a time, all workers sharing one session. PgAdvisory " +
     "also takes uncontended locks on one session (its home session), but sends the tries queued behind a running " +
     "statement together as one statement (one commit); this row shows what one session does without that.",
     "- *raw pg: PgLease's statements*: the acquire upsert and the owner-scoped release + `pg_notify` from " +
     "`src/internal/pgLeaseSql.ts`, same parameters.",
-    "- *withXactLock's 5 statements*: `BEGIN`, save + set `lock_timeout` (transaction-local), `pg_advisory_xact_lock`, " +
-    "restore `lock_timeout`, `COMMIT` — what the combinator sends with an empty body.",
+    "- *withXactLock's statements*: `BEGIN`, `pg_try_advisory_xact_lock`, `COMMIT` — what the combinator sends " +
+    "uncontended with an empty body.",
     "",
     sections.join("\n\n")
   ].join("\n")

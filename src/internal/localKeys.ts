@@ -104,6 +104,35 @@ export const makeLocalKeys = (): LocalKeys => {
     pump(key, entry)
   }
 
+  /** Queues a ticket and waits for it; the slow path of `admit`. */
+  const queued = (
+    key: string,
+    mode: LockMode,
+    wait: (signal: Effect.Effect<void>) => Effect.Effect<Option.Option<void>>
+  ): Effect.Effect<Option.Option<Admission>> =>
+    // Uninterruptible but for `wait` (the caller decides how interruptible that is): a queued
+    // ticket always gets its clean-up below, or it would hold up the key for good.
+    Effect.uninterruptibleMask((restore) => {
+      const entry = entryOf(key)
+      const ticket: Ticket = { mode, admitted: Deferred.unsafeMake<void>(FiberId.none), state: "queued" }
+      entry.queue.push(ticket)
+      pump(key, entry)
+      if (ticket.state === "admitted") return Effect.succeed(Option.some<Admission>({ key, mode }))
+      return restore(wait(Deferred.await(ticket.admitted))).pipe(
+        Effect.onExit((exit) =>
+          Effect.sync(() => {
+            if (Exit.isSuccess(exit) && Option.isSome(exit.value)) return
+            // Interrupted or out of time: leave the queue, or hand on an admission that raced in.
+            if (ticket.state === "admitted") release(key, mode, false)
+            else ticket.state = "abandoned"
+            const current = entries.get(key)
+            if (current !== undefined) pump(key, current)
+          })
+        ),
+        Effect.map((woke) => Option.map(woke, (): Admission => ({ key, mode })))
+      )
+    })
+
   return {
     tryAdmit: (key, mode) =>
       Effect.sync(() => {
@@ -120,27 +149,17 @@ export const makeLocalKeys = (): LocalKeys => {
       }),
 
     admit: (key, mode, wait) =>
-      // Uninterruptible but for `wait` (the caller decides how interruptible that is): a queued
-      // ticket always gets its clean-up below, or it would hold up the key for good.
-      Effect.uninterruptibleMask((restore) => {
+      Effect.suspend(() => {
+        // Nothing local in the way and nobody queued: admitted at once, in this one step, with
+        // no ticket (abandoned tickets are pumped out first, as in `tryAdmit`).
+        const existing = entries.get(key)
+        if (existing !== undefined) pump(key, existing)
         const entry = entryOf(key)
-        const ticket: Ticket = { mode, admitted: Deferred.unsafeMake<void>(FiberId.none), state: "queued" }
-        entry.queue.push(ticket)
-        pump(key, entry)
-        if (ticket.state === "admitted") return Effect.succeed(Option.some<Admission>({ key, mode }))
-        return restore(wait(Deferred.await(ticket.admitted))).pipe(
-          Effect.onExit((exit) =>
-            Effect.sync(() => {
-              if (Exit.isSuccess(exit) && Option.isSome(exit.value)) return
-              // Interrupted or out of time: leave the queue, or hand on an admission that raced in.
-              if (ticket.state === "admitted") release(key, mode, false)
-              else ticket.state = "abandoned"
-              const current = entries.get(key)
-              if (current !== undefined) pump(key, current)
-            })
-          ),
-          Effect.map((woke) => Option.map(woke, (): Admission => ({ key, mode })))
-        )
+        if (entry.queue.length === 0 && admissible(entry, mode)) {
+          take(entry, mode)
+          return Effect.succeed(Option.some<Admission>({ key, mode }))
+        }
+        return queued(key, mode, wait)
       }),
 
     granted: (admission) =>
