@@ -63,4 +63,15 @@ describe("stall-safe timeouts", () => {
       // The promised bound: the duration plus two event-loop turns (generous for a loaded machine).
       expect(performance.now() - start).toBeLessThan(1_000)
     }))
+
+  it.live("inside an uninterruptible region, an answer ends the wait at once, not when the timer would fire", () =>
+    Effect.gen(function*() {
+      const start = performance.now()
+      const outcome = yield* Effect.uninterruptible(
+        timeoutOption(Effect.as(Effect.sleep(Duration.millis(10)), 1), Duration.seconds(5))
+      )
+      expect(outcome).toEqual(Option.some(1))
+      // Far below the 5 s timer: the losing sleep was interrupted when the answer came.
+      expect(performance.now() - start).toBeLessThan(2_000)
+    }))
 })

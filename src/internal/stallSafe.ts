@@ -32,13 +32,19 @@ export const sleepThenReadIO = (duration: Duration.DurationInput): Effect.Effect
 
 /**
  * `self`, or `None` if it has not completed `duration` after it started *and* after the event
- * loop has read what had already arrived. `self` is interrupted on timeout.
+ * loop has read what had already arrived. On timeout `self` is interrupted and awaited, as with
+ * `Effect.timeout` (wrap it in `Effect.disconnect` not to wait for an uninterruptible one).
  */
 export const timeoutOption = <A, E, R>(
   self: Effect.Effect<A, E, R>,
   duration: Duration.DurationInput
 ): Effect.Effect<Option.Option<A>, E, R> =>
-  Effect.raceFirst(Effect.asSome(self), Effect.as(sleepThenReadIO(duration), Option.none<A>()))
+  Effect.raceFirst(
+    Effect.asSome(self),
+    // Interruptible even inside an uninterruptible caller: the losing timer must stop at once
+    // when `self` answers, not hold the caller for the rest of the duration.
+    Effect.interruptible(Effect.as(sleepThenReadIO(duration), Option.none<A>()))
+  )
 
 /** `self`, or the failure `onTimeout` builds if it did not complete in time (see `timeoutOption`). */
 export const timeoutFail = <A, E, R, E2>(
