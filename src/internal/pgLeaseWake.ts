@@ -222,25 +222,29 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     const subscribe = (name: string): Effect.Effect<Subscription, never, Scope.Scope> =>
       Effect.acquireRelease(
         Effect.gen(function*() {
-          let entry = entries.get(name)
-          if (entry === undefined) {
-            entry = { deferred: yield* Deferred.make<void>(), refs: 0 }
-            entries.set(name, entry)
-          }
-          entry.refs++
-          subscribers++
+          // Looked up or created in one step: with a yield between `get` and `set`, two waiters
+          // would make two entries and the one overwritten would never be fired.
+          const held = yield* Effect.withFiberRuntime<Entry>((fiber) => {
+            let entry = entries.get(name)
+            if (entry === undefined) {
+              entry = { deferred: Deferred.unsafeMake<void>(fiber.id()), refs: 0 }
+              entries.set(name, entry)
+            }
+            entry.refs++
+            subscribers++
+            return Effect.succeed(entry)
+          })
           yield* ensureStarted
           yield* kick.offer(undefined)
-          const held = entry
-          return { current: Effect.sync(() => held.deferred) }
+          return held
         }),
-        () =>
+        (held) =>
           Effect.sync(() => {
             subscribers--
-            const entry = entries.get(name)
-            if (entry !== undefined && --entry.refs === 0) entries.delete(name)
+            // Its own entry, never whatever the map holds now under the same name.
+            if (--held.refs === 0 && entries.get(name) === held) entries.delete(name)
           })
-      )
+      ).pipe(Effect.map((held): Subscription => ({ current: Effect.sync(() => held.deferred) })))
 
     const trusted = Effect.map(
       monotonicMillis,
