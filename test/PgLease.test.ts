@@ -6,6 +6,8 @@ import * as DistributedLock from "effect-lock/DistributedLock"
 import * as FencingToken from "effect-lock/FencingToken"
 import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
 import { monotonicMillis } from "effect-lock/internal/clock"
+import type * as Lane from "effect-lock/internal/pgLeaseLane"
+import * as Make from "effect-lock/internal/pgLeaseMake"
 import * as PgLease from "effect-lock/PgLease"
 import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process"
 import * as Path from "node:path"
@@ -36,8 +38,8 @@ const sqlOnly = (env: Env): Context.Context<SqlClient.SqlClient> =>
   Context.omit(PgClient.PgClient)(env) as Context.Context<SqlClient.SqlClient>
 
 /** A backend that sees exactly `env` (plus the caller's Scope), not the test's own context. */
-const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options) =>
-  PgLease.makeBackend({ ttl: TTL, pollInterval: Duration.millis(100), ...options }).pipe(
+const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options, wrapLane?: (lane: Lane.Lane) => Lane.Lane) =>
+  Make.makeBackend({ ttl: TTL, pollInterval: Duration.millis(100), ...options }, wrapLane).pipe(
     Effect.mapInputContext((outer: Context.Context<Scope.Scope>) => Context.add(env, Scope.Scope, Context.get(outer, Scope.Scope)))
   )
 
@@ -64,6 +66,16 @@ const rowOf = (name: string, table = PgLease.DEFAULT_TABLE) =>
     ),
     (rows) => rows[0]
   )
+
+/** Polls `check` every 20 ms until it holds; dies naming `what` after `bound`. */
+const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) =>
+  Effect.gen(function*() {
+    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
+    while (!(yield* Effect.orDie(check))) {
+      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
+      yield* Effect.sleep(Duration.millis(20))
+    }
+  })
 
 /** A hand-made SPI request, for tests that drive the backend without the core. */
 const request = (name: string, attempt: "once" | "wait" = "once", ttl = TTL): AcquireRequest => ({
@@ -455,54 +467,67 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(row?.owner).toBeNull()
     }))
 
-  it.scoped("holding 10,000 leases renews them in batches of 1,000: one statement per batch", () =>
+  it.scoped("an application saturating its own pool for 3× the ttl costs no lease", () =>
     Effect.gen(function*() {
-      const counted = yield* countingPool(() => db.url)
-      // A roomy ttl: acquiring 10,000 leases keeps this process busy for seconds.
-      const backend = yield* backendOn(counted.env, { ttl: Duration.seconds(9) })
-      const calls: Array<{ size: number; before: number; statements: number }> = []
+      const app = "pglease-saturated-app"
+      const env = yield* Layer.build(PgTest.layer(() => db.url, { applicationName: app, maxConnections: 2 }))
+      const sql = Context.get(env, SqlClient.SqlClient)
+      const service = yield* processOn(env, { ttl: Duration.seconds(2) })
+      const name = freshName("saturated")
+      const lease = yield* service.acquire(name, { ttl: Duration.seconds(2) })
+      // Four slow queries on a 2-connection pool: both connections busy, two more queued, for 6 s.
+      const slow = yield* Effect.fork(
+        Effect.forEach(Array.from({ length: 4 }), () => sql`select pg_sleep(3)`, { concurrency: "unbounded", discard: true })
+      )
+      const busy = query<{ n: number }>(
+        `select count(*)::int as n from pg_stat_activity where application_name = $1 and query like 'select pg_sleep%' and state = 'active'`,
+        [app]
+      )
+      yield* waitFor("both pool connections busy in pg_sleep", Effect.map(busy, (rows) => rows[0]!.n === 2), Duration.seconds(5))
+      yield* Fiber.join(slow)
+      expect(yield* lease.isHeld).toBe(true)
+      const row = yield* rowOf(name)
+      expect(row).toMatchObject({ token: String(lease.token) })
+      expect(row!.left).toBeGreaterThan(0)
+    }), { timeout: 30_000 })
+
+  it.scoped("3,000 leases acquired 64 at a time on a default pool with ttl 3 s lose none, renewed 1,000 per statement", () =>
+    Effect.gen(function*() {
+      const env = yield* poolOn(() => db.url, "pglease-3000")
+      const counted = countingLane()
+      const backend = yield* backendOn(env, { ttl: Duration.seconds(3) }, counted.wrap)
+      const calls: Array<{ readonly size: number }> = []
       const service = yield* DistributedLock.make({
         ...backend,
-        renew: (grants) =>
-          Effect.suspend(() => {
-            const before = counted.statements()
-            return Effect.tap(backend.renew(grants), () =>
-              Effect.sync(() => calls.push({ size: grants.length, before, statements: counted.statements() - before })))
-          })
+        renew: (grants) => Effect.tap(backend.renew(grants), () => Effect.sync(() => calls.push({ size: grants.length })))
       })
-      const names = Array.from({ length: 10_000 }, (_, i) => `many-${i}`)
+      const names = Array.from({ length: 3_000 }, (_, i) => `many3k-${i}`)
       const started = Date.now()
       // One scope per lease, so that releasing them can run concurrently too.
-      const scopes = yield* Effect.forEach(
+      const held = yield* Effect.forEach(
         names,
-        (name) => Effect.flatMap(Scope.make(), (scope) => Effect.as(Scope.extend(service.acquire(name), scope), scope)),
-        { concurrency: 32 }
+        (name) => Effect.flatMap(Scope.make(), (scope) => Effect.map(Scope.extend(service.acquire(name), scope), (lease) => ({ scope, lease }))),
+        { concurrency: 64 }
       )
       const acquiredIn = Date.now() - started
-      // The window starts once every lease is held: from here on only renewals use this pool.
-      const windowStart = counted.statements()
-      yield* Effect.sleep(Duration.millis(3500))
-      const statements = counted.statements() - windowStart
-      const inWindow = calls.filter((call) => call.before >= windowStart)
-      const held = yield* Effect.provide(PgLease.holders(), counted.env)
-      const renewedGrants = inWindow.reduce((sum, call) => sum + call.size, 0)
+      const windowStart = calls.length
+      // Past two renewal periods (ttl/3 = 1 s) with every lease held: each lease is renewed in it.
+      yield* Effect.sleep(Duration.millis(2_500))
+      const inWindow = calls.slice(windowStart)
+      const lost = (yield* Effect.forEach(held, ({ lease }) => lease.isHeld)).filter((isHeld) => !isHeld).length
       console.log(
-        `PgLease 10,000 leases: acquired in ${acquiredIn} ms; over 3.5 s, ${statements} statements renewed ` +
-          `${renewedGrants} leases in ${inWindow.length} calls (largest ${Math.max(...inWindow.map((c) => c.size))})`
+        `PgLease 3,000 leases: acquired in ${acquiredIn} ms, lost ${lost}; over 2.5 s, ${inWindow.length} renewal ` +
+          `statements renewed ${inWindow.reduce((n, c) => n + c.size, 0)} leases (largest ${Math.max(...inWindow.map((c) => c.size))})`
       )
-      expect(held.filter((lease) => lease.name.startsWith("many-")).length).toBe(10_000)
-      expect(inWindow.filter((call) => call.size > 1000)).toEqual([])
-      // Every statement in the window was a renewal call's one statement; up to 4 calls run at
-      // once, so up to 4 may straddle each end of the window.
-      expect(Math.abs(statements - inWindow.length)).toBeLessThanOrEqual(4)
-      // Renewals come every ttl/3 = 3 s, so each lease was renewed in the window: 10,000+ renewals
-      // that one statement per lease would have taken 10,000+ statements for.
-      expect(renewedGrants).toBeGreaterThanOrEqual(10_000)
-      expect(statements).toBeLessThanOrEqual(100)
-      const releaseStart = Date.now()
-      yield* Effect.forEach(scopes, (scope) => Scope.close(scope, Exit.void), { concurrency: 32, discard: true })
-      console.log(`PgLease 10,000 leases released in ${Date.now() - releaseStart} ms`)
-      expect(yield* Effect.provide(PgLease.holders(), counted.env)).toEqual([])
+      expect(lost).toBe(0)
+      expect(yield* Effect.provide(PgLease.holders(), env)).toHaveLength(3_000)
+      expect(calls.filter((call) => call.size > 1000)).toEqual([])
+      // Each renewal call is exactly one statement carrying all its leases, whatever its size.
+      const bySize = (sizes: ReadonlyArray<number>) => [...sizes].sort((a, b) => a - b)
+      expect(bySize(counted.renewalSizes())).toEqual(bySize(calls.map((call) => call.size)))
+      expect(inWindow.reduce((n, c) => n + c.size, 0)).toBeGreaterThanOrEqual(3_000)
+      yield* Effect.forEach(held, ({ scope }) => Scope.close(scope, Exit.void), { concurrency: 64, discard: true })
+      expect(yield* Effect.provide(PgLease.holders(), env)).toEqual([])
     }), { timeout: 120_000 })
 
   it.scoped("the table is created once under concurrent first use, and migration() creates the same table", () =>
@@ -750,31 +775,24 @@ function handoffWith(a: DistributedLock.Service, b: DistributedLock.Service) {
     })
 }
 
-/** A PgClient over a pool that counts every statement it sends. */
-function countingPool(url: () => string) {
-  return Effect.gen(function*() {
-    let statements = 0
-    const env = yield* Layer.build(
-      PgClient.layerFromPool({
-        acquire: Effect.acquireRelease(
-          Effect.sync(() => {
-            const pool = new pg.Pool({ connectionString: url(), max: 16 })
-            pool.on("error", () => {})
-            pool.on("connect", (client) => {
-              const original = client.query.bind(client) as (...args: Array<unknown>) => unknown
-              ;(client as unknown as { query: (...args: Array<unknown>) => unknown }).query = (...args) => {
-                statements++
-                return original(...args)
-              }
-            })
-            return pool
-          }),
-          (pool) => Effect.promise(() => pool.end())
-        )
+/** A lane wrapper that counts the statements of each kind the backend sends. */
+function countingLane() {
+  const renewalSizes: Array<number> = []
+  const byOperation = new Map<string, number>()
+  const wrap = (lane: Lane.Lane): Lane.Lane => ({
+    ...lane,
+    run: (operation, name, text, params, bound) =>
+      Effect.suspend(() => {
+        byOperation.set(operation, (byOperation.get(operation) ?? 0) + 1)
+        return lane.run(operation, name, text, params, bound)
+      }),
+    renew: (text, params, bound) =>
+      Effect.suspend(() => {
+        renewalSizes.push((params[0] as ReadonlyArray<unknown>).length)
+        return lane.renew(text, params, bound)
       })
-    )
-    return { env, statements: () => statements }
   })
+  return { wrap, renewalSizes: () => renewalSizes, byOperation: (operation: string) => byOperation.get(operation) ?? 0 }
 }
 
 interface Worker {

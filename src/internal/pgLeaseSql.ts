@@ -1,37 +1,13 @@
 /**
  * The SQL of the PgLease backend: table identifier validation, the DDL, and one statement per
  * operation. Every lock operation is a single autocommit statement (no session state, no
- * explicit transaction — and never inside the caller's: see `outsideTransaction`), so it is
+ * explicit transaction — and never inside the caller's), so it is
  * correct behind PgBouncer in `pool_mode = transaction`.
  * Every time comparison uses the server's `now()`; the client's clock never reaches the table.
  */
-import * as SqlClient from "@effect/sql/SqlClient"
-import * as Context from "effect/Context"
-import * as Effect from "effect/Effect"
 import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "./sqlTable.js"
 
 export { parseTable, type TableRef }
-
-/**
- * Runs `self` outside any transaction of the caller. @effect/sql sends a statement on the
- * connection found under `SqlClient.TransactionConnection` in the current context, and a forked
- * fiber inherits its parent's context: so a lock statement run, or a fiber forked, inside the
- * user's `sql.withTransaction` would join that transaction — a rollback would undo a grant's
- * token bump (the next grant repeats the token), `now()` would be the transaction's start, and
- * the uncommitted row would block and hide from everyone else. Without the tag, @effect/sql
- * takes a fresh connection from the pool for each statement: one autocommit statement, as every
- * lock operation must be. Wrap a `fork` in it and the child starts with a clean context.
- */
-export const outsideTransaction = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
-  Effect.contextWithEffect((context: Context.Context<R>) =>
-    context.unsafeMap.has(SqlClient.TransactionConnection.key)
-      // Replaces the context (`Effect.provide` would merge it into the current one, tag included).
-      ? Effect.mapInputContext(self, omitTransaction<R>)
-      : self
-  )
-
-const omitTransaction = <R>(context: Context.Context<R>): Context.Context<R> =>
-  Context.omit(SqlClient.TransactionConnection)(context) as Context.Context<R>
 
 /** Checks a NOTIFY channel name: non-empty, at most 63 bytes (longer names fail in pg_notify). */
 export const checkChannel = (channel: string): string | undefined => {

@@ -9,7 +9,6 @@
  * A missed echo marks it untrusted, wakes every waiter (they fall back to polling), and
  * restarts the listener with backoff.
  */
-import type { SqlError } from "@effect/sql/SqlError"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -20,7 +19,9 @@ import type * as Stream from "effect/Stream"
 import * as StreamOps from "effect/Stream"
 import * as Crypto from "node:crypto"
 import { monotonicMillis } from "./clock.js"
-import { outsideTransaction, PING_PREFIX, RELEASED_PREFIX } from "./pgLeaseSql.js"
+import { outsideTransaction } from "./pgLeaseLane.js"
+import { PING_PREFIX, RELEASED_PREFIX } from "./pgLeaseSql.js"
+import { timeoutOption } from "./pgLeaseBound.js"
 
 /** How long after its ping statement returned the echo may take before the listener is distrusted. */
 const ECHO_TIMEOUT = Duration.seconds(1)
@@ -34,9 +35,9 @@ const RESTART_MAX = Duration.seconds(30)
 const AUTO_GIVE_UP_AFTER = 3
 
 export interface WakeOptions {
-  /** Subscribes to the channel (`PgClient.listen`). */
-  readonly listen: (channel: string) => Stream.Stream<string, SqlError>
-  /** Sends `payload` on `channel` through the pool. */
+  /** Subscribes to the channel; the stream ends or fails when its connection is lost. */
+  readonly listen: (channel: string) => Stream.Stream<string, unknown>
+  /** Sends `payload` on `channel` through the lock statements' lane. */
   readonly notify: (channel: string, payload: string) => Effect.Effect<void, unknown>
   readonly channel: string
   /** Re-check interval while anyone waits. */
@@ -116,13 +117,13 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       return Effect.gen(function*() {
         const echo = yield* Deferred.make<void>()
         pings.set(nonce, echo)
-        const sent = yield* options.notify(options.channel, PING_PREFIX + nonce).pipe(
-          Effect.timeout(ECHO_TIMEOUT),
-          Effect.as(true),
+        const sent = yield* timeoutOption(options.notify(options.channel, PING_PREFIX + nonce), ECHO_TIMEOUT).pipe(
+          Effect.map((answered) => answered._tag === "Some"),
           Effect.catchAllCause(() => Effect.succeed(false))
         )
         if (!sent) return undefined
-        const heard = yield* Deferred.await(echo).pipe(Effect.timeout(echoTimeout), Effect.option)
+        // Stall-safe: an echo already in the socket when the timer fires still counts.
+        const heard = yield* timeoutOption(Deferred.await(echo), echoTimeout)
         return heard._tag === "Some"
       }).pipe(Effect.ensuring(Effect.sync(() => pings.delete(nonce))))
     }

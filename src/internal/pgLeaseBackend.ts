@@ -1,0 +1,143 @@
+/**
+ * The PgLease backend assembled from its pieces: the lane its statements travel on, first-use
+ * table creation, grant attempts and give-backs, renewal, and wake-ups for waiters.
+ */
+import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Option from "effect/Option"
+import * as Random from "effect/Random"
+import type * as Scope from "effect/Scope"
+import type { AcquireRequest, AcquireResult, LockBackend } from "../LockBackend.js"
+import { LockBackendError } from "../LockError.js"
+import { monotonicMillis } from "./clock.js"
+import * as Attempt from "./pgLeaseAttempt.js"
+import * as GiveBack from "./pgLeaseGiveBack.js"
+import type { Lane } from "./pgLeaseLane.js"
+import * as Renew from "./pgLeaseRenew.js"
+import * as Sql from "./pgLeaseSql.js"
+import * as Wake from "./pgLeaseWake.js"
+import { sqlStateOf } from "./sqlState.js"
+import { CATALOG_RACE, CREATE_ATTEMPTS } from "./sqlTable.js"
+
+/** Longest lock name, in UTF-8 bytes; a btree entry could take ~2700, this leaves room. */
+export const MAX_NAME_BYTES = 1024
+export const MIN_TTL = Duration.seconds(1)
+/**
+ * While notifications are proven to arrive, a waiter still re-reads the row at least every
+ * this many check intervals, in case a wake-up was lost on a healthy-looking listener. A dead
+ * listener is caught sooner, by its next check, which wakes every waiter.
+ */
+const TRUSTED_POLL_FACTOR = 6
+
+export interface Settings extends Attempt.AttemptSettings, GiveBack.GiveBackSettings {
+  readonly defaultTtl: Duration.Duration
+  readonly pollInterval: Duration.Duration
+  readonly checkInterval: Duration.Duration
+  /** Create the table on first use. */
+  readonly createTable: boolean
+  /** `auto`: listen when the lane can and notifications prove to arrive; `always`; `never`. */
+  readonly listen: "auto" | "always" | "never"
+}
+
+/**
+ * Builds the backend on `lane`. The table is created on the first acquire, not here, so an
+ * application can start while the database is down.
+ */
+export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<Attempt.PgLeaseGrant>, never, Scope.Scope> =>
+  Effect.gen(function*() {
+    const scope = yield* Effect.scope
+    const giveBack = yield* GiveBack.make(lane, settings)
+    const ready = yield* tableReadiness(lane, settings)
+    const attempt = Attempt.make(settings, { lane, giveBack, ready, scope })
+    const renew = Renew.make(lane, settings.table, settings.statementTimeout)
+    const hub = settings.listen === "never" || lane.listen === undefined ? undefined : yield* Wake.make({
+      listen: lane.listen,
+      notify: (channel, payload) => lane.run("notify", undefined, Sql.ping, [channel, payload], settings.statementTimeout),
+      channel: settings.channel,
+      checkInterval: settings.checkInterval,
+      mode: settings.listen === "always" ? "always" : "auto"
+    }, scope)
+    const pollMillis = Duration.toMillis(settings.pollInterval)
+
+    const sleepFor = (wakeAt: number | undefined) =>
+      Effect.gen(function*() {
+        // With a listener that proves it hears, a waiter sleeps until the holder's lease ends
+        // (a crashed holder sends nothing) or a long re-check. Otherwise it polls, jittered — also
+        // when the attempt could not read the holder's row, since it could not mark it wanted.
+        const trusted = hub !== undefined && wakeAt !== undefined && (yield* hub.trusted)
+        const jitter = yield* Random.next
+        const cap = trusted ? Duration.toMillis(settings.checkInterval) * TRUSTED_POLL_FACTOR : pollMillis * (0.5 + jitter / 2)
+        const now = yield* monotonicMillis
+        const untilExpiry = wakeAt === undefined ? Number.POSITIVE_INFINITY : wakeAt - now
+        return Duration.millis(Math.max(0, Math.min(cap, untilExpiry)))
+      })
+
+    /**
+     * Waits and retries until granted or the deadline. Subscribed to wake-ups before the next
+     * attempt, so a release landing between that attempt and the wait still wakes this waiter;
+     * an uncontended acquire never subscribes.
+     */
+    const waitFor = (request: AcquireRequest, firstWakeAt: number | undefined) =>
+      Effect.gen(function*() {
+        const subscription = hub === undefined ? undefined : yield* hub.subscribe(request.name)
+        let wakeAt = firstWakeAt
+        let retryNow = subscription !== undefined
+        while (true) {
+          const wake = subscription === undefined ? undefined : yield* subscription.current
+          if (!retryNow) {
+            const delay = yield* sleepFor(wakeAt)
+            const wait = wake === undefined ? Effect.sleep(delay) : Effect.raceFirst(Deferred.await(wake), Effect.sleep(delay))
+            // Only waits are interruptible or cut at the deadline; they grant nothing.
+            const woke = yield* request.waitUntilDeadline(wait)
+            if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
+          }
+          retryNow = false
+          const result = yield* attempt(request, false)
+          if (result._tag !== "Busy") return result
+          wakeAt = result.wakeAt
+        }
+      })
+
+    const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<Attempt.PgLeaseGrant>, LockBackendError> =>
+      Effect.gen(function*() {
+        if (request.mode !== "exclusive") {
+          return yield* new LockBackendError({
+            operation: "acquire",
+            name: request.name,
+            cause: new Error("the PgLease backend does not support shared mode yet; use mode \"exclusive\"")
+          })
+        }
+        const first = yield* attempt(request, true)
+        if (first._tag !== "Busy") return first
+        if (request.attempt === "once") return { _tag: "Busy" } as const
+        return yield* Effect.scoped(waitFor(request, first.wakeAt))
+      })
+
+    return {
+      backend: "pg-lease",
+      maxNameBytes: MAX_NAME_BYTES,
+      defaultTtl: settings.defaultTtl,
+      minTtl: MIN_TTL,
+      renewBatchSize: Renew.RENEW_BATCH_SIZE,
+      acquire,
+      renew
+    }
+  })
+
+/** Creates the table once per backend, on first use; a failure is retried by the next acquire. */
+const tableReadiness = (lane: Lane, settings: Settings): Effect.Effect<Effect.Effect<void, LockBackendError>> =>
+  Effect.gen(function*() {
+    let ready = !settings.createTable
+    const lock = yield* Effect.makeSemaphore(1)
+    const text = Sql.ensureTable(settings.table)
+    const create = lane.run("create-table", undefined, text, [], settings.statementTimeout).pipe(
+      Effect.retry({ times: CREATE_ATTEMPTS - 1, while: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? "") }),
+      Effect.tap(() =>
+        Effect.sync(() => {
+          ready = true
+        })
+      )
+    )
+    return Effect.suspend(() => (ready ? Effect.void : lock.withPermits(1)(Effect.suspend(() => (ready ? Effect.void : create)))))
+  })
