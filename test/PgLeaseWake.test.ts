@@ -1,5 +1,5 @@
 import { describe, expect, it } from "@effect/vitest"
-import { Deferred, Duration, Effect, Exit, Fiber, Option, Queue, Scope, Stream } from "effect"
+import { Deferred, Duration, Effect, ExecutionStrategy, Exit, Option, Queue, Scope, Stream } from "effect"
 import * as Wake from "effect-lock/internal/pgLeaseWake"
 import { withYieldBudget } from "./support/contract.js"
 
@@ -45,8 +45,8 @@ describe("pgLeaseWake", () => {
       for (const budget of BUDGETS) {
         const scope = yield* Scope.make()
         const { hub, publish } = yield* Scope.extend(hubWithChannel, scope)
-        const leaving = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, "sequential"))
-        const staying = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, "sequential"))
+        const leaving = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, ExecutionStrategy.sequential))
+        const staying = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, ExecutionStrategy.sequential))
         const subscribe = (own: Scope.CloseableScope) => Scope.extend(hub.subscribe("x"), own)
         const subscriptions = yield* Effect.forEach([...staying, ...leaving], subscribe, { concurrency: "unbounded" }).pipe(
           withYieldBudget(budget)
