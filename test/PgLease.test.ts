@@ -1,22 +1,28 @@
 import { SqlClient } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
 import { describe, expect, it, layer } from "@effect/vitest"
-import { Clock, Config, ConfigProvider, Context, Deferred, Duration, Effect, Exit, Fiber, Layer, Option, Scope } from "effect"
+import { Clock, Config, ConfigProvider, Context, Deferred, Duration, Effect, ExecutionStrategy, Exit, Fiber, Layer, Option, Queue, Scope, Stream } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as FencingToken from "effect-lock/FencingToken"
 import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
 import { monotonicMillis } from "effect-lock/internal/clock"
 import type * as Lane from "effect-lock/internal/pgLeaseLane"
 import * as Make from "effect-lock/internal/pgLeaseMake"
+import * as Wake from "effect-lock/internal/pgLeaseWake"
 import * as PgLease from "effect-lock/PgLease"
+import * as ChildProcess from "node:child_process"
 import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process"
+import * as Fs from "node:fs"
+import * as Os from "node:os"
 import * as Path from "node:path"
 import * as Readline from "node:readline"
+import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import pg from "pg"
-import { contractSuite, freshName } from "./support/contract.js"
+import { contractSuite, freshName, withYieldBudget } from "./support/contract.js"
 import { makeFaults, withFaults } from "./support/faults.js"
 import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { startEmbedded } from "../tools/embeddedPostgres.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 
 // First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
@@ -26,6 +32,17 @@ const repoRoot = fileURLToPath(new URL("..", import.meta.url))
 const TTL = Duration.seconds(1)
 
 // --- helpers ------------------------------------------------------------------------------------
+
+/** Polls `check` every 5 ms until it holds; dies naming `what` after `bound`. */
+function waitFor(what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) {
+  return Effect.gen(function*() {
+    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
+    while (!(yield* Effect.orDie(check))) {
+      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
+      yield* Effect.sleep(Duration.millis(5))
+    }
+  })
+}
 
 type Env = Context.Context<PgClient.PgClient | SqlClient.SqlClient>
 
@@ -37,9 +54,61 @@ const poolOn = (url: string | (() => string), applicationName?: string) =>
 const sqlOnly = (env: Env): Context.Context<SqlClient.SqlClient> =>
   Context.omit(PgClient.PgClient)(env) as Context.Context<SqlClient.SqlClient>
 
+/**
+ * What every backend of this file is doing, read from wrappers around its lane and its acquire:
+ * statements in flight, and for each lock name the acquires running and those in their wait
+ * (a failed attempt behind them, subscribed to wake-ups). Tests wait on these instead of sleeping.
+ */
+const probe = (() => {
+  let inFlight = 0
+  const active = new Map<string, number>()
+  const waiting = new Map<string, number>()
+  const bump = (map: Map<string, number>, name: string, by: number) => map.set(name, (map.get(name) ?? 0) + by)
+  const counted = <A, E, R>(self: Effect.Effect<A, E, R>) =>
+    Effect.acquireUseRelease(Effect.sync(() => inFlight++), () => self, () => Effect.sync(() => inFlight--))
+  const wrapLane = (lane: Lane.Lane): Lane.Lane => ({
+    ...lane,
+    run: (operation, name, text, params, bound) => counted(lane.run(operation, name, text, params, bound)),
+    renew: (text, params, bound) => counted(lane.renew(text, params, bound))
+  })
+  const wrapBackend = <G extends PgLease.PgLeaseGrant>(backend: LockBackend<G>): LockBackend<G> => ({
+    ...backend,
+    acquire: (request) =>
+      Effect.acquireUseRelease(
+        Effect.sync(() => bump(active, request.name, 1)),
+        () =>
+          backend.acquire({
+            ...request,
+            waitUntilDeadline: (step) =>
+              Effect.acquireUseRelease(
+                Effect.sync(() => bump(waiting, request.name, 1)),
+                () => request.waitUntilDeadline(step),
+                () => Effect.sync(() => bump(waiting, request.name, -1))
+              )
+          }),
+        () => Effect.sync(() => bump(active, request.name, -1))
+      )
+  })
+  /** Every acquire is in its wait (or done) and no statement is in flight. */
+  const quiet = () => inFlight === 0 && Array.from(active).every(([name, n]) => n === (waiting.get(name) ?? 0))
+  return {
+    wrapLane,
+    wrapBackend,
+    /** Forked fibers get to run first; then every acquire is done or waiting and no statement is in flight. */
+    settle: Effect.zipRight(
+      Effect.repeatN(Effect.yieldNow(), 3),
+      waitFor("every acquire waiting or done, no statement in flight", Effect.sync(quiet), Duration.seconds(5))
+    ),
+    /** Until `count` acquires of `name` are in their wait. */
+    waiting: (name: string, count = 1) =>
+      waitFor(`${count} waiter(s) of "${name}" in their wait`, Effect.sync(() => (waiting.get(name) ?? 0) >= count), Duration.seconds(5))
+  }
+})()
+
 /** A backend that sees exactly `env` (plus the caller's Scope), not the test's own context. */
 const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options, wrapLane?: (lane: Lane.Lane) => Lane.Lane) =>
-  Make.makeBackend({ ttl: TTL, pollInterval: Duration.millis(100), ...options }, wrapLane).pipe(
+  Make.makeBackend({ ttl: TTL, pollInterval: Duration.millis(100), ...options }, (lane) => probe.wrapLane(wrapLane === undefined ? lane : wrapLane(lane))).pipe(
+    Effect.map(probe.wrapBackend),
     Effect.mapInputContext((outer: Context.Context<Scope.Scope>) => Context.add(env, Scope.Scope, Context.get(outer, Scope.Scope)))
   )
 
@@ -67,15 +136,13 @@ const rowOf = (name: string, table = PgLease.DEFAULT_TABLE) =>
     (rows) => rows[0]
   )
 
-/** Polls `check` every 20 ms until it holds; dies naming `what` after `bound`. */
-const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
-    while (!(yield* Effect.orDie(check))) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
-      yield* Effect.sleep(Duration.millis(20))
-    }
-  })
+/** True while a statement of this database waits for a row lock (our acquire behind `lockRow`). */
+const blockedOnLock = Effect.map(
+  query<{ n: number }>(
+    `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`
+  ),
+  (rows) => rows[0]!.n > 0
+)
 
 /** A hand-made SPI request, for tests that drive the backend without the core. */
 const request = (name: string, attempt: "once" | "wait" = "once", ttl = TTL): AcquireRequest => ({
@@ -117,7 +184,7 @@ contractSuite("PgLease", {
       (rows) => rows[0]!.n
     ),
   advance: (duration) => Effect.sleep(duration),
-  settle: Effect.sleep(Duration.millis(100)),
+  settle: probe.settle,
   maxNameBytes: PgLease.defaults.maxNameBytes,
   minTtl: PgLease.defaults.minTtl,
   modes: ["exclusive"]
@@ -215,8 +282,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           Effect.scoped(Effect.flatMap(waiter.acquire(name), (lease) => Deferred.succeed(granted, lease.token)))
         )
       )
-      yield* Effect.sleep(Duration.millis(300))
-      expect((yield* rowOf(name))!.owner).not.toBeNull()
+      yield* probe.waiting(name)
       const releasedAt = yield* now
       yield* Scope.close(holderScope, Exit.void)
       const token = yield* Deferred.await(granted)
@@ -276,7 +342,10 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const unlock = yield* lockRow(name)
       const sentBefore = yield* monotonicMillis
       const pending = yield* Effect.fork(grantOf(backend, name))
-      yield* Effect.sleep(Duration.millis(900))
+      // The statement is blocked on the row lock; the lock is let go once 900 ms have passed
+      // since it was sent, past the grant's safety margin (ttl - ttl/5 = 800 ms).
+      yield* waitFor("the acquire statement waiting for the row lock", blockedOnLock, Duration.seconds(5))
+      yield* Effect.sleep(Duration.millis(Math.max(0, sentBefore + 900 - (yield* monotonicMillis))))
       yield* unlock
       const grant = yield* Fiber.join(pending)
       const arrived = yield* monotonicMillis
@@ -300,7 +369,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const ax = yield* grantOf(a, x)
       const ay = yield* grantOf(a, y)
       const az = yield* grantOf(a, z)
-      yield* Effect.sleep(Duration.millis(1100))
+      yield* waitFor("all three leases run out on the server", Effect.map(Effect.forEach([x, y, z], (n) => rowOf(n)), (rows) => rows.every((row) => row!.left! <= 0)), Duration.seconds(5))
       // All three ran out on the server; nobody took them yet.
       expect(yield* a.renew([ax])).toEqual([{ _tag: "Lost", reason: "expired" }])
       const bx = yield* grantOf(b, x)
@@ -376,20 +445,23 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const b = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { pollInterval: Duration.seconds(5) }))
       const released = yield* releaseNotifications
       const handoff = handoffWith(a, b)
-      yield* handoff(freshName("warmup"), Duration.millis(300))
+      yield* handoff(freshName("warmup"))
       const times: Array<number> = []
-      for (let i = 0; i < 20; i++) times.push(yield* handoff(freshName("handoff"), Duration.millis(20)))
+      for (let i = 0; i < 20; i++) times.push(yield* handoff(freshName("handoff")))
       const s = stats(times)
       console.log(`PgLease handoff with LISTEN/NOTIFY (release sent → waiter granted), ms: ${JSON.stringify(s)}`)
       // The waiter polls only every 2.5-5 s here: these times can only come from notifications.
       expect(s.max).toBeLessThan(200)
       // This test's own listener is another connection: its copy of the last NOTIFY may lag.
-      for (let i = 0; i < 40 && released.size < 21; i++) yield* Effect.sleep(Duration.millis(50))
+      yield* waitFor("21 release notifications", Effect.sync(() => released.size >= 21), Duration.seconds(2))
       expect(released.size).toBe(21)
       // Uncontended releases send nothing: a NOTIFY would serialize their commits server-wide.
       for (let i = 0; i < 5; i++) yield* Effect.scoped(a.acquire(freshName("quiet")))
-      yield* Effect.sleep(Duration.millis(100))
-      expect(released.size).toBe(21)
+      // Notifications arrive in commit order: once a marker sent afterwards is heard, any
+      // notification of those releases would have been heard too.
+      yield* query("select pg_notify($1, $2)", [PgLease.DEFAULT_TABLE, "rquiet-marker"])
+      yield* waitFor("the marker notification", Effect.sync(() => released.has("quiet-marker")), Duration.seconds(5))
+      expect(released.size).toBe(22)
     }))
 
   it.scoped("without notifications a waiter still acquires by polling", () =>
@@ -400,7 +472,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const quiet = yield* processOn(env, { listen: false, pollInterval: poll })
       const plain = yield* processOn(sqlOnly(env), { pollInterval: poll })
       const times: Array<number> = []
-      for (const b of [quiet, plain, quiet, plain]) times.push(yield* handoffWith(a, b)(freshName("poll"), Duration.millis(20)))
+      for (const b of [quiet, plain, quiet, plain]) times.push(yield* handoffWith(a, b)(freshName("poll")))
       console.log(`PgLease handoff by polling every 100-200 ms, ms: ${JSON.stringify(stats(times))}`)
       for (const t of times) expect(t).toBeLessThan(200 + 300)
       // listen: true needs a PgClient; a plain SqlClient cannot listen.
@@ -423,22 +495,24 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         (rows) => rows.map((row) => row.pid)
       )
       const handoff = handoffWith(a, b)
-      yield* handoff(freshName("warmup"), Duration.millis(300))
-      expect(yield* handoff(freshName("listening"), Duration.millis(20))).toBeLessThan(200)
+      yield* handoff(freshName("warmup"))
+      expect(yield* handoff(freshName("listening"))).toBeLessThan(200)
       const [first] = yield* listeners
       yield* query("select pg_terminate_backend($1)", [first])
-      // The dead listener hears nothing. Its next check (≤ 0.3 s, + 1 s for the echo) distrusts
-      // it and wakes the waiter, which polls (0.5-1 s) until a new listener is up (after 1 s).
-      const deaf = yield* handoff(freshName("deaf"), Duration.millis(2000))
+      // The dead listener hears nothing. Its loss (the connection's error, or at the latest its next
+      // check: ≤ 0.3 s + 1 s for the echo) distrusts it and wakes the waiter, which polls (0.5-1 s)
+      // until a new listener is up (after 1 s).
+      const deaf = yield* handoff(freshName("deaf"))
       console.log(`PgLease handoff after the LISTEN backend was killed: ${deaf} ms`)
       expect(deaf).toBeLessThan(1500)
       // A new listener on a fresh connection hears again: polling alone could not be this fast.
-      yield* Effect.sleep(Duration.millis(500))
-      const again = yield* listeners
-      expect(again.length).toBe(1)
-      expect(again[0]).not.toBe(first)
+      yield* waitFor(
+        "a new LISTEN backend",
+        Effect.map(listeners, (pids) => pids.length === 1 && pids[0] !== first),
+        Duration.seconds(5)
+      )
       const recovered: Array<number> = []
-      for (let i = 0; i < 3; i++) recovered.push(yield* handoff(freshName("recovered"), Duration.millis(300)))
+      for (let i = 0; i < 3; i++) recovered.push(yield* handoff(freshName("recovered")))
       console.log(`PgLease handoffs after the listener restarted, ms: ${recovered.join(", ")}`)
       for (const t of recovered) expect(t).toBeLessThan(200)
     }))
@@ -461,35 +535,38 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         yield* Effect.sleep(Duration.millis(5))
       }
       // Abandoned attempts give their rows back as soon as their statement settles.
-      yield* Effect.sleep(Duration.millis(200))
-      expect(yield* Effect.provide(PgLease.holders({ name }), env)).toEqual([])
+      yield* waitFor("no holder left", Effect.map(Effect.provide(PgLease.holders({ name }), env), (held) => held.length === 0), Duration.seconds(5))
       const row = yield* rowOf(name)
       expect(row?.owner).toBeNull()
     }))
 
   it.scoped("an application saturating its own pool for 3× the ttl costs no lease", () =>
     Effect.gen(function*() {
-      const app = "pglease-saturated-app"
-      const env = yield* Layer.build(PgTest.layer(() => db.url, { applicationName: app, maxConnections: 2 }))
-      const sql = Context.get(env, SqlClient.SqlClient)
-      const service = yield* processOn(env, { ttl: Duration.seconds(2) })
-      const name = freshName("saturated")
-      const lease = yield* service.acquire(name, { ttl: Duration.seconds(2) })
-      // Four slow queries on a 2-connection pool: both connections busy, two more queued, for 6 s.
-      const slow = yield* Effect.fork(
-        Effect.forEach(Array.from({ length: 4 }), () => sql`select pg_sleep(3)`, { concurrency: "unbounded", discard: true })
-      )
-      const busy = query<{ n: number }>(
-        `select count(*)::int as n from pg_stat_activity where application_name = $1 and query like 'select pg_sleep%' and state = 'active'`,
-        [app]
-      )
-      yield* waitFor("both pool connections busy in pg_sleep", Effect.map(busy, (rows) => rows[0]!.n === 2), Duration.seconds(5))
-      yield* Fiber.join(slow)
-      expect(yield* lease.isHeld).toBe(true)
-      const row = yield* rowOf(name)
-      expect(row).toMatchObject({ token: String(lease.token) })
-      expect(row!.left).toBeGreaterThan(0)
-    }), { timeout: 30_000 })
+      // Own connections (a PgClient in the context), then a plain SqlClient (one connection of
+      // the application's pool reserved for renewals at the first grant).
+      for (const [label, plain] of [["own", false], ["application", true]] as const) {
+        const app = `pglease-saturated-${label}`
+        const env = yield* Layer.build(PgTest.layer(() => db.url, { applicationName: app, maxConnections: plain ? 3 : 2 }))
+        const sql = Context.get(env, SqlClient.SqlClient)
+        const service = yield* processOn(plain ? sqlOnly(env) : env, { ttl: Duration.seconds(2) })
+        const name = freshName(`saturated-${label}`)
+        const lease = yield* service.acquire(name, { ttl: Duration.seconds(2) })
+        // Four slow queries on the application's 2 free connections: both busy, two more queued, for 6 s.
+        const slow = yield* Effect.fork(
+          Effect.forEach(Array.from({ length: 4 }), () => sql`select pg_sleep(3)`, { concurrency: "unbounded", discard: true })
+        )
+        const busy = query<{ n: number }>(
+          `select count(*)::int as n from pg_stat_activity where application_name = $1 and query like 'select pg_sleep%' and state = 'active'`,
+          [app]
+        )
+        yield* waitFor("both free pool connections busy in pg_sleep", Effect.map(busy, (rows) => rows[0]!.n === 2), Duration.seconds(5))
+        yield* Fiber.join(slow)
+        expect(yield* lease.isHeld).toBe(true)
+        const row = yield* rowOf(name)
+        expect(row).toMatchObject({ token: String(lease.token) })
+        expect(row!.left).toBeGreaterThan(0)
+      }
+    }), { timeout: 40_000 })
 
   it.scoped("3,000 leases acquired 64 at a time on a default pool with ttl 3 s lose none, renewed 1,000 per statement", () =>
     Effect.gen(function*() {
@@ -529,6 +606,80 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* Effect.forEach(held, ({ scope }) => Scope.close(scope, Exit.void), { concurrency: 64, discard: true })
       expect(yield* Effect.provide(PgLease.holders(), env)).toEqual([])
     }), { timeout: 120_000 })
+
+  it.scoped("a frozen renewal connection costs one bound: the next renewal runs on another and the lease is kept", () =>
+    Effect.gen(function*() {
+      const app = "pglease-frozen-renewal"
+      const env = yield* poolOn(() => db.url, app)
+      const ttl = Duration.seconds(2)
+      const service = yield* processOn(env, { ttl })
+      const name = freshName("frozen")
+      const lease = yield* service.acquire(name, { ttl })
+      // The backend of the renewal connection: the one whose last statement was a renewal.
+      const renewer = Effect.map(
+        query<{ pid: number }>(
+          `select pid from pg_stat_activity where application_name = $1 and query like '%unnest($1::text[]%' order by backend_start`,
+          [app]
+        ),
+        (rows) => rows[0]?.pid
+      )
+      yield* waitFor("a renewal connection", Effect.map(renewer, (pid) => pid !== undefined), Duration.seconds(5))
+      const pid = (yield* renewer)!
+      process.kill(pid, "SIGSTOP")
+      yield* Effect.addFinalizer(() => Effect.sync(() => process.kill(pid, "SIGCONT")))
+      // Three ttls with that backend frozen: the renewal sent to it hangs until its budget, its
+      // connection is destroyed, and the next renewal goes out on a fresh one.
+      const frozenFrom = Date.now()
+      yield* waitFor(
+        "a renewal on another connection after the freeze",
+        Effect.map(
+          query<{ n: number }>(
+            `select count(*)::int as n from pg_stat_activity where application_name = $1 and pid <> $2 and query like '%unnest($1::text[]%'`,
+            [app, pid]
+          ),
+          (rows) => rows[0]!.n > 0
+        ),
+        Duration.seconds(5)
+      )
+      yield* Effect.sleep(Duration.millis(Math.max(0, frozenFrom + 3 * 2_000 - Date.now())))
+      expect(yield* lease.isHeld).toBe(true)
+      const row = yield* rowOf(name)
+      expect(row).toMatchObject({ token: String(lease.token) })
+      expect(row!.left).toBeGreaterThan(0)
+    }), { timeout: 30_000 })
+
+  it.scoped("a database restart keeps a lease whose ttl outlasts it, and the same layer serves new acquisitions afterwards", () =>
+    Effect.gen(function*() {
+      // A server of this test's own: the shared one serves other test files meanwhile.
+      const server = yield* Effect.acquireRelease(Effect.promise(() => startEmbedded()), (server) => Effect.promise(() => server.stop()))
+      const env = yield* poolOn(server.url, "pglease-restart")
+      const ttl = Duration.seconds(10)
+      const service = yield* processOn(env, { ttl })
+      const serverRow = (name: string) =>
+        Effect.promise(() =>
+          withClient(server.url, (client) =>
+            client.query<{ expires: number; token: string }>(
+              `select token::text as token, (extract(epoch from expires_at) * 1000)::float8 as expires from ${PgLease.DEFAULT_TABLE} where name = $1`,
+              [name]
+            ).then((result) => result.rows[0])
+          )
+        )
+      const held = yield* service.acquire("held-through-restart", { ttl })
+      const before = yield* serverRow("held-through-restart")
+      const restartStarted = Date.now()
+      yield* Effect.promise(() => server.restart!({ downMillis: 1_000 }))
+      console.log(`PgLease restart: server down and up again in ${Date.now() - restartStarted} ms`)
+      // Renewed after the restart: its expiry on the server moved past the one it had before.
+      yield* waitFor(
+        "a renewal after the restart",
+        Effect.map(serverRow("held-through-restart"), (row) => row !== undefined && row.expires > before!.expires),
+        Duration.seconds(10)
+      )
+      expect(yield* held.isHeld).toBe(true)
+      const fresh = yield* Effect.scoped(Effect.map(service.acquire("after-restart", { timeout: Duration.seconds(5) }), (lease) => lease.token))
+      expect(fresh).toBe(1n)
+      expect((yield* serverRow("held-through-restart"))!.token).toBe(String(held.token))
+    }), { timeout: 60_000 })
 
   it.scoped("the table is created once under concurrent first use, and migration() creates the same table", () =>
     Effect.gen(function*() {
@@ -584,6 +735,101 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(shared._tag).toBe("LockBackendError")
       expect(shared.message).toContain("does not support shared mode")
     }))
+})
+
+// --- import --------------------------------------------------------------------------------------
+
+describe("PgLease import", () => {
+  it.live("importing PgLease loads neither pg nor @effect/sql, @effect/sql-pg or @effect/experimental", () =>
+    Effect.promise(async () => {
+      const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "pglease-import-"))
+      try {
+        // A module resolve hook that refuses the drivers: the import fails if anything loads one.
+        Fs.writeFileSync(
+          Path.join(dir, "hook.mjs"),
+          `export async function resolve(specifier, context, next) {
+  if (/^(pg|@effect\\/sql|@effect\\/sql-pg|@effect\\/experimental)(\\/|$)/.test(specifier)) throw new Error("loaded at import time: " + specifier)
+  return next(specifier, context)
+}\n`
+        )
+        Fs.writeFileSync(Path.join(dir, "register.mjs"), `import { register } from "node:module"\nregister(${JSON.stringify(Url.pathToFileURL(Path.join(dir, "hook.mjs")).href)})\n`)
+        const run = (module: string) =>
+          ChildProcess.spawnSync(
+            process.execPath,
+            ["--import", "tsx", "--import", Path.join(dir, "register.mjs"), "-e", `await import(${JSON.stringify(Path.join(repoRoot, module))}); console.log("imported")`],
+            { cwd: repoRoot, encoding: "utf8", timeout: 30_000 }
+          )
+        const lease = run("src/PgLease.ts")
+        expect(lease.stderr).not.toContain("loaded at import time")
+        expect(lease.stdout).toContain("imported")
+        // The hook does catch a module that loads a driver when imported.
+        const control = run("node_modules/@effect/sql-pg/dist/esm/PgClient.js")
+        expect(control.stderr).toContain("loaded at import time")
+      } finally {
+        Fs.rmSync(dir, { recursive: true, force: true })
+      }
+    }), { timeout: 60_000 })
+})
+
+// --- wake-ups ------------------------------------------------------------------------------------
+
+/** A hub over an in-memory channel: what is notified is heard, as by a healthy listener. */
+const hubWithChannel = Effect.gen(function*() {
+  const channel = yield* Queue.unbounded<string>()
+  const scope = yield* Effect.scope
+  const hub = yield* Wake.make({
+    listen: () => Stream.fromQueue(channel),
+    notify: (_, payload) => Queue.offer(channel, payload),
+    channel: "test",
+    checkInterval: Duration.seconds(5),
+    mode: "always"
+  }, scope)
+  return { hub, publish: (payload: string) => Queue.offer(channel, payload) }
+})
+
+const BUDGETS = Array.from({ length: 29 }, (_, i) => 12 + i)
+
+describe("PgLease wake-ups", () => {
+  it.live("waiters subscribing to one name at the same time are all woken by its release", () =>
+    Effect.gen(function*() {
+      let stranded = 0
+      for (const budget of BUDGETS) {
+        const scope = yield* Scope.make()
+        const { hub, publish } = yield* Scope.extend(hubWithChannel, scope)
+        const wakes = yield* Effect.forEach(
+          Array.from({ length: 8 }),
+          () => Scope.extend(Effect.flatMap(hub.subscribe("x"), (s) => s.current), scope),
+          { concurrency: "unbounded" }
+        ).pipe(withYieldBudget(budget))
+        yield* publish("rx")
+        const woken = yield* Effect.forEach(wakes, (wake) => Effect.timeoutOption(Deferred.await(wake), Duration.millis(500)))
+        stranded += woken.filter(Option.isNone).length
+        yield* Scope.close(scope, Exit.void)
+      }
+      expect(stranded).toBe(0)
+    }), { timeout: 60_000 })
+
+  it.live("a waiter that leaves does not take the wake-ups of those still waiting on the same name", () =>
+    Effect.gen(function*() {
+      let stranded = 0
+      for (const budget of BUDGETS) {
+        const scope = yield* Scope.make()
+        const { hub, publish } = yield* Scope.extend(hubWithChannel, scope)
+        const leaving = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, ExecutionStrategy.sequential))
+        const staying = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, ExecutionStrategy.sequential))
+        const subscribe = (own: Scope.CloseableScope) => Scope.extend(hub.subscribe("x"), own)
+        const subscriptions = yield* Effect.forEach([...staying, ...leaving], subscribe, { concurrency: "unbounded" }).pipe(
+          withYieldBudget(budget)
+        )
+        yield* Effect.forEach(leaving, (own) => Scope.close(own, Exit.void), { concurrency: "unbounded" }).pipe(withYieldBudget(budget))
+        const wakes = yield* Effect.forEach(subscriptions.slice(0, staying.length), (s) => s.current)
+        yield* publish("rx")
+        const woken = yield* Effect.forEach(wakes, (wake) => Effect.timeoutOption(Deferred.await(wake), Duration.millis(500)))
+        stranded += woken.filter(Option.isNone).length
+        yield* Scope.close(scope, Exit.void)
+      }
+      expect(stranded).toBe(0)
+    }), { timeout: 60_000 })
 })
 
 // --- across OS processes ------------------------------------------------------------------------
@@ -644,7 +890,7 @@ describeWithPgBouncer("PgLease behind PgBouncer in transaction mode", () => {
 
       // Release through the pooler wakes the polling waiter.
       const waiter = yield* Effect.fork(b.acquire(name))
-      yield* Effect.sleep(Duration.millis(150))
+      yield* probe.waiting(name)
       const releasedAt = yield* now
       yield* Scope.close(holderScope, Exit.void)
       const next = yield* Fiber.join(waiter)
@@ -754,11 +1000,12 @@ function delayRelease<G extends PgLease.PgLeaseGrant>(backend: LockBackend<G>, g
 }
 
 /**
- * One handoff: `a` holds `name`, `b` waits for it; after `pause` (so that b's first attempt has
- * failed and it waits), `a` releases. Returns ms from the release being sent to b's grant.
+ * One handoff: `a` holds `name`, `b` waits for it; once b is in its wait (its attempt failed and it
+ * is subscribed to wake-ups) and `beforeRelease` has run, `a` releases. Returns ms from the release
+ * being sent to b's grant.
  */
 function handoffWith(a: DistributedLock.Service, b: DistributedLock.Service) {
-  return (name: string, pause: Duration.Duration) =>
+  return (name: string, beforeRelease: Effect.Effect<void> = Effect.void) =>
     Effect.gen(function*() {
       const holderScope = yield* Scope.make()
       yield* Scope.extend(a.acquire(name), holderScope)
@@ -766,7 +1013,8 @@ function handoffWith(a: DistributedLock.Service, b: DistributedLock.Service) {
       const waiter = yield* Effect.fork(
         Effect.scoped(Effect.flatMap(b.acquire(name), () => Effect.flatMap(now, (t) => Deferred.succeed(granted, t))))
       )
-      yield* Effect.sleep(pause)
+      yield* probe.waiting(name)
+      yield* beforeRelease
       const releasedAt = yield* now
       yield* Scope.close(holderScope, Exit.void)
       const at = yield* Deferred.await(granted)

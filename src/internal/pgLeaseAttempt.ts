@@ -78,6 +78,7 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps) => {
           validUntil: Option.some(sentAt + ttlMillis),
           release: deps.giveBack.release(name, owner)
         }
+        yield* deps.lane.prepareRenewals
         return { _tag: "Granted", grant } as const
       }
       // The holder's lease runs out at the latest `wait` ms after the server read it.

@@ -61,6 +61,8 @@ export interface Lane {
    * is known dead. Undefined when this lane cannot listen.
    */
   readonly listen: ((channel: string) => Stream.Stream<string, LockBackendError>) | undefined
+  /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
+  readonly prepareRenewals: Effect.Effect<void>
 }
 
 /** Connections for renewals: one in use normally, a second while the first is busy or stuck. */
@@ -158,6 +160,8 @@ export const own = (
       run: (operation, name, text, params, bound) => statementOn(lock, operation, name, text, params, bound),
       renew: (text, params, bound) => statementOn(renewals, "renew", undefined, text, params, bound),
       listen: listenOn(driver, config, listenBound),
+      // Own renewal connections open on demand, in a few ms, whatever the application does.
+      prepareRenewals: Effect.void,
       openConnections: () => lock.size() + renewals.size()
     }
   })
@@ -272,6 +276,10 @@ export const application = (
       kind: "application",
       run,
       renew,
+      // Reserved at the first grant, before the application's pool may be saturated.
+      prepareRenewals: Effect.suspend(() =>
+        reserved !== undefined || reserving !== undefined ? Effect.void : Effect.asVoid(Effect.forkIn(Effect.ignore(reservation), scope))
+      ),
       listen: listen === undefined
         ? undefined
         : (channel: string) => Stream.mapError(listen(channel), failed("listen", undefined))
