@@ -1,35 +1,67 @@
 /**
- * Lease rows in PostgreSQL, over any `SqlClient`: the backend for deployments behind a
- * transaction pooler (PgBouncer `pool_mode = transaction`), for long critical sections, and for
- * processes that hold many locks at once. Holding a lease costs no connection.
+ * Lease rows in PostgreSQL: the backend for deployments behind a transaction pooler (PgBouncer
+ * `pool_mode = transaction`), for long critical sections, for processes that hold many locks at
+ * once, and for readers/writers (`shared` mode). Holding a lease costs no connection.
  *
- * **Table.** One row per lock name (default table `effect_lock_leases`, created on first use,
- * or by your own migration from `migration()`): `name` (text, primary key), `owner` (a random
- * uuid per acquisition, null when free), `token` (the fencing counter), `expires_at`, and who
- * holds or last held it (`acquired_at`, `holder_application`, `holder_host`, `holder_pid`).
- * Rows are never deleted — a released row keeps its token — so tokens increase forever per name.
- * Operators must not delete rows either: a deleted row's name starts again at token 1, below
- * tokens a `Fence` has already seen. `waiting_since` records that someone waits, so that only
- * contended releases notify.
+ * **Tables.** One row per lock name in the lease table (default `effect_lock_leases`, created on
+ * first use, or by your own migration from `migration()`): `name` (primary key), `owner` (a random
+ * uuid per acquisition, null when free), `token` (the fencing counter), `expires_at`, who holds or
+ * last held it (`acquired_at`, `holder_application`, `holder_host`, `holder_pid`), and for shared
+ * holders their count and bound (`shared_count`, `shared_until`, `shared_since`). Its queue table
+ * (`<table>_queue`, same schema) has a row per waiting request — its place in arrival order — and
+ * per shared holder. Lease rows are never deleted — a released row keeps its token — so tokens
+ * increase forever per name. Operators must not delete them either: a deleted row's name starts
+ * again at token 1, below tokens a `Fence` has already seen.
  *
  * **Statements.** Every operation is ONE autocommit statement, so it is correct behind a
- * transaction pooler: acquire is an upsert that takes a free or expired row and bumps the token;
- * renew updates a whole batch of (name, owner) pairs at once (`renewBatchSize` 1000: 10,000
- * held leases cost 10 statements per renewal round) and says, for the misses, whether the lease
- * was `stolen` (a newer token), `expired` or `revoked`; release is owner-scoped — a holder whose
- * lease expired and was taken can neither renew nor release the new holder's lease — and
- * notifies waiters in the same statement.
+ * transaction pooler: an acquire attempt takes the lock (bumping the token) or its place in the
+ * queue; renew updates a whole batch of leases at once (`renewBatchSize` 1000: 10,000 held leases
+ * cost 10 statements per renewal round) and says, for the misses, whether the lease was `stolen`
+ * (a newer holder), `expired` or `revoked`; release is owner-scoped — a holder whose lease expired
+ * and was taken can neither renew nor release the new holder's lease — and, when it frees the lock
+ * and someone waits, notifies the waiters now at the head in the same statement (an uncontended
+ * release notifies nothing: NOTIFY serializes commits server-wide).
+ *
+ * **Fairness.** Waiters are served in arrival order: a request takes the lock only when no live
+ * waiter is ahead of it (for a shared request, no exclusive waiter), so a releaser that asks again
+ * goes to the back, `tryAcquire` never overtakes a waiter, and new shared requests queue behind a
+ * waiting exclusive one. A waiter keeps its place by retrying (at least every 1.5 s); a place
+ * lasts 5 s, so the place of a waiter whose process died is given up within 5 s.
+ *
+ * **Shared mode.** Any number of shared holders, none while an exclusive lease is live and no
+ * exclusive grant while a shared one is. Each shared holder has its own row, token, renewal and
+ * loss. A shared holder that crashed keeps exclusive requests out until its lease runs out, as an
+ * exclusive one would.
+ *
+ * **Connections.** With a `PgClient` in the context the backend opens connections of its own from
+ * the `PgClient`'s settings (`pool: "own"`), so that neither the application's queries nor the
+ * library's own acquires can delay a renewal: up to `connections` (default 4) for acquire, release
+ * and wake-up pings, opened on demand and closed after 30 s idle; up to 2 used by renewals only
+ * (the second only while the first is busy or stuck); and 1 for LISTEN while anyone waits — at
+ * most 7 server connections per layer by default, beside the application's pool. With a plain
+ * `SqlClient` (or `pool: "application"`), statements go through the application's pool and
+ * renewals keep one of its connections, reserved at the first grant (the pool must have one to
+ * spare); a stuck renewal there cannot be destroyed, only handed back to the pool and replaced.
+ *
+ * **Bounds.** Every statement has a client-side bound, `statementTimeout` (default 5 s): acquire,
+ * release, give-back, renewal (also bounded by the renewal loop), table creation, LISTEN, wake-up
+ * pings; an own connection that did not answer in time is destroyed, never reused, so a frozen
+ * server or a silently dropped connection costs one bound and the next statement gets a fresh
+ * connection. A bound fires only after the event loop has read what already arrived, so an
+ * event-loop stall never turns an answered statement into a failure. A database restart costs a
+ * lease nothing if its ttl outlasts the restart: renewals retry on fresh connections, and the same
+ * layer serves new acquisitions once the server is back.
  *
  * **Transactions.** Lock statements never run in the caller's transaction: a `withLock` inside
- * `sql.withTransaction` still takes, renews and releases its row in autocommit statements of
- * its own, on other pool connections (so the pool needs a connection besides the transaction's),
- * and a rollback of the caller's transaction undoes neither the grant's token bump nor the
- * release. The inspection and operator functions (`holders`, `listHolders`, `revoke`) are
- * ordinary statements: inside a transaction they run in it — they read its snapshot, and a
- * revoke takes effect when it commits. Neither bumps a token, so a rollback there is harmless.
- * Prefer the transaction inside the lock, `withLock(sql.withTransaction(body), name)`: with the
- * lock inside, it is released before the transaction commits, so the next holder may start
- * before the body's writes are visible.
+ * `sql.withTransaction` still takes, renews and releases its row in autocommit statements of its
+ * own, and a rollback of the caller's transaction undoes neither the grant's token bump nor the
+ * release (with `pool: "application"` they use other pool connections, so the pool needs one
+ * besides the transaction's). The inspection and operator functions (`holders`, `listHolders`,
+ * `revoke`) are ordinary statements of the caller's `SqlClient`: inside a transaction they run in
+ * it — they read its snapshot, and a revoke takes effect when it commits. Neither bumps a token,
+ * so a rollback there is harmless. Prefer the transaction inside the lock,
+ * `withLock(sql.withTransaction(body), name)`: with the lock inside, it is released before the
+ * transaction commits, so the next holder may start before the body's writes are visible.
  *
  * **Durability of tokens.** A token is only as durable as the commit that bumped it: with
  * `synchronous_commit = off` (for the role, database or server) a crash can lose the last
@@ -50,14 +82,12 @@
  * successful renewal, before the store can let anyone else in. Hence the default ttl of 30 s
  * and the floor of 1 s: shorter requests are clamped up.
  *
- * **Waiting.** A waiter retries when it is woken by a notification (LISTEN/NOTIFY on a
- * dedicated connection via `PgClient.listen`, when a `PgClient` is provided), when the holder's
- * lease runs out (the failed attempt returns the remaining time), or on a jittered poll. The
- * listener proves it hears with pings through the pool while anyone waits; when it cannot
- * (PgBouncer transaction mode, a killed LISTEN backend, only a plain `SqlClient`) waiters poll
- * every `pollInterval` (default 500 ms, jittered down to half of it).
- *
- * **Shared mode** is not supported yet: asking for it fails with a `LockBackendError` saying so.
+ * **Waiting.** A waiter retries when it is woken by a notification naming it (LISTEN/NOTIFY on a
+ * connection of its own, or `PgClient.listen` with `pool: "application"`), when what blocks it
+ * runs out (the failed attempt returns the time left), or on a jittered poll. The listener proves
+ * it hears with pings while anyone waits; when it cannot (PgBouncer transaction mode, a killed
+ * LISTEN backend, a plain `SqlClient`) waiters poll every `pollInterval` (default 500 ms, jittered
+ * down to half of it).
  *
  * @since 0.1.0
  */
@@ -66,6 +96,7 @@ import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
 import * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
+import type { LockMode } from "./Lease.js"
 import type * as Scope from "effect/Scope"
 import * as DistributedLock from "./DistributedLock.js"
 import * as FencingToken from "./FencingToken.js"
@@ -81,8 +112,8 @@ import * as Sql from "./internal/pgLeaseSql.js"
 /**
  * Options of the lease backend.
  *
- * - `table`: `name` or `schema.name` (plain identifiers, used quoted, so case is kept); default
- *   `effect_lock_leases`.
+ * - `table`: `name` or `schema.name` (plain identifiers, used quoted, so case is kept; at most
+ *   57 bytes, its queue table adds `_queue`); default `effect_lock_leases`.
  * - `ttl`: default lease length, 30 s (floor 1 s). Renewed every ttl/3, given up at ttl/5 left.
  * - `pool`: where the backend's statements run. `"own"` (the default when a `PgClient` is in the
  *   context): connections of its own, opened from the `PgClient`'s settings — up to
@@ -95,12 +126,12 @@ import * as Sql from "./internal/pgLeaseSql.js"
  * - `listen`: `"auto"` (default) listens for release notifications when the lane can (own
  *   connections, or a `PgClient`) and they prove to arrive, else polls; `true` requires it (the
  *   layer fails without) and keeps restarting a dead listener; `false` only polls.
- * - `channel`: the NOTIFY channel; default the table's own name (≤ 63 bytes). Releases always
- *   notify waiters, whatever `listen` says, so mixed deployments wake each other.
+ * - `channel`: the NOTIFY channel; default the table's own name (≤ 63 bytes). Releases notify
+ *   the waiters at the head whatever `listen` says, so mixed deployments wake each other.
  * - `pollInterval`: retry interval of waiters without notifications; default 500 ms, jittered
  *   to between half and all of it.
  * - `listenCheckInterval`: while anyone waits, how often the listener proves it still hears
- *   (default 5 s); a waiter relying on notifications re-reads the row at least every 6 of these.
+ *   (default 5 s). A waiter retries at least every 1.5 s whatever it is told, to keep its place.
  * - `statementTimeout`: client-side bound on every statement (acquire attempt, release,
  *   give-back, renewal, table creation, LISTEN); default 5 s. An own connection whose statement
  *   did not answer in time is destroyed.
@@ -141,9 +172,9 @@ export const DEFAULT_TABLE = Make.DEFAULT_TABLE
  * @category migrations
  */
 export const migration = (table: string = DEFAULT_TABLE): string => {
-  const ref = Sql.parseTable(table)
-  if (typeof ref === "string") throw new TypeError(`PgLease.migration: ${ref}`)
-  return `${Sql.createTable(ref)};\n`
+  const tables = Sql.parseTables(table)
+  if (typeof tables === "string") throw new TypeError(`PgLease.migration: ${tables}`)
+  return `${Sql.createTable(tables)};\n`
 }
 
 /**
@@ -208,6 +239,8 @@ export const layerConfig = (
  */
 export interface StoredLease {
   readonly name: string
+  /** `exclusive`, or `shared` (then the name may have several holders, each listed). */
+  readonly mode: LockMode
   readonly token: FencingToken.FencingToken
   /** Server time (ms since epoch) when the lease runs out unless renewed. */
   readonly expiresAt: number
@@ -215,7 +248,7 @@ export interface StoredLease {
   readonly application: string | null
   readonly host: string | null
   readonly pid: number | null
-  /** Server time (ms since epoch) since when someone has been waiting for it, if anyone. */
+  /** Server time (ms since epoch) since when the oldest live waiter has been waiting for it, if anyone. */
   readonly waitingSince: number | null
 }
 
@@ -230,10 +263,11 @@ export const holders = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const table = yield* Make.resolveTable(options?.table)
+    const tables = yield* Make.resolveTables(options?.table)
     const { run } = statements(yield* Make.SqlClientTag)
     const rows = yield* run<{
       name: string
+      mode: LockMode
       token: string
       expires: number
       acquired: number
@@ -241,9 +275,10 @@ export const holders = (
       host: string | null
       pid: number | null
       waiting: number | null
-    }>("holders", options?.name, Sql.holders(table), [options?.name ?? null])
+    }>("holders", options?.name, Sql.holders(tables), [options?.name ?? null])
     return rows.map((row) => ({
       name: row.name,
+      mode: row.mode,
       token: FencingToken.make(BigInt(row.token)),
       expiresAt: row.expires,
       acquiredAt: row.acquired,
@@ -267,13 +302,13 @@ export const listHolders = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const table = yield* Make.resolveTable(options?.table)
+    const tables = yield* Make.resolveTables(options?.table)
     const { run } = statements(yield* Make.SqlClientTag)
     const found = yield* run<{ present: boolean }>(
       "inspect",
       options?.name,
-      "select to_regclass($1::text) is not null as present",
-      [table.sql]
+      "select to_regclass($1::text) is not null and to_regclass($2::text) is not null as present",
+      [tables.leases.sql, tables.queue.sql]
     )
     if (found[0]?.present !== true) return []
     return yield* holders(options).pipe(
@@ -298,14 +333,14 @@ export const revoke = (
   options?: { readonly table?: string | undefined; readonly channel?: string | undefined }
 ): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
   Effect.gen(function*() {
-    const table = yield* Make.resolveTable(options?.table)
+    const tables = yield* Make.resolveTables(options?.table)
     const { run } = statements(yield* Make.SqlClientTag)
-    const rows = yield* run("revoke", name, Sql.revoke(table), [
+    const rows = yield* run<{ revoked: boolean }>("revoke", name, Sql.revoke(tables), [
       name,
-      options?.channel ?? table.relname,
+      options?.channel ?? tables.leases.relname,
       Sql.RELEASED_PREFIX + name
     ])
-    return rows.length > 0
+    return rows[0]?.revoked === true
   })
 
 /**

@@ -94,11 +94,19 @@ const probe = (() => {
   return {
     wrapLane,
     wrapBackend,
-    /** Forked fibers get to run first; then every acquire is done or waiting and no statement is in flight. */
-    settle: Effect.zipRight(
-      Effect.repeatN(Effect.yieldNow(), 3),
-      waitFor("every acquire waiting or done, no statement in flight", Effect.sync(quiet), Duration.seconds(5))
-    ),
+    /**
+     * Every acquire is done or waiting and no statement is in flight, on three polls 5 ms apart:
+     * a fiber forked just before has had event-loop turns to reach its statement by then (with
+     * the yield budget of 12 it may need several).
+     */
+    settle: Effect.gen(function*() {
+      let quietPolls = 0
+      yield* waitFor(
+        "every acquire waiting or done, no statement in flight",
+        Effect.sync(() => (quietPolls = quiet() ? quietPolls + 1 : 0) >= 3),
+        Duration.seconds(5)
+      )
+    }),
     /** Until `count` acquires of `name` are in their wait. */
     waiting: (name: string, count = 1) =>
       waitFor(`${count} waiter(s) of "${name}" in their wait`, Effect.sync(() => (waiting.get(name) ?? 0) >= count), Duration.seconds(5))
@@ -136,6 +144,28 @@ const rowOf = (name: string, table = PgLease.DEFAULT_TABLE) =>
     (rows) => rows[0]
   )
 
+/** Live waiting places for `name` in the queue table. */
+const placesOf = (name: string) =>
+  Effect.map(
+    query<{ n: number }>(
+      `select count(*)::int as n from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null and expires_at > now()`,
+      [name]
+    ),
+    (rows) => rows[0]!.n
+  )
+
+/** The shared holders' rows of `name`, with their remaining time in server ms. */
+const sharedRows = (name: string) =>
+  query<{ token: string; left: number }>(
+    `select token::text as token, (extract(epoch from expires_at - now()) * 1000)::float8 as left
+     from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is not null order by token`,
+    [name]
+  )
+
+/** The count of shared holders recorded on the lease row of `name`. */
+const sharedCount = (name: string) =>
+  Effect.map(query<{ n: number }>(`select shared_count as n from ${PgLease.DEFAULT_TABLE} where name = $1`, [name]), (rows) => rows[0]!.n)
+
 /** True while a statement of this database waits for a row lock (our acquire behind `lockRow`). */
 const blockedOnLock = Effect.map(
   query<{ n: number }>(
@@ -170,7 +200,6 @@ const stats = (values: ReadonlyArray<number>) => {
 
 // --- the shared contract ------------------------------------------------------------------------
 
-// PgLease does not support shared mode yet (documented; it fails with LockBackendError, tested below).
 contractSuite("PgLease", {
   clock: "live",
   ttl: TTL,
@@ -186,8 +215,7 @@ contractSuite("PgLease", {
   advance: (duration) => Effect.sleep(duration),
   settle: probe.settle,
   maxNameBytes: PgLease.defaults.maxNameBytes,
-  minTtl: PgLease.defaults.minTtl,
-  modes: ["exclusive"]
+  minTtl: PgLease.defaults.minTtl
 })
 
 // --- the backend's own guarantees ---------------------------------------------------------------
@@ -452,16 +480,18 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       console.log(`PgLease handoff with LISTEN/NOTIFY (release sent → waiter granted), ms: ${JSON.stringify(s)}`)
       // The waiter polls only every 2.5-5 s here: these times can only come from notifications.
       expect(s.max).toBeLessThan(200)
-      // This test's own listener is another connection: its copy of the last NOTIFY may lag.
-      yield* waitFor("21 release notifications", Effect.sync(() => released.size >= 21), Duration.seconds(2))
-      expect(released.size).toBe(21)
+      // One wake-up per handoff, naming the waiter at the head. This test's own listener is another
+      // connection: its copy of the last NOTIFY may lag.
+      yield* waitFor("21 wake-ups", Effect.sync(() => released.length >= 21), Duration.seconds(2))
+      expect(released.length).toBe(21)
+      expect(released.every((payload) => payload.startsWith("w"))).toBe(true)
       // Uncontended releases send nothing: a NOTIFY would serialize their commits server-wide.
       for (let i = 0; i < 5; i++) yield* Effect.scoped(a.acquire(freshName("quiet")))
       // Notifications arrive in commit order: once a marker sent afterwards is heard, any
       // notification of those releases would have been heard too.
-      yield* query("select pg_notify($1, $2)", [PgLease.DEFAULT_TABLE, "rquiet-marker"])
-      yield* waitFor("the marker notification", Effect.sync(() => released.has("quiet-marker")), Duration.seconds(5))
-      expect(released.size).toBe(22)
+      yield* query("select pg_notify($1, $2)", [PgLease.DEFAULT_TABLE, "marker"])
+      yield* waitFor("the marker notification", Effect.sync(() => released.includes("marker")), Duration.seconds(5))
+      expect(released.length).toBe(22)
     }))
 
   it.scoped("without notifications a waiter still acquires by polling", () =>
@@ -681,6 +711,139 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect((yield* serverRow("held-through-restart"))!.token).toBe(String(held.token))
     }), { timeout: 60_000 })
 
+  it.scoped("waiters are served in arrival order, and a releaser that asks again goes to the back", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const processes = yield* Effect.forEach(Array.from({ length: 5 }), () => processOn(env, { pollInterval: Duration.seconds(5) }))
+      const name = freshName("fifo")
+      const order: Array<number> = []
+      const holdThenRelease = (i: number) =>
+        Effect.scoped(Effect.zipRight(processes[i]!.acquire(name), Effect.sync(() => order.push(i))))
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(processes[0]!.acquire(name), holderScope)
+      const waiters: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
+      for (let i = 1; i <= 4; i++) {
+        waiters.push(yield* Effect.fork(holdThenRelease(i)))
+        // Arrival order is fixed: each waiter is queued and waiting before the next one asks.
+        yield* probe.waiting(name, i)
+      }
+      // The holder lets go and at once asks again: it queues behind the four.
+      yield* Scope.close(holderScope, Exit.void)
+      waiters.push(yield* Effect.fork(holdThenRelease(0)))
+      yield* Effect.forEach(waiters, Fiber.join, { discard: true })
+      expect(order).toEqual([1, 2, 3, 4, 0])
+    }))
+
+  it.scoped("a request without a place never overtakes a live waiter, even while the lock is free", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      // The waiter's retries are held back at a gate, so the lock stays free with it queued.
+      const gate = yield* Deferred.make<void>()
+      let attempts = 0
+      const gated = (lane: Lane.Lane): Lane.Lane => ({
+        ...lane,
+        run: <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+          operation === "acquire" && attempts++ > 0
+            ? Effect.zipRight(Deferred.await(gate), lane.run<A>(operation, name, text, params, bound))
+            : lane.run<A>(operation, name, text, params, bound)
+      })
+      const waiter = yield* Effect.flatMap(backendOn(env, {}, gated), DistributedLock.make)
+      const other = yield* processOn(env)
+      const name = freshName("no-barging")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const waiting = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), (lease) => lease.token)))
+      yield* waitFor("the waiter's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
+      yield* Scope.close(holderScope, Exit.void)
+      expect((yield* rowOf(name))!.owner).toBeNull()
+      // Free, yet the waiter has a live place: a try and a fresh wait both go behind it.
+      expect(Option.isNone(yield* Effect.scoped(other.tryAcquire(name)))).toBe(true)
+      expect(Option.isNone(yield* Effect.scoped(holder.tryAcquire(name)))).toBe(true)
+      const late = yield* Effect.fork(Effect.scoped(Effect.map(other.acquire(name), (lease) => lease.token)))
+      yield* waitFor("the late request's place", Effect.map(placesOf(name), (n) => n === 2), Duration.seconds(5))
+      yield* Deferred.succeed(gate, undefined)
+      const first = yield* Fiber.join(waiting)
+      const second = yield* Fiber.join(late)
+      expect(second > first).toBe(true)
+      expect(yield* placesOf(name)).toBe(0)
+    }))
+
+  it.scoped("a waiter whose process dies loses its place once the place expires", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const name = freshName("dead-waiter")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const worker = yield* Effect.acquireRelease(Effect.promise(() => startWorker(db.url)), (w) => Effect.promise(() => w.stop()))
+      void worker.run(`acquire ${name}`, `acquired ${name}`).catch(() => {})
+      yield* waitFor("the worker's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(10))
+      const [place] = yield* query<{ left: number }>(
+        `select (extract(epoch from expires_at - now()) * 1000)::float8 as left from ${PgLease.DEFAULT_TABLE}_queue where name = $1`,
+        [name]
+      )
+      yield* Effect.promise(() => worker.stop())
+      const diedAt = Date.now()
+      const waiter = yield* processOn(env)
+      const next = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), () => Date.now())))
+      yield* probe.waiting(name)
+      yield* Scope.close(holderScope, Exit.void)
+      const grantedAt = yield* Fiber.join(next)
+      console.log(`PgLease: a dead waiter's place (${Math.round(place!.left)} ms left) held the lock for ${grantedAt - diedAt} ms after its death`)
+      // Not before the dead waiter's place ran out on the server, and soon after (a waiter
+      // retries at least every 1.5 s; the place lasts at most 5 s).
+      expect(grantedAt - diedAt).toBeGreaterThanOrEqual(place!.left - 100)
+      expect(grantedAt - diedAt).toBeLessThan(place!.left + 2_000)
+      expect(yield* placesOf(name)).toBe(0)
+    }), { timeout: 30_000 })
+
+  it.scoped("shared holders are renewed and lost each on their own; a waiting exclusive request goes before new shared ones", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const faults = makeFaults()
+      const failing = yield* DistributedLock.make(withFaults(yield* backendOn(env), faults))
+      const [reader, writer, late] = yield* Effect.forEach(Array.from({ length: 3 }), () => processOn(env))
+      const name = freshName("shared")
+      const lostScope = yield* Scope.make()
+      const lost = yield* Scope.extend(failing.acquire(name, { mode: "shared" }), lostScope)
+      const keptScope = yield* Scope.make()
+      const kept = yield* Scope.extend(reader!.acquire(name, { mode: "shared", ttl: Duration.seconds(5) }), keptScope)
+      expect(kept.token > lost.token).toBe(true)
+      // One shared holder's renewals fail: it alone is lost; the other keeps being renewed.
+      faults.failRenew = true
+      const error = yield* Effect.flip(lost.lost)
+      expect(error).toMatchObject({ name, token: lost.token, reason: "renewal-failed" })
+      yield* waitFor(
+        "the lost holder's row run out",
+        Effect.map(sharedRows(name), (rows) => rows.length === 2 && rows[0]!.left <= 0 && rows[1]!.left > 0),
+        Duration.seconds(5)
+      )
+      expect(yield* kept.isHeld).toBe(true)
+      // An exclusive request waits for the remaining shared holder; new shared requests queue behind it.
+      const order: Array<string> = []
+      const writing = yield* Effect.fork(Effect.scoped(Effect.zipRight(writer!.acquire(name), Effect.sync(() => order.push("exclusive")))))
+      yield* probe.waiting(name)
+      expect(Option.isNone(yield* Effect.scoped(late!.tryAcquire(name, { mode: "shared" })))).toBe(true)
+      const reading = yield* Effect.fork(
+        Effect.scoped(Effect.zipRight(late!.acquire(name, { mode: "shared" }), Effect.sync(() => order.push("shared"))))
+      )
+      yield* probe.waiting(name, 2)
+      // The lost holder is counted out when its scope closes; the remaining one still holds.
+      yield* Scope.close(lostScope, Exit.void)
+      expect(yield* sharedCount(name)).toBe(1)
+      expect(order).toEqual([])
+      // Its release frees the lock at once: long before its 5 s lease could have run out.
+      const releasedAt = Date.now()
+      yield* Scope.close(keptScope, Exit.void)
+      yield* Fiber.join(writing)
+      const handedOver = Date.now() - releasedAt
+      yield* Fiber.join(reading)
+      expect(order).toEqual(["exclusive", "shared"])
+      expect(handedOver).toBeLessThan(1_000)
+      expect(yield* sharedRows(name)).toEqual([])
+    }))
+
   it.scoped("the table is created once under concurrent first use, and migration() creates the same table", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
@@ -712,7 +875,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(lease.token).toBe(1n)
     }))
 
-  it.scoped("invalid options and shared mode fail with LockBackendError, never a defect", () =>
+  it.scoped("invalid options fail with LockBackendError, never a defect", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
       for (const table of ["bad-name", "a.b.c", "", "x".repeat(64), "1abc", "drop table x; --"]) {
@@ -730,10 +893,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect((yield* Effect.flip(fromConfig("bad-name")))._tag).toBe("LockBackendError")
       const configured = Context.get(yield* fromConfig("pglease_configured"), DistributedLock.DistributedLock)
       expect((yield* Effect.scoped(configured.acquire("configured"))).token).toBe(1n)
-      const service = yield* processOn(env)
-      const shared = yield* Effect.flip(Effect.scoped(service.acquire(freshName("shared"), { mode: "shared" })))
-      expect(shared._tag).toBe("LockBackendError")
-      expect(shared.message).toContain("does not support shared mode")
+      const longTable = yield* Effect.flip(backendOn(env, { table: "t".repeat(58) }))
+      expect(longTable.message).toContain("its queue table")
     }))
 })
 
@@ -798,7 +959,7 @@ describe("PgLease wake-ups", () => {
         const { hub, publish } = yield* Scope.extend(hubWithChannel, scope)
         const wakes = yield* Effect.forEach(
           Array.from({ length: 8 }),
-          () => Scope.extend(Effect.flatMap(hub.subscribe("x"), (s) => s.current), scope),
+          () => Scope.extend(Effect.flatMap(hub.subscribe("x", crypto.randomUUID()), (s) => s.current), scope),
           { concurrency: "unbounded" }
         ).pipe(withYieldBudget(budget))
         yield* publish("rx")
@@ -809,6 +970,21 @@ describe("PgLease wake-ups", () => {
       expect(stranded).toBe(0)
     }), { timeout: 60_000 })
 
+  it.live("a release's notification wakes only the waiter it names; a revoke's wakes every waiter of the lock", () =>
+    Effect.gen(function*() {
+      const { hub, publish } = yield* hubWithChannel
+      const ids = ["a", "b", "c"].map(() => crypto.randomUUID())
+      const wakes = yield* Effect.forEach(ids, (id) => Effect.flatMap(hub.subscribe("x", id), (s) => s.current))
+      const other = yield* Effect.flatMap(hub.subscribe("y", crypto.randomUUID()), (s) => s.current)
+      yield* publish(`w${ids[1]}`)
+      // Handled in one step: once the named waiter is awake, the notification has done all it does.
+      yield* Deferred.await(wakes[1]!)
+      expect(yield* Effect.forEach(wakes, Deferred.isDone)).toEqual([false, true, false])
+      yield* publish("rx")
+      yield* Effect.forEach([wakes[0]!, wakes[2]!], Deferred.await, { discard: true })
+      expect(yield* Deferred.isDone(other)).toBe(false)
+    }).pipe(Effect.scoped), { timeout: 10_000 })
+
   it.live("a waiter that leaves does not take the wake-ups of those still waiting on the same name", () =>
     Effect.gen(function*() {
       let stranded = 0
@@ -817,7 +993,7 @@ describe("PgLease wake-ups", () => {
         const { hub, publish } = yield* Scope.extend(hubWithChannel, scope)
         const leaving = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, ExecutionStrategy.sequential))
         const staying = yield* Effect.forEach(Array.from({ length: 4 }), () => Scope.fork(scope, ExecutionStrategy.sequential))
-        const subscribe = (own: Scope.CloseableScope) => Scope.extend(hub.subscribe("x"), own)
+        const subscribe = (own: Scope.CloseableScope) => Scope.extend(hub.subscribe("x", crypto.randomUUID()), own)
         const subscriptions = yield* Effect.forEach([...staying, ...leaving], subscribe, { concurrency: "unbounded" }).pipe(
           withYieldBudget(budget)
         )
@@ -914,15 +1090,15 @@ describeWithPgBouncer("PgLease behind PgBouncer in transaction mode", () => {
 
 // --- test machinery -----------------------------------------------------------------------------
 
-/** The names whose release notified, heard by a raw LISTEN session for the rest of the scope. */
+/** Every payload notified on the default channel, pings excepted, heard by a raw LISTEN session for the rest of the scope. */
 const releaseNotifications = Effect.acquireRelease(
   Effect.promise(async () => {
     const client = new pg.Client({ connectionString: db.url })
     client.on("error", () => {})
     await client.connect()
-    const names = new Set<string>()
+    const names: Array<string> = []
     client.on("notification", (message) => {
-      if (message.payload?.startsWith("r") === true) names.add(message.payload.slice(1))
+      if (message.payload !== undefined && !message.payload.startsWith("p")) names.push(message.payload)
     })
     await client.query(`listen ${PgLease.DEFAULT_TABLE}`)
     return { client, names }

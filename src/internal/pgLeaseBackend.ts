@@ -3,11 +3,13 @@
  * table creation, grant attempts and give-backs, renewal, and wake-ups for waiters.
  */
 import * as Deferred from "effect/Deferred"
+import * as Exit from "effect/Exit"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
 import * as Random from "effect/Random"
 import type * as Scope from "effect/Scope"
+import * as Crypto from "node:crypto"
 import type { AcquireRequest, AcquireResult, LockBackend } from "../LockBackend.js"
 import { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
@@ -29,6 +31,8 @@ export const MIN_TTL = Duration.seconds(1)
  * listener is caught sooner, by its next check, which wakes every waiter.
  */
 const TRUSTED_POLL_FACTOR = 6
+/** A waiter retries at least this often: each retry keeps its place (which lasts `PLACE_TTL`). */
+const PLACE_REFRESH_MILLIS = Duration.toMillis(Attempt.PLACE_TTL) * 0.3
 
 export interface Settings extends Attempt.AttemptSettings, GiveBack.GiveBackSettings {
   readonly defaultTtl: Duration.Duration
@@ -50,7 +54,7 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
     const giveBack = yield* GiveBack.make(lane, settings)
     const ready = yield* tableReadiness(lane, settings)
     const attempt = Attempt.make(settings, { lane, giveBack, ready, scope })
-    const renew = Renew.make(lane, settings.table, settings.statementTimeout)
+    const renew = Renew.make(lane, settings.tables, settings.statementTimeout)
     const hub = settings.listen === "never" || lane.listen === undefined ? undefined : yield* Wake.make({
       listen: lane.listen,
       notify: (channel, payload) => lane.run("notify", undefined, Sql.ping, [channel, payload], settings.statementTimeout),
@@ -60,58 +64,60 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
     }, scope)
     const pollMillis = Duration.toMillis(settings.pollInterval)
 
-    const sleepFor = (wakeAt: number | undefined) =>
+    const sleepFor = (wakeAt: number | undefined, deadline: Option.Option<number>) =>
       Effect.gen(function*() {
-        // With a listener that proves it hears, a waiter sleeps until the holder's lease ends
-        // (a crashed holder sends nothing) or a long re-check. Otherwise it polls, jittered — also
-        // when the attempt could not read the holder's row, since it could not mark it wanted.
+        // With a listener that proves it hears, a waiter sleeps until something could change
+        // unannounced (a crashed holder or waiter ahead sends nothing) or a long re-check.
+        // Otherwise it polls, jittered. Either way it retries before its place could expire.
         const trusted = hub !== undefined && wakeAt !== undefined && (yield* hub.trusted)
         const jitter = yield* Random.next
         const cap = trusted ? Duration.toMillis(settings.checkInterval) * TRUSTED_POLL_FACTOR : pollMillis * (0.5 + jitter / 2)
         const now = yield* monotonicMillis
-        const untilExpiry = wakeAt === undefined ? Number.POSITIVE_INFINITY : wakeAt - now
-        return Duration.millis(Math.max(0, Math.min(cap, untilExpiry)))
+        const untilChange = wakeAt === undefined ? Number.POSITIVE_INFINITY : wakeAt - now
+        // Never past the deadline: the next attempt then reports the timeout.
+        const untilDeadline = Option.match(deadline, { onNone: () => Number.POSITIVE_INFINITY, onSome: (at) => at - now })
+        return Duration.millis(Math.max(0, Math.min(cap, PLACE_REFRESH_MILLIS, untilChange, untilDeadline)))
       })
 
     /**
-     * Waits and retries until granted or the deadline. Subscribed to wake-ups before the next
-     * attempt, so a release landing between that attempt and the wait still wakes this waiter;
-     * an uncontended acquire never subscribes.
+     * Waits and retries until granted or the deadline; its place in the queue was taken by the
+     * first attempt. Subscribed to wake-ups before the next attempt, so a release landing between
+     * that attempt and the wait still wakes this waiter; an uncontended acquire never subscribes.
+     * Leaving without a grant gives the place up at once (else it would block those behind it
+     * until it expires).
      */
-    const waitFor = (request: AcquireRequest, firstWakeAt: number | undefined) =>
+    const waitFor = (request: AcquireRequest, waiter: string, firstWakeAt: number | undefined) =>
       Effect.gen(function*() {
-        const subscription = hub === undefined ? undefined : yield* hub.subscribe(request.name)
+        const subscription = hub === undefined ? undefined : yield* hub.subscribe(request.name, waiter)
         let wakeAt = firstWakeAt
         let retryNow = subscription !== undefined
         while (true) {
           const wake = subscription === undefined ? undefined : yield* subscription.current
           if (!retryNow) {
-            const delay = yield* sleepFor(wakeAt)
+            const delay = yield* sleepFor(wakeAt, request.deadline)
             const wait = wake === undefined ? Effect.sleep(delay) : Effect.raceFirst(Deferred.await(wake), Effect.sleep(delay))
             // Only waits are interruptible or cut at the deadline; they grant nothing.
             const woke = yield* request.waitUntilDeadline(wait)
             if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
           }
           retryNow = false
-          const result = yield* attempt(request, false)
+          const result = yield* attempt(request, waiter, false)
           if (result._tag !== "Busy") return result
           wakeAt = result.wakeAt
         }
-      })
+      }).pipe(
+        Effect.scoped,
+        Effect.onExit((exit) => (Exit.isSuccess(exit) && exit.value._tag === "Granted" ? Effect.void : giveBack.leave(request.name, waiter)))
+      )
 
     const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<Attempt.PgLeaseGrant>, LockBackendError> =>
       Effect.gen(function*() {
-        if (request.mode !== "exclusive") {
-          return yield* new LockBackendError({
-            operation: "acquire",
-            name: request.name,
-            cause: new Error("the PgLease backend does not support shared mode yet; use mode \"exclusive\"")
-          })
-        }
-        const first = yield* attempt(request, true)
+        // This request's place in the queue, kept across its attempts (each has its own owner).
+        const waiter = Crypto.randomUUID()
+        const first = yield* attempt(request, waiter, true)
         if (first._tag !== "Busy") return first
         if (request.attempt === "once") return { _tag: "Busy" } as const
-        return yield* Effect.scoped(waitFor(request, first.wakeAt))
+        return yield* waitFor(request, waiter, first.wakeAt)
       })
 
     return {
@@ -130,7 +136,7 @@ const tableReadiness = (lane: Lane, settings: Settings): Effect.Effect<Effect.Ef
   Effect.gen(function*() {
     let ready = !settings.createTable
     const lock = yield* Effect.makeSemaphore(1)
-    const text = Sql.ensureTable(settings.table)
+    const text = Sql.ensureTable(settings.tables)
     const create = lane.run("create-table", undefined, text, [], settings.statementTimeout).pipe(
       Effect.retry({ times: CREATE_ATTEMPTS - 1, while: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? "") }),
       Effect.tap(() =>

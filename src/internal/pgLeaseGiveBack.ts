@@ -1,21 +1,21 @@
 /**
- * Giving lease rows back: the holder's release, and the give-back of an attempt whose outcome
- * nobody reads (interrupted, timed out, failed ambiguously), which may still have taken the row.
- * Every statement is owner-scoped — it frees the row only while this acquisition's random owner
- * holds it — so a retry, or a give-back landing late, never frees someone else's lease.
+ * Giving back: the holder's release, a waiter's place when it stops waiting, and everything an
+ * attempt may have taken when nobody reads its outcome (interrupted, past its deadline, failed
+ * ambiguously). One statement does all three, owner-scoped — it frees a lease only while this
+ * acquisition's random owner holds it — so a retry, or a give-back landing late, never frees
+ * someone else's lease; and when it frees the lock it wakes the waiters now at the head.
  */
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Schedule from "effect/Schedule"
 import type * as Scope from "effect/Scope"
 import type { LockBackendError } from "../LockError.js"
+import { monotonicMillis } from "./clock.js"
+import { timeoutOption } from "./pgLeaseBound.js"
 import type { Lane } from "./pgLeaseLane.js"
 import { outsideTransaction } from "./pgLeaseLane.js"
 import * as Sql from "./pgLeaseSql.js"
-import { monotonicMillis } from "./clock.js"
-import { timeoutOption } from "./pgLeaseBound.js"
 
 /** Attempts of a release before it gives up and leaves the lease to expire. */
 const RELEASE_RETRIES = 2
@@ -24,35 +24,37 @@ const RELEASE_RETRY_SPACING = Duration.millis(50)
 const SHUTDOWN_GIVE_BACK = Duration.seconds(3)
 
 export interface GiveBackSettings {
-  readonly table: Sql.TableRef
+  readonly tables: Sql.Tables
   readonly channel: string
   readonly statementTimeout: Duration.Duration
 }
 
 export interface GiveBack {
-  /** The holder's release: owner-scoped, retried, at most `statementTimeout` in all. */
+  /** The holder's release: retried, at most `statementTimeout` in all. */
   readonly release: (name: string, owner: string) => Effect.Effect<void, LockBackendError>
+  /** Leaves the waiting place `waiter` (in the background; a place left behind expires by itself). */
+  readonly leave: (name: string, waiter: string) => Effect.Effect<void>
   /**
-   * Once `attempt` settles, frees the row if it may have taken it (granted, or failed without
-   * knowing); retried with backoff until the lease would have expired anyway. Returns at once.
+   * Once `attempt` settles, gives back what it may have taken (its grant, its waiting place),
+   * retried with backoff until the lease would have expired anyway. Returns at once.
    */
-  readonly abandon: <A>(
-    attempt: Fiber.Fiber<A, LockBackendError>,
-    mayHold: (result: A) => boolean,
+  readonly abandon: (
+    attempt: Fiber.Fiber<unknown, LockBackendError>,
     name: string,
     owner: string,
+    waiter: string,
     ttlMillis: number
   ) => Effect.Effect<void>
 }
 
 export const make = (lane: Lane, settings: GiveBackSettings): Effect.Effect<GiveBack, never, Scope.Scope> =>
   Effect.gen(function*() {
-    const text = Sql.release(settings.table)
-    const releaseRow = (name: string, owner: string, bound: Duration.Duration = settings.statementTimeout) =>
-      lane.run("release", name, text, [name, owner, settings.channel, Sql.RELEASED_PREFIX + name], bound)
+    const text = Sql.release(settings.tables)
+    const giveBack = (name: string, owner: string | null, waiter: string | null, bound = settings.statementTimeout) =>
+      lane.run("release", name, text, [name, owner, waiter, settings.channel], bound)
 
-    // Give-backs are awaited (bounded) when the layer closes: cut short, they would leave a row
-    // held until its ttl runs out. Added before the lane's finalizers run, so the lane is still open.
+    // Background give-backs are awaited (bounded) when the layer closes: cut short, they would
+    // leave a row held until its ttl runs out. Added before the lane's finalizers run, so the lane is still open.
     const running = new Set<Fiber.RuntimeFiber<void>>()
     yield* Effect.addFinalizer(() =>
       Effect.suspend(() => {
@@ -62,32 +64,9 @@ export const make = (lane: Lane, settings: GiveBackSettings): Effect.Effect<Give
         )
       })
     )
-
-    const totalMillis = Duration.toMillis(settings.statementTimeout)
-    const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> =>
-      Effect.gen(function*() {
-        const deadline = (yield* monotonicMillis) + totalMillis
-        for (let attempt = 0; ; attempt++) {
-          // Each try gets what is left of the whole bound; owner-scoped and idempotent, so a
-          // retry after an ambiguous failure is safe.
-          const left = deadline - (yield* monotonicMillis)
-          const outcome = yield* Effect.either(releaseRow(name, owner, Duration.millis(Math.max(1, left))))
-          if (outcome._tag === "Right") return
-          const spent = deadline - (yield* monotonicMillis) <= Duration.toMillis(RELEASE_RETRY_SPACING)
-          if (attempt >= RELEASE_RETRIES || spent) return yield* outcome.left
-          yield* Effect.sleep(RELEASE_RETRY_SPACING)
-        }
-      })
-
-    const abandon: GiveBack["abandon"] = (attempt, mayHold, name, owner, ttlMillis) =>
-      // Not inside the caller's transaction: this fiber outlives it.
-      outsideTransaction(Effect.forkDaemon(
-        Effect.flatMap(Fiber.await(attempt), (exit) =>
-          Exit.isSuccess(exit) && !mayHold(exit.value) ? Effect.void : releaseRow(name, owner).pipe(
-            Effect.retry(Schedule.exponential(Duration.millis(50)).pipe(Schedule.upTo(Duration.millis(ttlMillis)))),
-            Effect.ignore
-          )).pipe(Effect.interruptible)
-      )).pipe(
+    /** Runs `self` in a daemon fiber tracked for shutdown; never inside the caller's transaction (it outlives it). */
+    const background = (self: Effect.Effect<void>) =>
+      outsideTransaction(Effect.forkDaemon(Effect.interruptible(self))).pipe(
         Effect.tap((fiber) =>
           Effect.sync(() => {
             running.add(fiber)
@@ -97,5 +76,32 @@ export const make = (lane: Lane, settings: GiveBackSettings): Effect.Effect<Give
         Effect.asVoid
       )
 
-    return { release, abandon }
+    const totalMillis = Duration.toMillis(settings.statementTimeout)
+    const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> =>
+      Effect.gen(function*() {
+        const deadline = (yield* monotonicMillis) + totalMillis
+        for (let attempt = 0;; attempt++) {
+          // Each try gets what is left of the whole bound; owner-scoped and idempotent, so a
+          // retry after an ambiguous failure is safe.
+          const left = deadline - (yield* monotonicMillis)
+          const outcome = yield* Effect.either(giveBack(name, owner, null, Duration.millis(Math.max(1, left))))
+          if (outcome._tag === "Right") return
+          const spent = deadline - (yield* monotonicMillis) <= Duration.toMillis(RELEASE_RETRY_SPACING)
+          if (attempt >= RELEASE_RETRIES || spent) return yield* outcome.left
+          yield* Effect.sleep(RELEASE_RETRY_SPACING)
+        }
+      })
+
+    const leave = (name: string, waiter: string) => background(Effect.ignore(giveBack(name, null, waiter)))
+
+    const abandon: GiveBack["abandon"] = (attempt, name, owner, waiter, ttlMillis) =>
+      background(Effect.zipRight(
+        Fiber.await(attempt),
+        giveBack(name, owner, waiter).pipe(
+          Effect.retry(Schedule.exponential(Duration.millis(50)).pipe(Schedule.upTo(Duration.millis(ttlMillis)))),
+          Effect.ignore
+        )
+      ))
+
+    return { release, leave, abandon }
   })

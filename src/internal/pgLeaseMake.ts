@@ -48,9 +48,9 @@ const PgClientTag = Context.GenericTag<PgClient>("@effect/sql-pg/PgClient")
 export const configError = (reason: string) =>
   new LockBackendError({ operation: "configure", cause: new Error(`PgLease: ${reason}`) })
 
-/** The validated table (default when absent), or the configuration error that names the problem. */
-export const resolveTable = (table: string | undefined): Effect.Effect<Sql.TableRef, LockBackendError> => {
-  const parsed = Sql.parseTable(table ?? DEFAULT_TABLE)
+/** The validated tables (default when absent), or the configuration error that names the problem. */
+export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tables, LockBackendError> => {
+  const parsed = Sql.parseTables(table ?? DEFAULT_TABLE)
   return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
 }
 
@@ -65,8 +65,8 @@ export const makeBackend = (
   wrapLane: (lane: Lane.Lane) => Lane.Lane = identity
 ): Effect.Effect<LockBackend<PgLeaseGrant>, LockBackendError, SqlClient | Scope.Scope> =>
   Effect.gen(function*() {
-    const table = yield* resolveTable(options?.table)
-    const channel = options?.channel ?? table.relname
+    const tables = yield* resolveTables(options?.table)
+    const channel = options?.channel ?? tables.leases.relname
     const badChannel = Sql.checkChannel(channel)
     if (badChannel !== undefined) return yield* configError(badChannel)
     const connections = options?.connections ?? DEFAULT_CONNECTIONS
@@ -93,7 +93,7 @@ export const makeBackend = (
       return yield* configError("listen: true needs a PgClient in the context (or use listen: \"auto\" to poll without one)")
     }
     return yield* Backend.make(lane, {
-      table,
+      tables,
       channel,
       application,
       host: Os.hostname(),

@@ -4,6 +4,7 @@
  */
 import type * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import type { LockMode } from "../Lease.js"
 import type { RenewOutcome } from "../LockBackend.js"
 import { LockBackendError } from "../LockError.js"
 import type { Lane } from "./pgLeaseLane.js"
@@ -17,18 +18,20 @@ export interface Renewable {
   readonly name: string
   readonly owner: string
   readonly token: bigint
+  readonly mode: LockMode
   readonly ttlMillis: number
 }
 
-export const make = (lane: Lane, table: Sql.TableRef, bound: Duration.Duration) => {
-  const text = Sql.renew(table)
+export const make = (lane: Lane, tables: Sql.Tables, bound: Duration.Duration) => {
+  const text = Sql.renew(tables)
   return (grants: ReadonlyArray<Renewable>): Effect.Effect<ReadonlyArray<RenewOutcome>, LockBackendError> =>
     grants.length === 0 ? Effect.succeed([]) : Effect.gen(function*() {
       const { rows, sentAt } = yield* lane.renew<{ idx: number; outcome: string }>(text, [
         grants.map((g) => g.name),
         grants.map((g) => g.owner),
         grants.map((g) => g.token.toString()),
-        grants.map((g) => g.ttlMillis)
+        grants.map((g) => g.ttlMillis),
+        grants.map((g) => g.mode)
       ], bound)
       if (rows.length !== grants.length) {
         return yield* new LockBackendError({

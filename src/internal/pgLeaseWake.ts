@@ -1,14 +1,15 @@
 /**
- * Wake-ups for PgLease waiters: one LISTEN stream per backend on a dedicated connection
- * (sql-pg's `PgClient.listen`), fanned out in process to the waiters of each lock name.
+ * Wake-ups for PgLease waiters: one LISTEN stream per backend on a dedicated connection (the
+ * lane's own, or sql-pg's `PgClient.listen`), fanned out in process: a notification naming a
+ * waiter wakes that waiter (releases name the waiters at the head of the queue), one naming a
+ * lock wakes all its waiters (a revoke).
  *
- * Notifications are hints. sql-pg's listen stream hangs silently when its backend dies, and
- * behind PgBouncer in transaction mode LISTEN "succeeds" on a server connection that is handed
- * to someone else. So the listener is trusted only while it proves it hears: while anyone
- * waits, it sends itself a ping through the pool every check interval and expects the echo.
- * A missed echo marks it untrusted, wakes every waiter (they fall back to polling), and
- * restarts the listener with backoff.
- */
+ * Notifications are hints. A LISTEN connection can die unnoticed (sql-pg's stream hangs silently
+ * when its backend dies), and behind PgBouncer in transaction mode LISTEN "succeeds" on a server
+ * connection that is handed to someone else. So the listener is trusted only while it proves it
+ * hears: while anyone waits, it sends itself a ping every check interval and expects the echo.
+ * A missed echo, or the stream ending, marks it untrusted, wakes every waiter (they fall back to
+ * polling), and restarts the listener with backoff. */
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -20,7 +21,7 @@ import * as StreamOps from "effect/Stream"
 import * as Crypto from "node:crypto"
 import { monotonicMillis } from "./clock.js"
 import { outsideTransaction } from "./pgLeaseLane.js"
-import { PING_PREFIX, RELEASED_PREFIX } from "./pgLeaseSql.js"
+import { PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./pgLeaseSql.js"
 import { timeoutOption } from "./pgLeaseBound.js"
 
 /** How long after its ping statement returned the echo may take before the listener is distrusted. */
@@ -53,14 +54,19 @@ export interface Subscription {
 }
 
 export interface WakeHub {
-  readonly subscribe: (name: string) => Effect.Effect<Subscription, never, Scope.Scope>
+  /**
+   * Subscribes the waiter `waiter` (its place in the queue) of the lock `name`: it is woken by a
+   * notification naming it, one naming the lock (a revoke), and whenever the listener is lost.
+   */
+  readonly subscribe: (name: string, waiter: string) => Effect.Effect<Subscription, never, Scope.Scope>
   /** True while notifications are proven to arrive: waiters may then sleep long. */
   readonly trusted: Effect.Effect<boolean>
 }
 
-interface Entry {
+/** One waiter. Its wake-up is replaced when fired; every change happens in one synchronous step. */
+interface Waiter {
+  readonly name: string
   deferred: Deferred.Deferred<void>
-  refs: number
 }
 
 /**
@@ -69,31 +75,35 @@ interface Entry {
  */
 export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
-    const entries = new Map<string, Entry>()
+    // Each waiter has an entry of its own, added and removed synchronously: no entry is shared,
+    // so none can be replaced or counted down under a waiter still holding it.
+    const byName = new Map<string, Set<Waiter>>()
+    const byId = new Map<string, Waiter>()
     const pings = new Map<string, Deferred.Deferred<void>>()
     const kick = yield* Queue.sliding<void>(1)
     const checkMillis = Duration.toMillis(options.checkInterval)
     const nonceBase = Crypto.randomBytes(6).toString("hex")
     let nonceCounter = 0
-    let subscribers = 0
     let started = false
     let verifiedAt = Number.NEGATIVE_INFINITY
     let healthy = false
 
-    const fire = (entry: Entry) =>
-      Effect.flatMap(Deferred.make<void>(), (next) => {
-        const previous = entry.deferred
-        entry.deferred = next
+    const fire = (waiter: Waiter) =>
+      Effect.withFiberRuntime<void>((fiber) => {
+        const previous = waiter.deferred
+        waiter.deferred = Deferred.unsafeMake<void>(fiber.id())
         return Deferred.succeed(previous, undefined)
       })
 
-    const wakeName = (name: string) =>
+    const wakeName = (name: string) => Effect.suspend(() => Effect.forEach(Array.from(byName.get(name) ?? []), fire, { discard: true }))
+
+    const wakeWaiter = (id: string) =>
       Effect.suspend(() => {
-        const entry = entries.get(name)
-        return entry === undefined ? Effect.void : fire(entry)
+        const waiter = byId.get(id)
+        return waiter === undefined ? Effect.void : fire(waiter)
       })
 
-    const wakeAll = Effect.suspend(() => Effect.forEach(Array.from(entries.values()), fire, { discard: true }))
+    const wakeAll = Effect.suspend(() => Effect.forEach(Array.from(byId.values()), fire, { discard: true }))
 
     const distrust = Effect.suspend(() => {
       const was = healthy
@@ -103,6 +113,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     })
 
     const onPayload = (payload: string) => {
+      if (payload.startsWith(WAITER_PREFIX)) return wakeWaiter(payload.slice(WAITER_PREFIX.length))
       if (payload.startsWith(RELEASED_PREFIX)) return wakeName(payload.slice(RELEASED_PREFIX.length))
       if (payload.startsWith(PING_PREFIX)) {
         const waiting = pings.get(payload.slice(PING_PREFIX.length))
@@ -154,7 +165,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     /** Re-checks while anyone waits; returns when an echo is missed. */
     const watch = Effect.gen(function*() {
       while (true) {
-        if (subscribers === 0) yield* kick.take
+        if (byId.size === 0) yield* kick.take
         const now = yield* monotonicMillis
         const due = verifiedAt + checkMillis - now
         if (due > 0) {
@@ -220,32 +231,24 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       return Effect.asVoid(outsideTransaction(Effect.forkIn(Effect.interruptible(supervise), scope)))
     })
 
-    const subscribe = (name: string): Effect.Effect<Subscription, never, Scope.Scope> =>
+    const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, Scope.Scope> =>
       Effect.acquireRelease(
-        Effect.gen(function*() {
-          // Looked up or created in one step: with a yield between `get` and `set`, two waiters
-          // would make two entries and the one overwritten would never be fired.
-          const held = yield* Effect.withFiberRuntime<Entry>((fiber) => {
-            let entry = entries.get(name)
-            if (entry === undefined) {
-              entry = { deferred: Deferred.unsafeMake<void>(fiber.id()), refs: 0 }
-              entries.set(name, entry)
-            }
-            entry.refs++
-            subscribers++
-            return Effect.succeed(entry)
-          })
-          yield* ensureStarted
-          yield* kick.offer(undefined)
-          return held
-        }),
-        (held) =>
+        Effect.withFiberRuntime<Waiter>((fiber) => {
+          const waiter: Waiter = { name, deferred: Deferred.unsafeMake<void>(fiber.id()) }
+          byId.set(id, waiter)
+          let named = byName.get(name)
+          if (named === undefined) byName.set(name, named = new Set())
+          named.add(waiter)
+          return Effect.succeed(waiter)
+        }).pipe(Effect.tap(() => Effect.zipRight(ensureStarted, kick.offer(undefined)))),
+        (waiter) =>
           Effect.sync(() => {
-            subscribers--
-            // Its own entry, never whatever the map holds now under the same name.
-            if (--held.refs === 0 && entries.get(name) === held) entries.delete(name)
+            if (byId.get(id) === waiter) byId.delete(id)
+            const named = byName.get(name)
+            named?.delete(waiter)
+            if (named?.size === 0) byName.delete(name)
           })
-      ).pipe(Effect.map((held): Subscription => ({ current: Effect.sync(() => held.deferred) })))
+      ).pipe(Effect.map((waiter): Subscription => ({ current: Effect.sync(() => waiter.deferred) })))
 
     const trusted = Effect.map(
       monotonicMillis,
