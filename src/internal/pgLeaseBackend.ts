@@ -2,7 +2,6 @@
  * The PgLease backend assembled from its pieces: the lane its statements travel on, first-use
  * table creation, grant attempts and give-backs, renewal, and wake-ups for waiters.
  */
-import * as Deferred from "effect/Deferred"
 import * as Exit from "effect/Exit"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -90,20 +89,22 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
       Effect.gen(function*() {
         const subscription = hub === undefined ? undefined : yield* hub.subscribe(request.name, waiter)
         let wakeAt = firstWakeAt
-        let retryNow = subscription !== undefined
+        // The wake-up count is taken before each attempt and waited on after it: one that lands
+        // while the attempt runs ends the wait after a failed attempt at once.
+        let mark = subscription === undefined ? 0 : yield* subscription.mark
+        // Subscribed only now: one attempt at once, in case the wake-up came before.
+        let result: Attempt.Attempt | undefined = subscription === undefined ? undefined : yield* attempt(request, waiter, false)
         while (true) {
-          const wake = subscription === undefined ? undefined : yield* subscription.current
-          if (!retryNow) {
-            const delay = yield* sleepFor(wakeAt, request.deadline)
-            const wait = wake === undefined ? Effect.sleep(delay) : Effect.raceFirst(Deferred.await(wake), Effect.sleep(delay))
-            // Only waits are interruptible or cut at the deadline; they grant nothing.
-            const woke = yield* request.waitUntilDeadline(wait)
-            if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
+          if (result !== undefined) {
+            if (result._tag !== "Busy") return result
+            wakeAt = result.wakeAt
           }
-          retryNow = false
-          const result = yield* attempt(request, waiter, false)
-          if (result._tag !== "Busy") return result
-          wakeAt = result.wakeAt
+          const delay = yield* sleepFor(wakeAt, request.deadline)
+          // Only waits are interruptible or cut at the deadline; they grant nothing.
+          const woke = yield* request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay))
+          if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
+          mark = subscription === undefined ? 0 : yield* subscription.mark
+          result = yield* attempt(request, waiter, false)
         }
       }).pipe(
         Effect.scoped,

@@ -57,10 +57,10 @@ export interface Lane {
     bound: Duration.Duration
   ) => Effect.Effect<Sent<A>, LockBackendError>
   /**
-   * LISTEN on a channel: the payloads, as a stream that fails (never hangs) once its connection
-   * is known dead. Undefined when this lane cannot listen.
+   * LISTEN on a channel, handing each payload to `deliver` as it arrives; fails (never hangs)
+   * once its connection is known dead. Undefined when this lane cannot listen.
    */
-  readonly listen: ((channel: string) => Stream.Stream<string, LockBackendError>) | undefined
+  readonly listen: ((channel: string, deliver: (payload: string) => void) => Effect.Effect<void, LockBackendError>) | undefined
   /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
   readonly prepareRenewals: Effect.Effect<void>
 }
@@ -119,29 +119,33 @@ const statementOn = <A extends object>(
     ))
 
 /**
- * LISTEN on a connection of its own: the stream fails as soon as the connection errors or ends,
- * and closing the stream destroys the connection (an UNLISTEN on a dead socket could hang).
+ * LISTEN on a connection of its own, payloads handed over synchronously from the driver's event:
+ * fails as soon as the connection errors or ends, and destroys the connection when it stops (an
+ * UNLISTEN on a dead socket could hang).
  */
-const listenOn = (driver: Driver.Driver, config: pg.ClientConfig, bound: Duration.Duration) => (channel: string) =>
-  Stream.asyncPush<string, LockBackendError>((emit) =>
-    Effect.gen(function*() {
-      const millis = Duration.toMillis(bound)
-      const connection = yield* Effect.acquireRelease(
-        Effect.mapError(Driver.connect(driver, config, millis), statementError("listen", undefined, bound)),
-        Driver.destroy
-      )
-      const client = connection.client
-      client.on("notification", (message) => {
-        if (message.channel === channel && message.payload !== undefined && message.payload !== "") emit.single(message.payload)
-      })
-      const dead = () => emit.fail(new LockBackendError({ operation: "listen", cause: new Error("the LISTEN connection was lost") }))
-      client.on("error", dead)
-      client.on("end", dead)
-      yield* Driver.query(connection, `listen ${quoteIdentifier(channel)}`, [], millis).pipe(
-        Effect.mapError(statementError("listen", undefined, bound))
-      )
+const listenOn = (driver: Driver.Driver, config: pg.ClientConfig, bound: Duration.Duration) =>
+(channel: string, deliver: (payload: string) => void): Effect.Effect<void, LockBackendError> =>
+  Effect.scoped(Effect.gen(function*() {
+    const millis = Duration.toMillis(bound)
+    const connection = yield* Effect.acquireRelease(
+      Effect.mapError(Driver.connect(driver, config, millis), statementError("listen", undefined, bound)),
+      Driver.destroy
+    )
+    const lost = yield* Deferred.make<never, LockBackendError>()
+    const dead = () =>
+      Deferred.unsafeDone(lost, Exit.fail(new LockBackendError({ operation: "listen", cause: new Error("the LISTEN connection was lost") })))
+    const client = connection.client
+    client.on("notification", (message) => {
+      if (message.channel === channel && message.payload !== undefined && message.payload !== "") deliver(message.payload)
     })
-  )
+    client.on("error", dead)
+    client.on("end", dead)
+    if (connection.broken) dead()
+    yield* Driver.query(connection, `listen ${quoteIdentifier(channel)}`, [], millis).pipe(
+      Effect.mapError(statementError("listen", undefined, bound))
+    )
+    return yield* Deferred.await(lost)
+  }))
 
 const quoteIdentifier = (identifier: string) => `"${identifier.replace(/"/g, "\"\"")}"`
 
@@ -282,6 +286,9 @@ export const application = (
       ),
       listen: listen === undefined
         ? undefined
-        : (channel: string) => Stream.mapError(listen(channel), failed("listen", undefined))
+        : (channel, deliver) =>
+          Stream.runForEach(listen(channel), (payload) => Effect.sync(() => deliver(payload))).pipe(
+            Effect.mapError(failed("listen", undefined))
+          )
     }
   })

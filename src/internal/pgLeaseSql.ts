@@ -285,7 +285,8 @@ order by i.idx`
  * it), and the waiting place of `waiter`. All owner-scoped: a holder whose
  * lease expired and was taken can never free the new holder's. When this frees the lock, or a
  * place is left while no exclusive lease is live, the waiters now at the head are notified, in
- * the same statement (sent on commit): only they retry.
+ * the same statement (sent on commit): only they retry. Queue rows expired for over a minute
+ * (crashed waiters and shared holders) are removed in passing.
  *
  * Parameters: $1 name, $2 owner (or null), $3 waiter (or null), $4 channel.
  */
@@ -308,6 +309,11 @@ const releaseSql = ({ leases, queue }: Tables): string =>
 ), placed as (
   delete from ${queue.sql} where owner = $3::uuid and token is null
   returning 1
+), tidied as (
+  -- Rows of crashed waiters and shared holders, long expired: removed in passing, never waited for.
+  delete from ${queue.sql} where owner in (
+    select owner from ${queue.sql} where name = $1::text and expires_at < now() - interval '1 minute'
+    for update skip locked)
 ), freed as (
   select 1 where exists (select 1 from exclusive) or exists (select 1 from counted where shared_count = 0)
     or (exists (select 1 from placed) and not exists (
@@ -330,7 +336,9 @@ const revokeSql = ({ leases, queue }: Tables): string =>
   where name = $1::text and (owner is not null or shared_count > 0)
   returning 1
 ), shared as (
-  delete from ${queue.sql} where name = $1::text and token is not null
+  -- A holder releasing right now is skipped rather than waited for (its release removes its row).
+  delete from ${queue.sql} where owner in (
+    select owner from ${queue.sql} where name = $1::text and token is not null for update skip locked)
   returning 1
 ), revoked as (
   select exists (select 1 from exclusive) or exists (select 1 from shared) as revoked

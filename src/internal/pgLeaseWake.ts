@@ -13,11 +13,10 @@
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Queue from "effect/Queue"
 import type * as Scope from "effect/Scope"
-import type * as Stream from "effect/Stream"
-import * as StreamOps from "effect/Stream"
 import * as Crypto from "node:crypto"
 import { monotonicMillis } from "./clock.js"
 import { outsideTransaction } from "./pgLeaseLane.js"
@@ -36,8 +35,11 @@ const RESTART_MAX = Duration.seconds(30)
 const AUTO_GIVE_UP_AFTER = 3
 
 export interface WakeOptions {
-  /** Subscribes to the channel; the stream ends or fails when its connection is lost. */
-  readonly listen: (channel: string) => Stream.Stream<string, unknown>
+  /**
+   * Listens on the channel, handing every payload to `deliver` as it arrives; ends or fails only
+   * when the listener is lost.
+   */
+  readonly listen: (channel: string, deliver: (payload: string) => void) => Effect.Effect<void, unknown>
   /** Sends `payload` on `channel` through the lock statements' lane. */
   readonly notify: (channel: string, payload: string) => Effect.Effect<void, unknown>
   readonly channel: string
@@ -49,8 +51,13 @@ export interface WakeOptions {
 
 /** What a waiter holds while it waits for one name. */
 export interface Subscription {
-  /** The current wake-up: take it before an attempt, await it after a failed one. */
-  readonly current: Effect.Effect<Deferred.Deferred<void>>
+  /** The wake-ups so far: take it before an attempt, and wait with it after a failed one. */
+  readonly mark: Effect.Effect<number>
+  /**
+   * Until a wake-up that came after `mark` (at once if one already has: true), or `delay` (false).
+   * One wait at a time per subscription.
+   */
+  readonly wait: (mark: number, delay: Duration.Duration) => Effect.Effect<boolean>
 }
 
 export interface WakeHub {
@@ -63,10 +70,11 @@ export interface WakeHub {
   readonly trusted: Effect.Effect<boolean>
 }
 
-/** One waiter. Its wake-up is replaced when fired; every change happens in one synchronous step. */
+/** One waiter: a count of its wake-ups, and its pending wait if any. Every change is synchronous. */
 interface Waiter {
   readonly name: string
-  deferred: Deferred.Deferred<void>
+  wakes: number
+  resume: (() => void) | undefined
 }
 
 /**
@@ -88,38 +96,35 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     let verifiedAt = Number.NEGATIVE_INFINITY
     let healthy = false
 
-    const fire = (waiter: Waiter) =>
-      Effect.withFiberRuntime<void>((fiber) => {
-        const previous = waiter.deferred
-        waiter.deferred = Deferred.unsafeMake<void>(fiber.id())
-        return Deferred.succeed(previous, undefined)
-      })
+    const fire = (waiter: Waiter) => {
+      waiter.wakes++
+      const resume = waiter.resume
+      waiter.resume = undefined
+      resume?.()
+    }
 
-    const wakeName = (name: string) => Effect.suspend(() => Effect.forEach(Array.from(byName.get(name) ?? []), fire, { discard: true }))
+    const wakeAll = () => {
+      for (const waiter of byId.values()) fire(waiter)
+    }
 
-    const wakeWaiter = (id: string) =>
-      Effect.suspend(() => {
-        const waiter = byId.get(id)
-        return waiter === undefined ? Effect.void : fire(waiter)
-      })
-
-    const wakeAll = Effect.suspend(() => Effect.forEach(Array.from(byId.values()), fire, { discard: true }))
-
-    const distrust = Effect.suspend(() => {
+    const distrust = Effect.sync(() => {
       const was = healthy
       healthy = false
       // Waiters sleeping on the promise of a notification re-check now and poll from here on.
-      return was ? wakeAll : Effect.void
+      if (was) wakeAll()
     })
 
+    /** Handles a payload as it arrives, synchronously: a wake-up is never queued behind anything. */
     const onPayload = (payload: string) => {
-      if (payload.startsWith(WAITER_PREFIX)) return wakeWaiter(payload.slice(WAITER_PREFIX.length))
-      if (payload.startsWith(RELEASED_PREFIX)) return wakeName(payload.slice(RELEASED_PREFIX.length))
-      if (payload.startsWith(PING_PREFIX)) {
-        const waiting = pings.get(payload.slice(PING_PREFIX.length))
-        return waiting === undefined ? Effect.void : Deferred.succeed(waiting, undefined)
+      if (payload.startsWith(WAITER_PREFIX)) {
+        const waiter = byId.get(payload.slice(WAITER_PREFIX.length))
+        if (waiter !== undefined) fire(waiter)
+      } else if (payload.startsWith(RELEASED_PREFIX)) {
+        for (const waiter of byName.get(payload.slice(RELEASED_PREFIX.length)) ?? []) fire(waiter)
+      } else if (payload.startsWith(PING_PREFIX)) {
+        const echo = pings.get(payload.slice(PING_PREFIX.length))
+        if (echo !== undefined) Deferred.unsafeDone(echo, Exit.void)
       }
-      return Effect.void
     }
 
     /** One ping: true when its echo came back, false when it did not, undefined when it could not be sent. */
@@ -181,7 +186,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       }
     })
 
-    const listenStream = options.listen(options.channel).pipe(StreamOps.runForEach(onPayload))
+    const listening = options.listen(options.channel, onPayload)
 
     const supervise = Effect.gen(function*() {
       let everHeard = false
@@ -190,7 +195,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       while (true) {
         heardThisRound = false
         let deaf = false
-        const listener = yield* Effect.fork(Effect.interruptible(listenStream))
+        const listener = yield* Effect.fork(Effect.interruptible(listening))
         yield* Effect.raceFirst(
           Effect.asVoid(Fiber.await(listener)),
           Effect.flatMap(startup, (outcome) => {
@@ -200,7 +205,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
           })
         )
         yield* distrust
-        // Not awaited: on a dead socket the stream's UNLISTEN finalizer can hang.
+        // Not awaited: closing a listener on a dead socket may take a while.
         yield* Fiber.interruptFork(listener)
         if (heardThisRound) {
           everHeard = true
@@ -233,13 +238,13 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
 
     const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, Scope.Scope> =>
       Effect.acquireRelease(
-        Effect.withFiberRuntime<Waiter>((fiber) => {
-          const waiter: Waiter = { name, deferred: Deferred.unsafeMake<void>(fiber.id()) }
+        Effect.sync(() => {
+          const waiter: Waiter = { name, wakes: 0, resume: undefined }
           byId.set(id, waiter)
           let named = byName.get(name)
           if (named === undefined) byName.set(name, named = new Set())
           named.add(waiter)
-          return Effect.succeed(waiter)
+          return waiter
         }).pipe(Effect.tap(() => Effect.zipRight(ensureStarted, kick.offer(undefined)))),
         (waiter) =>
           Effect.sync(() => {
@@ -248,7 +253,27 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
             named?.delete(waiter)
             if (named?.size === 0) byName.delete(name)
           })
-      ).pipe(Effect.map((waiter): Subscription => ({ current: Effect.sync(() => waiter.deferred) })))
+      ).pipe(Effect.map((waiter): Subscription => ({
+        mark: Effect.sync(() => waiter.wakes),
+        // A timer and a callback in one step, not two racing fibers: this is on every handoff's path.
+        wait: (mark, delay) =>
+          Effect.async<boolean>((resume) => {
+            if (waiter.wakes !== mark) return resume(Effect.succeed(true))
+            const timer = setTimeout(() => {
+              if (waiter.resume === woken) waiter.resume = undefined
+              resume(Effect.succeed(false))
+            }, Duration.toMillis(delay))
+            const woken = () => {
+              clearTimeout(timer)
+              resume(Effect.succeed(true))
+            }
+            waiter.resume = woken
+            return Effect.sync(() => {
+              clearTimeout(timer)
+              if (waiter.resume === woken) waiter.resume = undefined
+            })
+          })
+      })))
 
     const trusted = Effect.map(
       monotonicMillis,
