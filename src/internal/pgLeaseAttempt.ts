@@ -35,9 +35,10 @@ export type Attempt =
   | { readonly _tag: "Granted"; readonly grant: PgLeaseGrant }
   /**
    * Not granted. `wakeAt` (monotonic ms): when something could change without a notification
-   * (the holder's lease or a waiter's place ahead running out); undefined when unknown.
+   * (the holder's lease or a waiter's place ahead running out); undefined when unknown. `head`:
+   * no waiter was ahead, so the next release notifies this one.
    */
-  | { readonly _tag: "Busy"; readonly wakeAt: number | undefined }
+  | { readonly _tag: "Busy"; readonly wakeAt: number | undefined; readonly head: boolean }
   | { readonly _tag: "TimedOut" }
 
 /** How long a waiting place lasts unless its waiter keeps it (by retrying): a dead waiter loses it after this. */
@@ -73,7 +74,7 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn =>
   const statement = (request: AcquireRequest, owner: string, waiter: string, ttlMillis: number) =>
     Effect.gen(function*() {
       yield* deps.ready
-      const { rows, sentAt } = yield* deps.lane.run<{ token: string | null; wait: number | null }>(
+      const { rows, sentAt } = yield* deps.lane.run<{ token: string | null; wait: number | null; head: boolean | null }>(
         "acquire",
         request.name,
         text,
@@ -110,7 +111,7 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn =>
       }
       const receivedAt = yield* monotonicMillis
       const wait = row?.wait ?? null
-      return { _tag: "Busy", wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1 } as const
+      return { _tag: "Busy", wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1, head: row?.head !== false } as const
     })
 
   return (request, waiter, first) =>

@@ -80,20 +80,22 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
 
     /**
      * Waits and retries until granted or the deadline; its place in the queue was taken by the
-     * first attempt. Subscribed to wake-ups before the next attempt, so a release landing between
-     * that attempt and the wait still wakes this waiter; an uncontended acquire never subscribes.
+     * first attempt. An uncontended acquire never subscribes to wake-ups.
      * Leaving without a grant gives the place up at once (else it would block those behind it
      * until it expires).
      */
-    const waitFor = (request: AcquireRequest, waiter: string, firstWakeAt: number | undefined) =>
+    const waitFor = (request: AcquireRequest, waiter: string, first: Attempt.Attempt & { readonly _tag: "Busy" }) =>
       Effect.gen(function*() {
         const subscription = hub === undefined ? undefined : yield* hub.subscribe(request.name, waiter)
-        let wakeAt = firstWakeAt
+        let wakeAt = first.wakeAt
         // The wake-up count is taken before each attempt and waited on after it: one that lands
         // while the attempt runs ends the wait after a failed attempt at once.
         let mark = subscription === undefined ? 0 : yield* subscription.mark
-        // Subscribed only now: one attempt at once, in case the wake-up came before.
-        let result: Attempt.Attempt | undefined = subscription === undefined ? undefined : yield* attempt(request, waiter, false)
+        // Subscribed only now: a release since the first attempt would have named this waiter if it
+        // was at the head, so then it tries again at once. One behind others is named later, by
+        // a release that comes after several grants (if one raced ahead of the subscription, the
+        // waiter's next retry, within 1.5 s, catches it).
+        let result: Attempt.Attempt | undefined = subscription !== undefined && first.head ? yield* attempt(request, waiter, false) : undefined
         while (true) {
           if (result !== undefined) {
             if (result._tag !== "Busy") return result
@@ -118,7 +120,7 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
         const first = yield* attempt(request, waiter, true)
         if (first._tag !== "Busy") return first
         if (request.attempt === "once") return { _tag: "Busy" } as const
-        return yield* waitFor(request, waiter, first.wakeAt)
+        return yield* waitFor(request, waiter, first)
       })
 
     return {
