@@ -892,6 +892,37 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(at - releasedAt).toBeLessThan(600)
     }))
 
+  it.scoped("the backend's own connections stay within connections + 2 renewal + 1 LISTEN", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const sessions = (application: string) =>
+        Effect.map(
+          query<{ n: number }>(`select count(*)::int as n from pg_stat_activity where application_name = $1`, [application]),
+          (rows) => rows[0]!.n
+        )
+      const peak = { a: 0, b: 0 }
+      const sample = Effect.gen(function*() {
+        peak.a = Math.max(peak.a, yield* sessions("pglease-own-a"))
+        peak.b = Math.max(peak.b, yield* sessions("pglease-own-b"))
+      })
+      const sampler = yield* Effect.fork(Effect.forever(Effect.zipRight(sample, Effect.sleep(Duration.millis(20)))))
+      const a = yield* processOn(env, { applicationName: "pglease-own-a", ttl: Duration.seconds(1) })
+      const b = yield* processOn(env, { applicationName: "pglease-own-b", connections: 2 })
+      // Many acquires at once on a, its 50 leases renewed for 2 ttls, a waiter on b (LISTEN).
+      yield* Effect.forEach(Array.from({ length: 50 }, (_, i) => `own-${i}`), (name) => a.acquire(name), { concurrency: 16 })
+      const waiting = yield* Effect.fork(Effect.scoped(b.acquire("own-0")))
+      yield* probe.waiting("own-0")
+      yield* Effect.sleep(Duration.millis(2_000))
+      yield* sample
+      yield* Fiber.interrupt(sampler)
+      console.log(`PgLease own connections, peak: ${peak.a} (connections 4), ${peak.b} (connections 2, waiting)`)
+      expect(peak.a).toBeGreaterThan(1)
+      expect(peak.a).toBeLessThanOrEqual(4 + 2 + 1)
+      expect(peak.b).toBeGreaterThan(1)
+      expect(peak.b).toBeLessThanOrEqual(2 + 2 + 1)
+      yield* Fiber.interrupt(waiting)
+    }))
+
   it.scoped("the table is created once under concurrent first use, and migration() creates the same table", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
