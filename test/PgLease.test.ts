@@ -300,7 +300,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(next).toBe(held! + 1n)
 
       // A waiter inside a transaction (its process's first wait starts the listener there too)
-      // marks the row, is woken by the release notification, and commits its grant on its own.
+      // takes its place in the queue, is woken by the release notification, and commits its grant on its own.
       const waiter = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { pollInterval: Duration.seconds(5) }))
       const holderScope = yield* Scope.make()
       const holding = yield* Scope.extend(other.acquire(name), holderScope)
