@@ -63,6 +63,7 @@ const probe = (() => {
   let inFlight = 0
   const active = new Map<string, number>()
   const waiting = new Map<string, number>()
+  const waitsEntered = new Map<string, number>()
   const bump = (map: Map<string, number>, name: string, by: number) => map.set(name, (map.get(name) ?? 0) + by)
   const counted = <A, E, R>(self: Effect.Effect<A, E, R>) =>
     Effect.acquireUseRelease(Effect.sync(() => inFlight++), () => self, () => Effect.sync(() => inFlight--))
@@ -81,7 +82,10 @@ const probe = (() => {
             ...request,
             waitUntilDeadline: (step) =>
               Effect.acquireUseRelease(
-                Effect.sync(() => bump(waiting, request.name, 1)),
+                Effect.sync(() => {
+                  bump(waiting, request.name, 1)
+                  bump(waitsEntered, request.name, 1)
+                }),
                 () => request.waitUntilDeadline(step),
                 () => Effect.sync(() => bump(waiting, request.name, -1))
               )
@@ -109,7 +113,17 @@ const probe = (() => {
     }),
     /** Until `count` acquires of `name` are in their wait. */
     waiting: (name: string, count = 1) =>
-      waitFor(`${count} waiter(s) of "${name}" in their wait`, Effect.sync(() => (waiting.get(name) ?? 0) >= count), Duration.seconds(5))
+      waitFor(`${count} waiter(s) of "${name}" in their wait`, Effect.sync(() => (waiting.get(name) ?? 0) >= count), Duration.seconds(5)),
+    /**
+     * Until the one waiter of `name` is in a wait after its look-again following its first
+     * attempt: from then on only a wake-up (or its long retry interval) makes it try again.
+     */
+    waitingLong: (name: string) =>
+      waitFor(
+        `the waiter of "${name}" in its long wait`,
+        Effect.sync(() => (waiting.get(name) ?? 0) >= 1 && (waitsEntered.get(name) ?? 0) >= 2),
+        Duration.seconds(5)
+      )
   }
 })()
 
@@ -310,7 +324,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           Effect.scoped(Effect.flatMap(waiter.acquire(name), (lease) => Deferred.succeed(granted, lease.token)))
         )
       )
-      yield* probe.waiting(name)
+      yield* probe.waitingLong(name)
       const releasedAt = yield* now
       yield* Scope.close(holderScope, Exit.void)
       const token = yield* Deferred.await(granted)
@@ -564,8 +578,10 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         yield* Fiber.interrupt(waiter)
         yield* Effect.sleep(Duration.millis(5))
       }
-      // Abandoned attempts give their rows back as soon as their statement settles.
+      // Abandoned attempts give their rows back as soon as their statement settles, and
+      // interrupted waiters their places in the queue.
       yield* waitFor("no holder left", Effect.map(Effect.provide(PgLease.holders({ name }), env), (held) => held.length === 0), Duration.seconds(5))
+      yield* waitFor("no place left", Effect.map(placesOf(name), (n) => n === 0), Duration.seconds(5))
       const row = yield* rowOf(name)
       expect(row?.owner).toBeNull()
     }))
@@ -842,6 +858,15 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(order).toEqual(["exclusive", "shared"])
       expect(handedOver).toBeLessThan(1_000)
       expect(yield* sharedRows(name)).toEqual([])
+
+      // An operator's revoke takes every shared lease away; each holder learns it at its next renewal.
+      const first = yield* reader!.acquire(name, { mode: "shared" })
+      const second = yield* late!.acquire(name, { mode: "shared" })
+      expect(yield* Effect.provide(PgLease.holders({ name }), env)).toMatchObject([{ mode: "shared" }, { mode: "shared" }])
+      expect(yield* Effect.provide(PgLease.revoke(name), env)).toBe(true)
+      expect(yield* Effect.flip(first.lost)).toMatchObject({ reason: "revoked" })
+      expect(yield* Effect.flip(second.lost)).toMatchObject({ reason: "revoked" })
+      expect(yield* Effect.scoped(Effect.map(writer!.acquire(name, { timeout: Duration.seconds(2) }), (lease) => lease.token > second.token))).toBe(true)
     }))
 
   it.scoped("a release whose wake-up lands while the waiter's attempt is on the wire still wakes it at once", () =>
@@ -875,7 +900,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* Scope.extend(holder.acquire(name, { ttl: Duration.seconds(10) }), holderScope)
       const granted = yield* Deferred.make<number>()
       const waiting = yield* Effect.fork(Effect.scoped(Effect.flatMap(waiter.acquire(name), () => Effect.flatMap(now, (t) => Deferred.succeed(granted, t)))))
-      yield* probe.waiting(name)
+      yield* probe.waitingLong(name)
       // A broadcast wake-up (as a revoke sends) makes the waiter try again now.
       armed = true
       yield* query("select pg_notify($1, $2)", [PgLease.DEFAULT_TABLE, `r${name}`])
@@ -1286,7 +1311,7 @@ function handoffWith(a: DistributedLock.Service, b: DistributedLock.Service) {
       const waiter = yield* Effect.fork(
         Effect.scoped(Effect.flatMap(b.acquire(name), () => Effect.flatMap(now, (t) => Deferred.succeed(granted, t))))
       )
-      yield* probe.waiting(name)
+      yield* probe.waitingLong(name)
       yield* beforeRelease
       const releasedAt = yield* now
       yield* Scope.close(holderScope, Exit.void)

@@ -35,10 +35,10 @@ export type Attempt =
   | { readonly _tag: "Granted"; readonly grant: PgLeaseGrant }
   /**
    * Not granted. `wakeAt` (monotonic ms): when something could change without a notification
-   * (the holder's lease or a waiter's place ahead running out); undefined when unknown. `head`:
-   * no waiter was ahead, so the next release notifies this one.
+   * (the holder's lease or a waiter's place ahead running out); undefined when unknown.
+   * `tookMillis`: how long the statement took, a measure of how long a concurrent one takes.
    */
-  | { readonly _tag: "Busy"; readonly wakeAt: number | undefined; readonly head: boolean }
+  | { readonly _tag: "Busy"; readonly wakeAt: number | undefined; readonly tookMillis: number }
   | { readonly _tag: "TimedOut" }
 
 /** How long a waiting place lasts unless its waiter keeps it (by retrying): a dead waiter loses it after this. */
@@ -74,7 +74,7 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn =>
   const statement = (request: AcquireRequest, owner: string, waiter: string, ttlMillis: number) =>
     Effect.gen(function*() {
       yield* deps.ready
-      const { rows, sentAt } = yield* deps.lane.run<{ token: string | null; wait: number | null; head: boolean | null }>(
+      const { rows, sentAt } = yield* deps.lane.run<{ token: string | null; wait: number | null }>(
         "acquire",
         request.name,
         text,
@@ -111,7 +111,11 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn =>
       }
       const receivedAt = yield* monotonicMillis
       const wait = row?.wait ?? null
-      return { _tag: "Busy", wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1, head: row?.head !== false } as const
+      return {
+        _tag: "Busy",
+        wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
+        tookMillis: receivedAt - sentAt
+      } as const
     })
 
   return (request, waiter, first) =>

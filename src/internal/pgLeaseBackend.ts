@@ -32,6 +32,9 @@ export const MIN_TTL = Duration.seconds(1)
 const TRUSTED_POLL_FACTOR = 6
 /** A waiter retries at least this often: each retry keeps its place (which lasts `PLACE_TTL`). */
 const PLACE_REFRESH_MILLIS = Duration.toMillis(Attempt.PLACE_TTL) * 0.3
+/** The look again after taking a place: this many times the taking statement's duration, plus a floor. */
+const FOLLOW_UP_FACTOR = 3
+const FOLLOW_UP_MIN_MILLIS = 5
 
 export interface Settings extends Attempt.AttemptSettings, GiveBack.GiveBackSettings {
   readonly defaultTtl: Duration.Duration
@@ -79,34 +82,30 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
       })
 
     /**
-     * Waits and retries until granted or the deadline; its place in the queue was taken by the
-     * first attempt. An uncontended acquire never subscribes to wake-ups.
+     * Attempts until granted or the deadline; the first attempt that finds the lock taken also
+     * takes this request's place in the queue, and later ones keep it. Subscribed to wake-ups
+     * before the first attempt, and the wake-up count is taken before each attempt and waited on
+     * after it: a wake-up that lands at any moment after subscribing ends the next wait at once.
      * Leaving without a grant gives the place up at once (else it would block those behind it
      * until it expires).
      */
-    const waitFor = (request: AcquireRequest, waiter: string, first: Attempt.Attempt & { readonly _tag: "Busy" }) =>
+    const waitFor = (request: AcquireRequest, waiter: string) =>
       Effect.gen(function*() {
         const subscription = hub === undefined ? undefined : yield* hub.subscribe(request.name, waiter)
-        let wakeAt = first.wakeAt
-        // The wake-up count is taken before each attempt and waited on after it: one that lands
-        // while the attempt runs ends the wait after a failed attempt at once.
-        let mark = subscription === undefined ? 0 : yield* subscription.mark
-        // Subscribed only now: a release since the first attempt would have named this waiter if it
-        // was at the head, so then it tries again at once. One behind others is named later, by
-        // a release that comes after several grants (if one raced ahead of the subscription, the
-        // waiter's next retry, within 1.5 s, catches it).
-        let result: Attempt.Attempt | undefined = subscription !== undefined && first.head ? yield* attempt(request, waiter, false) : undefined
+        let first = true
         while (true) {
-          if (result !== undefined) {
-            if (result._tag !== "Busy") return result
-            wakeAt = result.wakeAt
-          }
-          const delay = yield* sleepFor(wakeAt, request.deadline)
+          const mark = subscription === undefined ? 0 : yield* subscription.mark
+          const result = yield* attempt(request, waiter, first)
+          if (result._tag !== "Busy") return result
+          // A release that started before this request's place was committed cannot see it, so
+          // it wakes nobody for it: after taking its place, a waiter looks again once such a
+          // release has had time to commit (a few of its own statement times).
+          const followUp = first ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS) : undefined
+          first = false
+          const delay = Duration.min(yield* sleepFor(result.wakeAt, request.deadline), followUp ?? Duration.infinity)
           // Only waits are interruptible or cut at the deadline; they grant nothing.
           const woke = yield* request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay))
           if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
-          mark = subscription === undefined ? 0 : yield* subscription.mark
-          result = yield* attempt(request, waiter, false)
         }
       }).pipe(
         Effect.scoped,
@@ -114,13 +113,11 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
       )
 
     const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<Attempt.PgLeaseGrant>, LockBackendError> =>
-      Effect.gen(function*() {
+      Effect.suspend(() => {
         // This request's place in the queue, kept across its attempts (each has its own owner).
         const waiter = Crypto.randomUUID()
-        const first = yield* attempt(request, waiter, true)
-        if (first._tag !== "Busy") return first
-        if (request.attempt === "once") return { _tag: "Busy" } as const
-        return yield* waitFor(request, waiter, first)
+        if (request.attempt === "wait") return waitFor(request, waiter)
+        return Effect.map(attempt(request, waiter, true), (result) => (result._tag === "Busy" ? { _tag: "Busy" } as const : result))
       })
 
     return {

@@ -123,14 +123,21 @@ begin
 end
 $effect_lock$`
 
+/** How many of the oldest places a release looks at to find whom to wake. */
+const HEAD_CANDIDATES = 16
+
 /**
  * The live waiters to wake once `name` ($1) is free: the oldest, and with it every shared waiter
  * ahead of the oldest exclusive one (they can all hold it together). `when` gates the read.
+ * The places are read locked (`for update`): a waiter leaving or granted at this moment is waited
+ * for and skipped, rather than woken from a stale snapshot while the next one sleeps on.
  */
 const heads = (queue: TableRef, when: string) =>
   `waiting as (
   select owner, mode, seq from ${queue.sql}
   where name = $1::text and token is null and expires_at > now() and ${when}
+  order by seq limit ${HEAD_CANDIDATES}
+  for update
 ), heads as (
   select owner from waiting
   where seq = (select min(seq) from waiting)
@@ -145,8 +152,7 @@ const heads = (queue: TableRef, when: string) =>
  * place at the back of the queue, or keeps it (refreshed once less than half its time is left,
  * so most retries write nothing), and learns how long until something could change without a
  * notification: the holder's lease or the place of a waiter ahead running out (a crashed one
- * sends nothing), and whether no waiter is ahead of it (`head`: the next release will name it).
- * Nothing is locked or written when the snapshot already shows the lock taken.
+ * sends nothing). Nothing is locked or written when the snapshot already shows the lock taken.
  *
  * Parameters: $1 name, $2 owner (of this attempt's grant), $3 waiter (this request's place),
  * $4 mode, $5 ttl ms, $6 place ttl ms, $7 application, $8 host, $9 pid, $10 take a place.
@@ -219,8 +225,7 @@ select (select token::text from granted) as token,
     (select case when h.owner is not null and h.expires_at > now() then h.expires_at end from ${leases.sql} h where h.name = $1::text),
     (select case when $4::text = 'exclusive' and h.shared_until > now() then h.shared_until end from ${leases.sql} h where h.name = $1::text),
     (select until from ahead)
-  ) - now()) * 1000)::float8 end as wait,
-  (select until from ahead) is null as head`
+  ) - now()) * 1000)::float8 end as wait`
 
 /**
  * Renews a whole batch in one statement: every exclusive lease still ours and unexpired gets
