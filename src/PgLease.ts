@@ -37,11 +37,12 @@
  * the `PgClient`'s settings (`pool: "own"`), so that neither the application's queries nor the
  * library's own acquires can delay a renewal: up to `connections` (default 4) for acquire, release
  * and wake-up pings, opened on demand and closed after 30 s idle; up to 2 used by renewals only
- * (the second only while the first is busy or stuck); and 1 for LISTEN while anyone waits — at
- * most 7 server connections per layer by default, beside the application's pool. With a plain
- * `SqlClient` (or `pool: "application"`), statements go through the application's pool and
- * renewals keep one of its connections, reserved at the first grant (the pool must have one to
- * spare); a stuck renewal there cannot be destroyed, only handed back to the pool and replaced.
+ * (the second only while the first is busy or stuck); and 1 for LISTEN, opened by the first
+ * `acquire` that may wait and kept — at most 7 server connections per layer by default, beside
+ * the application's pool. With a plain `SqlClient` (or `pool: "application"`), statements go
+ * through the application's pool and renewals keep one of its connections, reserved at the first
+ * grant (the pool must have one to spare); a stuck renewal there cannot be destroyed, only handed
+ * back to the pool and replaced.
  *
  * **Bounds.** Every statement has a client-side bound, `statementTimeout` (default 5 s): acquire,
  * release, give-back, renewal (also bounded by the renewal loop), table creation, LISTEN, wake-up
