@@ -214,10 +214,16 @@ const stats = (values: ReadonlyArray<number>) => {
 
 // --- the shared contract ------------------------------------------------------------------------
 
+/**
+ * Leases of 2 s in the contract: a renewal then has over 900 ms (from ttl/3 to ttl - ttl/5) to get through,
+ * which a 2-core machine loaded by other test files still gives it.
+ */
+const CONTRACT_TTL = Duration.seconds(2)
+
 contractSuite("PgLease", {
   clock: "live",
-  ttl: TTL,
-  makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => backendOn(env)),
+  ttl: CONTRACT_TTL,
+  makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => backendOn(env, { ttl: CONTRACT_TTL })),
   storeHolders: (name) =>
     Effect.map(
       query<{ n: number }>(
@@ -619,10 +625,14 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const env = yield* poolOn(() => db.url, "pglease-3000")
       const counted = countingLane()
       const backend = yield* backendOn(env, { ttl: Duration.seconds(3) }, counted.wrap)
+      // Every renewal call, answered or not (under load one may be cut off by its budget and retried).
       const calls: Array<{ readonly size: number }> = []
       const service = yield* DistributedLock.make({
         ...backend,
-        renew: (grants) => Effect.tap(backend.renew(grants), () => Effect.sync(() => calls.push({ size: grants.length })))
+        renew: (grants) => Effect.suspend(() => {
+          calls.push({ size: grants.length })
+          return backend.renew(grants)
+        })
       })
       const names = Array.from({ length: 3_000 }, (_, i) => `many3k-${i}`)
       const started = Date.now()
@@ -645,9 +655,14 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(lost).toBe(0)
       expect(yield* Effect.provide(PgLease.holders(), env)).toHaveLength(3_000)
       expect(calls.filter((call) => call.size > 1000)).toEqual([])
-      // Each renewal call is exactly one statement carrying all its leases, whatever its size.
-      const bySize = (sizes: ReadonlyArray<number>) => [...sizes].sort((a, b) => a - b)
-      expect(bySize(counted.renewalSizes())).toEqual(bySize(calls.map((call) => call.size)))
+      // Each renewal call sends at most one statement, carrying all its leases whatever its size
+      // (a call cut off by its budget before it got a connection sends none).
+      const unmatched = [...calls.map((call) => call.size)]
+      for (const size of counted.renewalSizes()) {
+        const index = unmatched.indexOf(size)
+        expect(index).toBeGreaterThanOrEqual(0)
+        unmatched.splice(index, 1)
+      }
       expect(inWindow.reduce((n, c) => n + c.size, 0)).toBeGreaterThanOrEqual(3_000)
       yield* Effect.forEach(held, ({ scope }) => Scope.close(scope, Exit.void), { concurrency: 64, discard: true })
       expect(yield* Effect.provide(PgLease.holders(), env)).toEqual([])
