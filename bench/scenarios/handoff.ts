@@ -163,8 +163,9 @@ const render = (result: HandoffResult): string =>
     "",
     "PgAdvisory waiters block in `pg_advisory_lock` on a wait session (the server hands over), and each grant bumps " +
     "the fencing counter in the same round trip; with one layer the 8 fibers queue in process and the grant moves " +
-    "between fibers of the same layer. PgLease waiters retry when a release notification arrives (listen: true) or " +
-    "on their poll interval (listen: false, 500 ms jittered down to half).",
+    "between fibers of the same layer. PgLease waiters take a place in a queue at the server, in arrival order (a " +
+    "releaser that asks again goes to the back); a release notifies only the waiter now at the head, which then " +
+    "takes the lock (listen: true), or waiters retry on their poll interval (listen: false, 500 ms jittered down to half).",
     "",
     renderHandoff(result.rows)
   ].join("\n")

@@ -167,11 +167,13 @@ export const rawLease = (database: Database, concurrency: number, durationMs: nu
     async (query, w) => {
       const name = names[w]!
       const owner = Crypto.randomUUID()
-      // The last parameter marks the row wanted when the attempt fails: DistributedLock.acquire
-      // (a waiting acquire) sends true.
-      const granted = await query<{ token: string | null }>(acquire, [name, owner, 30_000, "bench-raw-lease", host, process.pid, true])
+      // Parameters as PgLease sends them: a waiting place id (`waiter`), the mode, the ttl, the
+      // place's ttl, who holds, and true to take a place when not granted (a waiting acquire).
+      const granted = await query<{ token: string | null }>(acquire, [
+        name, owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, "bench-raw-lease", host, process.pid, true
+      ])
       if (granted.rows[0]?.token == null) throw new Error(`raw lease ${name} was not granted`)
-      await query(release, [name, owner, RAW_LEASE_TABLE.relname, LeaseSql.RELEASED_PREFIX + name])
+      await query(release, [name, owner, null, RAW_LEASE_TABLE.relname])
     }
   )
 }
@@ -228,7 +230,8 @@ export const pgAdvisorySubject = (database: Database, concurrency: number, durat
 export const pgLeaseSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> =>
   lockSubject(
     `pg-lease-${concurrency}`,
-    () => Layer.provide(PgLease.layer(), pgClientLayer(database, concurrency, `bench-pg-lease-${concurrency}`)),
+    // As many lock connections of its own as the raw row has connections.
+    () => Layer.provide(PgLease.layer({ connections: concurrency }), pgClientLayer(database, concurrency, `bench-pg-lease-${concurrency}`)),
     concurrency,
     durationMs
   )
@@ -294,7 +297,7 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
   specs.push(
     { block: "advisory", id: "pg-advisory", label: "PgAdvisory.layer", connections: "own sessions (≤ 4)", concurrency: c, baseline: "raw-advisory-fenced", subject: pgAdvisorySubject(database, c, ms) },
     { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: rawLease(database, c, ms) },
-    { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: pool(c), concurrency: c, baseline: "raw-lease", subject: pgLeaseSubject(database, c, ms) },
+    { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: pgLeaseSubject(database, c, ms) },
     { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: rawXactMinimal(database, c, ms) },
     { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's statements", connections: `${c}`, concurrency: c, subject: rawXactLibrary(database, c, ms) },
     { block: "xact", id: "pg-xact", label: "PgAdvisory.withXactLock", connections: pool(c), concurrency: c, baseline: "raw-xact-lib", subject: xactSubject(database, c, ms) }
@@ -345,8 +348,9 @@ const render = (result: UncontendedResult): string => {
     "- *… N callers on 1 connection*: the same statements one at a time, all workers sharing one session. PgAdvisory " +
     "also takes uncontended locks on one session (its home session), but sends the tries queued behind a running " +
     "statement together as one statement (one commit); this row shows what one session does without that.",
-    "- *raw pg: PgLease's statements*: the acquire upsert and the owner-scoped release + `pg_notify` from " +
-    "`src/internal/pgLeaseSql.ts`, same parameters.",
+    "- *raw pg: PgLease's statements*: the acquire statement and the owner-scoped release (which notifies only " +
+    "waiters at the head of the queue) from `src/internal/pgLeaseSql.ts`, same parameters. PgLease runs them on " +
+    "`connections` of its own (set to the worker count here).",
     "- *withXactLock's statements*: `BEGIN`, `pg_try_advisory_xact_lock`, `COMMIT` — what the combinator sends " +
     "uncontended with an empty body.",
     "",

@@ -1,26 +1,27 @@
 /**
- * Wake-ups for PgLease waiters: one LISTEN stream per backend on a dedicated connection
- * (sql-pg's `PgClient.listen`), fanned out in process to the waiters of each lock name.
+ * Wake-ups for PgLease waiters: one LISTEN stream per backend on a dedicated connection (the
+ * lane's own, or sql-pg's `PgClient.listen`), fanned out in process: a notification naming a
+ * waiter wakes that waiter (releases name the waiters at the head of the queue), one naming a
+ * lock wakes all its waiters (a revoke).
  *
- * Notifications are hints. sql-pg's listen stream hangs silently when its backend dies, and
- * behind PgBouncer in transaction mode LISTEN "succeeds" on a server connection that is handed
- * to someone else. So the listener is trusted only while it proves it hears: while anyone
- * waits, it sends itself a ping through the pool every check interval and expects the echo.
- * A missed echo marks it untrusted, wakes every waiter (they fall back to polling), and
- * restarts the listener with backoff.
- */
-import type { SqlError } from "@effect/sql/SqlError"
+ * Notifications are hints. A LISTEN connection can die unnoticed (sql-pg's stream hangs silently
+ * when its backend dies), and behind PgBouncer in transaction mode LISTEN "succeeds" on a server
+ * connection that is handed to someone else. So the listener is trusted only while it proves it
+ * hears: while anyone waits, it sends itself a ping every check interval and expects the echo.
+ * A missed echo, or the stream ending, marks it untrusted, wakes every waiter (they fall back to
+ * polling), and restarts the listener with backoff. */
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Queue from "effect/Queue"
 import type * as Scope from "effect/Scope"
-import type * as Stream from "effect/Stream"
-import * as StreamOps from "effect/Stream"
 import * as Crypto from "node:crypto"
 import { monotonicMillis } from "./clock.js"
-import { outsideTransaction, PING_PREFIX, RELEASED_PREFIX } from "./pgLeaseSql.js"
+import { outsideTransaction } from "./pgLeaseLane.js"
+import { PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./pgLeaseSql.js"
+import { within } from "./stallSafe.js"
 
 /** How long after its ping statement returned the echo may take before the listener is distrusted. */
 const ECHO_TIMEOUT = Duration.seconds(1)
@@ -34,9 +35,12 @@ const RESTART_MAX = Duration.seconds(30)
 const AUTO_GIVE_UP_AFTER = 3
 
 export interface WakeOptions {
-  /** Subscribes to the channel (`PgClient.listen`). */
-  readonly listen: (channel: string) => Stream.Stream<string, SqlError>
-  /** Sends `payload` on `channel` through the pool. */
+  /**
+   * Listens on the channel, handing every payload to `deliver` as it arrives; ends or fails only
+   * when the listener is lost.
+   */
+  readonly listen: (channel: string, deliver: (payload: string) => void) => Effect.Effect<void, unknown>
+  /** Sends `payload` on `channel` through the lock statements' lane. */
   readonly notify: (channel: string, payload: string) => Effect.Effect<void, unknown>
   readonly channel: string
   /** Re-check interval while anyone waits. */
@@ -47,19 +51,30 @@ export interface WakeOptions {
 
 /** What a waiter holds while it waits for one name. */
 export interface Subscription {
-  /** The current wake-up: take it before an attempt, await it after a failed one. */
-  readonly current: Effect.Effect<Deferred.Deferred<void>>
+  /** The wake-ups so far: take it before an attempt, and wait with it after a failed one. */
+  readonly mark: Effect.Effect<number>
+  /**
+   * Until a wake-up that came after `mark` (at once if one already has: true), or `delay` (false).
+   * One wait at a time per subscription.
+   */
+  readonly wait: (mark: number, delay: Duration.Duration) => Effect.Effect<boolean>
 }
 
 export interface WakeHub {
-  readonly subscribe: (name: string) => Effect.Effect<Subscription, never, Scope.Scope>
+  /**
+   * Subscribes the waiter `waiter` (its place in the queue) of the lock `name`: it is woken by a
+   * notification naming it, one naming the lock (a revoke), and whenever the listener is lost.
+   */
+  readonly subscribe: (name: string, waiter: string) => Effect.Effect<Subscription, never, Scope.Scope>
   /** True while notifications are proven to arrive: waiters may then sleep long. */
   readonly trusted: Effect.Effect<boolean>
 }
 
-interface Entry {
-  deferred: Deferred.Deferred<void>
-  refs: number
+/** One waiter: a count of its wake-ups, and its pending wait if any. Every change is synchronous. */
+interface Waiter {
+  readonly name: string
+  wakes: number
+  resume: (() => void) | undefined
 }
 
 /**
@@ -68,46 +83,48 @@ interface Entry {
  */
 export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
-    const entries = new Map<string, Entry>()
+    // Each waiter has an entry of its own, added and removed synchronously: no entry is shared,
+    // so none can be replaced or counted down under a waiter still holding it.
+    const byName = new Map<string, Set<Waiter>>()
+    const byId = new Map<string, Waiter>()
     const pings = new Map<string, Deferred.Deferred<void>>()
     const kick = yield* Queue.sliding<void>(1)
     const checkMillis = Duration.toMillis(options.checkInterval)
     const nonceBase = Crypto.randomBytes(6).toString("hex")
     let nonceCounter = 0
-    let subscribers = 0
     let started = false
     let verifiedAt = Number.NEGATIVE_INFINITY
     let healthy = false
 
-    const fire = (entry: Entry) =>
-      Effect.flatMap(Deferred.make<void>(), (next) => {
-        const previous = entry.deferred
-        entry.deferred = next
-        return Deferred.succeed(previous, undefined)
-      })
+    const fire = (waiter: Waiter) => {
+      waiter.wakes++
+      const resume = waiter.resume
+      waiter.resume = undefined
+      resume?.()
+    }
 
-    const wakeName = (name: string) =>
-      Effect.suspend(() => {
-        const entry = entries.get(name)
-        return entry === undefined ? Effect.void : fire(entry)
-      })
+    const wakeAll = () => {
+      for (const waiter of byId.values()) fire(waiter)
+    }
 
-    const wakeAll = Effect.suspend(() => Effect.forEach(Array.from(entries.values()), fire, { discard: true }))
-
-    const distrust = Effect.suspend(() => {
+    const distrust = Effect.sync(() => {
       const was = healthy
       healthy = false
       // Waiters sleeping on the promise of a notification re-check now and poll from here on.
-      return was ? wakeAll : Effect.void
+      if (was) wakeAll()
     })
 
+    /** Handles a payload as it arrives, synchronously: a wake-up is never queued behind anything. */
     const onPayload = (payload: string) => {
-      if (payload.startsWith(RELEASED_PREFIX)) return wakeName(payload.slice(RELEASED_PREFIX.length))
-      if (payload.startsWith(PING_PREFIX)) {
-        const waiting = pings.get(payload.slice(PING_PREFIX.length))
-        return waiting === undefined ? Effect.void : Deferred.succeed(waiting, undefined)
+      if (payload.startsWith(WAITER_PREFIX)) {
+        const waiter = byId.get(payload.slice(WAITER_PREFIX.length))
+        if (waiter !== undefined) fire(waiter)
+      } else if (payload.startsWith(RELEASED_PREFIX)) {
+        for (const waiter of byName.get(payload.slice(RELEASED_PREFIX.length)) ?? []) fire(waiter)
+      } else if (payload.startsWith(PING_PREFIX)) {
+        const echo = pings.get(payload.slice(PING_PREFIX.length))
+        if (echo !== undefined) Deferred.unsafeDone(echo, Exit.void)
       }
-      return Effect.void
     }
 
     /** One ping: true when its echo came back, false when it did not, undefined when it could not be sent. */
@@ -116,13 +133,13 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       return Effect.gen(function*() {
         const echo = yield* Deferred.make<void>()
         pings.set(nonce, echo)
-        const sent = yield* options.notify(options.channel, PING_PREFIX + nonce).pipe(
-          Effect.timeout(ECHO_TIMEOUT),
-          Effect.as(true),
+        const sent = yield* within(options.notify(options.channel, PING_PREFIX + nonce), ECHO_TIMEOUT).pipe(
+          Effect.map((answered) => answered._tag === "Some"),
           Effect.catchAllCause(() => Effect.succeed(false))
         )
         if (!sent) return undefined
-        const heard = yield* Deferred.await(echo).pipe(Effect.timeout(echoTimeout), Effect.option)
+        // Stall-safe: an echo already in the socket when the timer fires still counts.
+        const heard = yield* within(Deferred.await(echo), echoTimeout)
         return heard._tag === "Some"
       }).pipe(Effect.ensuring(Effect.sync(() => pings.delete(nonce))))
     }
@@ -153,7 +170,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     /** Re-checks while anyone waits; returns when an echo is missed. */
     const watch = Effect.gen(function*() {
       while (true) {
-        if (subscribers === 0) yield* kick.take
+        if (byId.size === 0) yield* kick.take
         const now = yield* monotonicMillis
         const due = verifiedAt + checkMillis - now
         if (due > 0) {
@@ -169,7 +186,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       }
     })
 
-    const listenStream = options.listen(options.channel).pipe(StreamOps.runForEach(onPayload))
+    const listening = options.listen(options.channel, onPayload)
 
     const supervise = Effect.gen(function*() {
       let everHeard = false
@@ -178,7 +195,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       while (true) {
         heardThisRound = false
         let deaf = false
-        const listener = yield* Effect.fork(Effect.interruptible(listenStream))
+        const listener = yield* Effect.fork(Effect.interruptible(listening))
         yield* Effect.raceFirst(
           Effect.asVoid(Fiber.await(listener)),
           Effect.flatMap(startup, (outcome) => {
@@ -188,7 +205,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
           })
         )
         yield* distrust
-        // Not awaited: on a dead socket the stream's UNLISTEN finalizer can hang.
+        // Not awaited: closing a listener on a dead socket may take a while.
         yield* Fiber.interruptFork(listener)
         if (heardThisRound) {
           everHeard = true
@@ -219,28 +236,44 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
       return Effect.asVoid(outsideTransaction(Effect.forkIn(Effect.interruptible(supervise), scope)))
     })
 
-    const subscribe = (name: string): Effect.Effect<Subscription, never, Scope.Scope> =>
+    const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, Scope.Scope> =>
       Effect.acquireRelease(
-        Effect.gen(function*() {
-          let entry = entries.get(name)
-          if (entry === undefined) {
-            entry = { deferred: yield* Deferred.make<void>(), refs: 0 }
-            entries.set(name, entry)
-          }
-          entry.refs++
-          subscribers++
-          yield* ensureStarted
-          yield* kick.offer(undefined)
-          const held = entry
-          return { current: Effect.sync(() => held.deferred) }
-        }),
-        () =>
+        Effect.sync(() => {
+          const waiter: Waiter = { name, wakes: 0, resume: undefined }
+          byId.set(id, waiter)
+          let named = byName.get(name)
+          if (named === undefined) byName.set(name, named = new Set())
+          named.add(waiter)
+          return waiter
+        }).pipe(Effect.tap(() => Effect.zipRight(ensureStarted, kick.offer(undefined)))),
+        (waiter) =>
           Effect.sync(() => {
-            subscribers--
-            const entry = entries.get(name)
-            if (entry !== undefined && --entry.refs === 0) entries.delete(name)
+            if (byId.get(id) === waiter) byId.delete(id)
+            const named = byName.get(name)
+            named?.delete(waiter)
+            if (named?.size === 0) byName.delete(name)
           })
-      )
+      ).pipe(Effect.map((waiter): Subscription => ({
+        mark: Effect.sync(() => waiter.wakes),
+        // A timer and a callback in one step, not two racing fibers: this is on every handoff's path.
+        wait: (mark, delay) =>
+          Effect.async<boolean>((resume) => {
+            if (waiter.wakes !== mark) return resume(Effect.succeed(true))
+            const timer = setTimeout(() => {
+              if (waiter.resume === woken) waiter.resume = undefined
+              resume(Effect.succeed(false))
+            }, Duration.toMillis(delay))
+            const woken = () => {
+              clearTimeout(timer)
+              resume(Effect.succeed(true))
+            }
+            waiter.resume = woken
+            return Effect.sync(() => {
+              clearTimeout(timer)
+              if (waiter.resume === woken) waiter.resume = undefined
+            })
+          })
+      })))
 
     const trusted = Effect.map(
       monotonicMillis,

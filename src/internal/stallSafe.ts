@@ -56,3 +56,22 @@ export const timeoutFail = <A, E, R, E2>(
     timeoutOption(self, duration),
     Option.match({ onNone: () => Effect.fail(onTimeout()), onSome: Effect.succeed })
   )
+
+/**
+ * `timeoutOption` with `self` run interruptibly too, whatever the caller's region: for bounds
+ * inside uninterruptible code (a grant's bookkeeping, a release in a finalizer), where a step that
+ * inherited uninterruptibility could not be cut off at its bound. Use it only for steps that
+ * tolerate interruption (a sent statement whose connection is then destroyed, or whose outcome
+ * is given back by its owner).
+ */
+export const within = <A, E, R>(
+  self: Effect.Effect<A, E, R>,
+  duration: Duration.DurationInput
+): Effect.Effect<Option.Option<A>, E, R> => timeoutOption(Effect.interruptible(self), duration)
+
+/** `within`, failing with what `onTimeout` builds when the bound passed. */
+export const withinOrFail = <A, E, R, E2>(
+  self: Effect.Effect<A, E, R>,
+  duration: Duration.DurationInput,
+  onTimeout: () => E2
+): Effect.Effect<A, E | E2, R> => timeoutFail(Effect.interruptible(self), duration, onTimeout)

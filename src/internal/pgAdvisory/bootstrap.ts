@@ -8,7 +8,7 @@ import type pg from "pg"
 import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as driver from "../pgDriver.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, type TableRef } from "../sqlTable.js"
-import { within, withinOrFail } from "./bounded.js"
+import { within, withinOrFail } from "../stallSafe.js"
 import type { Engine, Settled } from "./state.js"
 
 /** How long the affinity probe waits for a statement before concluding it queued behind another client. */

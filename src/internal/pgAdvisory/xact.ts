@@ -23,8 +23,7 @@ import type { LockMode } from "../../Lease.js"
 import { LockBackendError, LockTimeout } from "../../LockError.js"
 import { monotonicMillis } from "../clock.js"
 import { sqlStateOf } from "../sqlState.js"
-import { sleepThenReadIO } from "../stallSafe.js"
-import { within } from "./bounded.js"
+import { sleepThenReadIO, within } from "../stallSafe.js"
 
 /** Default bound on each statement withXactLock sends itself, and on COMMIT/ROLLBACK. */
 export const DEFAULT_STATEMENT_TIMEOUT_MS = 5_000

@@ -1,0 +1,150 @@
+/**
+ * One grant attempt of PgLease: the acquire statement, run in a fiber of its own so that the
+ * caller can stop waiting for it (interruption, deadline) without its outcome being lost — an
+ * abandoned attempt gives back whatever it took, its waiting place included.
+ */
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import type * as Scope from "effect/Scope"
+import * as Crypto from "node:crypto"
+import * as FencingToken from "../FencingToken.js"
+import type { LockMode } from "../Lease.js"
+import type { AcquireRequest, Grant } from "../LockBackend.js"
+import type { LockBackendError } from "../LockError.js"
+import { monotonicMillis } from "./clock.js"
+import { within } from "./stallSafe.js"
+import type { GiveBack } from "./pgLeaseGiveBack.js"
+import { type Lane, outsideTransaction } from "./pgLeaseLane.js"
+import * as Sql from "./pgLeaseSql.js"
+
+/**
+ * A lease held by this process.
+ */
+export interface PgLeaseGrant extends Grant {
+  readonly name: string
+  /** The random owner token of this acquisition, as stored in its row. */
+  readonly owner: string
+  readonly mode: LockMode
+  readonly ttlMillis: number
+}
+
+export type Attempt =
+  | { readonly _tag: "Granted"; readonly grant: PgLeaseGrant }
+  /**
+   * Not granted. `wakeAt` (monotonic ms): when something could change without a notification
+   * (the holder's lease or a waiter's place ahead running out); undefined when unknown.
+   * `tookMillis`: how long the statement took, a measure of how long a concurrent one takes.
+   */
+  | { readonly _tag: "Busy"; readonly wakeAt: number | undefined; readonly tookMillis: number }
+  | { readonly _tag: "TimedOut" }
+
+/** How long a waiting place lasts unless its waiter keeps it (by retrying): a dead waiter loses it after this. */
+export const PLACE_TTL = Duration.seconds(5)
+
+export interface AttemptSettings {
+  readonly tables: Sql.Tables
+  readonly application: string
+  readonly host: string
+  readonly statementTimeout: Duration.Duration
+}
+
+export interface AttemptDeps {
+  readonly lane: Lane
+  readonly giveBack: GiveBack
+  /** Creates the tables on first use (a no-op afterwards). */
+  readonly ready: Effect.Effect<void, LockBackendError>
+  /** The scope the statement fibers live in (the backend's). */
+  readonly scope: Scope.Scope
+}
+
+/**
+ * One attempt of `request` for its waiting place `waiter`. `first`: a zero timeout still gets its
+ * one attempt, bounded by the statement bound; later attempts past the deadline are not sent.
+ */
+export type AttemptFn = (request: AcquireRequest, waiter: string, first: boolean) => Effect.Effect<Attempt, LockBackendError>
+
+export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn => {
+  const text = Sql.acquire(settings.tables)
+  const statementMillis = Duration.toMillis(settings.statementTimeout)
+  const placeMillis = Duration.toMillis(PLACE_TTL)
+
+  const statement = (request: AcquireRequest, owner: string, waiter: string, ttlMillis: number) =>
+    Effect.gen(function*() {
+      yield* deps.ready
+      const { rows, sentAt } = yield* deps.lane.run<{ token: string | null; wait: number | null }>(
+        "acquire",
+        request.name,
+        text,
+        [
+          request.name,
+          owner,
+          waiter,
+          request.mode,
+          ttlMillis,
+          placeMillis,
+          settings.application,
+          settings.host,
+          process.pid,
+          // Only a request that waits takes a place in the queue.
+          request.attempt === "wait"
+        ],
+        settings.statementTimeout
+      )
+      const row = rows[0]
+      if (row !== undefined && row.token !== null) {
+        const grant: PgLeaseGrant = {
+          name: request.name,
+          owner,
+          mode: request.mode,
+          ttlMillis,
+          token: FencingToken.make(BigInt(row.token)),
+          // Monotonic time before sending: the server's expiry is at least this plus the ttl, also
+          // when the answer comes late. The core compares it with the arrival to drop a late grant.
+          validUntil: Option.some(sentAt + ttlMillis),
+          release: deps.giveBack.release(request.name, owner)
+        }
+        yield* deps.lane.prepareRenewals
+        return { _tag: "Granted", grant } as const
+      }
+      const receivedAt = yield* monotonicMillis
+      const wait = row?.wait ?? null
+      return {
+        _tag: "Busy",
+        wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
+        tookMillis: receivedAt - sentAt
+      } as const
+    })
+
+  return (request, waiter, first) =>
+    Effect.gen(function*() {
+      // The deadline is on the monotonic timeline (the SPI's contract).
+      const now = yield* monotonicMillis
+      const remaining = Option.map(request.deadline, (deadline) => deadline - now)
+      if (Option.isSome(remaining) && remaining.value <= 0 && !first) return { _tag: "TimedOut" } as const
+      const byDeadline = Option.isSome(remaining) && remaining.value > 0 && remaining.value < statementMillis
+      const owner = Crypto.randomUUID()
+      const ttlMillis = Duration.toMillis(request.ttl)
+      // The statement outlives a caller that stops waiting, and never joins its transaction.
+      const fiber = yield* outsideTransaction(Effect.forkIn(
+        Effect.interruptible(statement(request, owner, waiter, ttlMillis)),
+        deps.scope
+      ))
+      const abandon = deps.giveBack.abandon(fiber, request.name, owner, waiter, ttlMillis)
+      // Awaiting never interrupts the attempt. Its statement is bounded by the lane; only a
+      // deadline nearer than that bound needs a timer of its own (stall-safe: an answer already
+      // received when it fires is still read).
+      const settled = yield* request.interruptible(
+        byDeadline ? within(Fiber.await(fiber), Duration.millis(Option.getOrThrow(remaining))) : Effect.asSome(Fiber.await(fiber))
+      ).pipe(Effect.onInterrupt(() => abandon))
+      if (Option.isNone(settled)) {
+        yield* abandon
+        return { _tag: "TimedOut" } as const
+      }
+      const exit = settled.value
+      if (Exit.isFailure(exit)) yield* abandon
+      return yield* exit
+    })
+}
