@@ -156,8 +156,8 @@ import * as PgAdvisory from "effect-lock/PgAdvisory"
 // The installed types are real types, not \`any\`: wrong arguments do not compile.
 // @ts-expect-error a lock name is a string
 DistributedLock.acquire(42)
-// @ts-expect-error PgAdvisory.layer needs a url
-PgAdvisory.layer({})
+// @ts-expect-error a url is a string or a Redacted
+PgAdvisory.layer({ url: 42 })
 // @ts-expect-error a lease is not a number
 const notANumber: number = Effect.runSync(Effect.scoped(DistributedLock.acquire("x").pipe(Effect.provide(MemoryBackend.layer()))))
 
