@@ -19,7 +19,7 @@ import type { HeldLock, Lease, LockMode } from "./Lease.js"
 import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "./LockBackend.js"
 import { LockBackendError, LockLost, LockTimeout } from "./LockError.js"
 import type { InvalidLockName, LostReason } from "./LockError.js"
-import { fiberMillis, monotonicMillis, wholeMillis } from "./internal/clock.js"
+import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./internal/clock.js"
 import { type Held, heldOf, makeRegistry, type Registry, safetyDeadlineOf } from "./internal/held.js"
 import * as metrics from "./internal/metrics.js"
 import { boundOption } from "./internal/bound.js"
@@ -255,11 +255,7 @@ const settle = <G extends Grant>(
 ): Effect.Effect<Option.Option<Lease>, AcquireError> => {
   const { fiber, name, registry } = take
   const now = fiberMillis(fiber)
-  const annotated = <A, E>(self: Effect.Effect<A, E>): Effect.Effect<A, E> =>
-    take.traced
-      ? Effect.zipRight(Effect.annotateCurrentSpan({ "lock.wait_ms": now - take.start, "lock.outcome": result._tag }), self)
-      : self
-  if (result._tag === "Busy") return annotated(Effect.succeedNone)
+  if (result._tag === "Busy") return annotated(take, now, result._tag, Effect.succeedNone)
   if (result._tag === "Granted") {
     const grant = result.grant
     const closed = registry.isClosed()
@@ -276,7 +272,7 @@ const settle = <G extends Grant>(
       const lease = Option.some(registry.toLease(held))
       const handed = Effect.as(Scope.addFinalizer(take.scope, registry.release(held)), lease)
       return take.traced
-        ? annotated(Effect.zipRight(Effect.annotateCurrentSpan("lock.token", String(grant.token)), handed))
+        ? annotated(take, now, result._tag, Effect.zipRight(Effect.annotateCurrentSpan("lock.token", String(grant.token)), handed))
         : handed
     }
     state.discarded = true
@@ -286,8 +282,14 @@ const settle = <G extends Grant>(
       closed ? Effect.fail(closedError(name)) : outOfTime ? timedOut(take, now) : attemptOnce(take, restore)
     )
   }
-  return annotated(timedOut(take, now))
+  return annotated(take, now, result._tag, timedOut(take, now))
 }
+
+/** `self`, after annotating the acquire's span (when there is one) with the wait and its outcome. */
+const annotated = <G extends Grant, A, E>(take: Take<G>, now: number, outcome: string, self: Effect.Effect<A, E>) =>
+  take.traced
+    ? Effect.zipRight(Effect.annotateCurrentSpan({ "lock.wait_ms": now - take.start, "lock.outcome": outcome }), self)
+    : self
 
 const timedOut = <G extends Grant>(take: Take<G>, now: number): Effect.Effect<never, LockTimeout> =>
   Effect.suspend(() => {
@@ -362,7 +364,7 @@ export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effe
       if (held?.lostError !== undefined) return Effect.fail(held.lostError)
       // The body and everything it forks are checked each time they resume: after a stall past
       // the lease's safe time, the loss is declared and they stop before their next step.
-      const watch = held === undefined ? undefined : new StallWatch(held, parent.id())
+      const watch = held === undefined ? undefined : new StallWatch(held, parent.id(), clockOf(parent))
       const fork = Effect.fork(restore(self))
       return Effect.gen(function*() {
         const body = yield* (watch === undefined ? fork : Effect.supervised(fork, watch))

@@ -1,9 +1,10 @@
+import type * as Clock from "effect/Clock"
 import * as Effect from "effect/Effect"
 import type * as Fiber from "effect/Fiber"
 import type * as FiberId from "effect/FiberId"
 import * as Supervisor from "effect/Supervisor"
 import type { Grant } from "../LockBackend.js"
-import { fiberMillis } from "./clock.js"
+import { clockMillis } from "./clock.js"
 import { type Held, safetyDeadline } from "./held.js"
 
 /**
@@ -17,7 +18,8 @@ import { type Held, safetyDeadline } from "./held.js"
  * interrupted; the interrupt sits in its mailbox, which the runtime drains before the next op.
  * A fiber resuming after the loss was declared (by anyone) is interrupted the same way.
  *
- * Cost: a few field reads per resumption, plus a clock read for leases with a deadline.
+ * Cost: a few field reads per resumption, plus a clock read for leases with a deadline; measured
+ * at 0.15–0.25 µs per resumption of a body fiber (a `yieldNow` round trip is ~0.9 µs).
  */
 export class StallWatch extends Supervisor.AbstractSupervisor<void> {
   /** Cleared when the guard is done: fibers the body left behind are not the guard's business. */
@@ -27,7 +29,9 @@ export class StallWatch extends Supervisor.AbstractSupervisor<void> {
   constructor(
     private readonly held: Held<Grant>,
     /** The guard's fiber: the interrupts are sent in its name. */
-    private readonly interruptor: FiberId.FiberId
+    private readonly interruptor: FiberId.FiberId,
+    /** The guard's Clock (TestClock in tests), read once rather than looked up per resumption. */
+    private readonly clock: Clock.Clock
   ) {
     super()
   }
@@ -37,7 +41,7 @@ export class StallWatch extends Supervisor.AbstractSupervisor<void> {
     if (!this.active || fiber.id() === this.interruptor) return
     const held = this.held
     if (held.state === "held") {
-      if (held.validUntil === undefined || fiberMillis(fiber) < safetyDeadline(held)) return
+      if (held.validUntil === undefined || clockMillis(this.clock) < safetyDeadline(held)) return
       held.sink.declareLostNow(held, "renewal-failed")
     }
     // A lost lease's body does no more work: interrupted before its next step.
