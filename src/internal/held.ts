@@ -11,9 +11,10 @@ import type * as Scope from "effect/Scope"
 import type { HeldLock, Lease, LockMode } from "../Lease.js"
 import type { Grant, LockBackend, RenewOutcome } from "../LockBackend.js"
 import { LockLost, type LostReason } from "../LockError.js"
-import { clockOf, fiberMillis, monotonicMillis, sleepMillis, wholeMillis } from "./clock.js"
-import * as metrics from "./metrics.js"
 import { boundOption } from "./bound.js"
+import { clockOf, fiberMillis, monotonicMillis, sleepMillis, wholeMillis } from "./clock.js"
+import { makeLoopAlarm } from "./loopAlarm.js"
+import * as metrics from "./metrics.js"
 import { isTraced } from "./tracing.js"
 
 /** Renewals fire once a third of the lease has passed since the last good renewal. */
@@ -130,30 +131,15 @@ export const makeRegistry = <G extends Grant>(
   Effect.gen(function*() {
     const leases = new Map<number, Held<G>>()
     const renewals = yield* FiberSet.make<void>()
-    /** Timers that ring the loop's alarm; never interrupted before the service closes (see `armTimer`). */
-    const timers = yield* FiberSet.make<void>()
-    /** When each running timer fires (monotonic ms). */
-    const timerTimes = new Set<number>()
+    const alarm = yield* makeLoopAlarm
     const baseLabels = metrics.backendLabels(backend.backend)
     const releaseTimeoutMillis = Duration.toMillis(options.releaseTimeout)
     /** Renewal calls in flight; due leases wait for a free slot and then go in one batch. */
     let inFlight = 0
     let closed = false
     let nextId = 0
-    // The loop is either awake (between waking and choosing its next sleep) or asleep until
-    // `scheduledWake` or its alarm. A lease registered while it is awake makes it look again
-    // before sleeping; one registered while it sleeps wakes it only if due before it wakes.
-    let awake = true
-    let rescan = false
-    let scheduledWake = Number.POSITIVE_INFINITY
-    let alarm: Deferred.Deferred<void> | undefined
     /** Losses declared synchronously (`declareLostNow`) whose log line the loop still owes. */
     const unreported: Array<{ readonly held: Held<G>; readonly error: LockLost }> = []
-
-    const wakeLoop = (): void => {
-      if (awake) rescan = true
-      else if (alarm !== undefined) Deferred.unsafeDone(alarm, Exit.void)
-    }
 
     /** Marks the loss and tells the holder; synchronous, so nothing runs between check and mark. */
     const markLost = (held: Held<G>, reason: LostReason): LockLost | undefined => {
@@ -196,7 +182,7 @@ export const makeRegistry = <G extends Grant>(
       const error = markLost(held, reason)
       if (error === undefined) return
       unreported.push({ held, error })
-      wakeLoop()
+      alarm.ring()
     }
 
     const sink: LossSink = { declareLostNow: (held, reason) => declareLostNow(held as Held<G>, reason) }
@@ -216,10 +202,7 @@ export const makeRegistry = <G extends Grant>(
       )
       leases.set(held.id, held)
       metrics.unsafe.held(labels, 1)
-      // Waking the loop for every registration would rescan every lease per acquire (quadratic).
-      if (held.validUntil !== undefined && (awake || Math.min(held.renewAt, safetyDeadline(held)) < scheduledWake)) {
-        wakeLoop()
-      }
+      if (held.validUntil !== undefined && alarm.needsRing(Math.min(held.renewAt, safetyDeadline(held)))) alarm.ring()
       return held
     }
 
@@ -360,7 +343,7 @@ export const makeRegistry = <G extends Grant>(
           inFlight--
           for (const held of batch) if (held.renewing === done) held.renewing = undefined
           Deferred.unsafeDone(done, Exit.void)
-          wakeLoop()
+          alarm.ring()
         }))
       )
     }
@@ -410,51 +393,21 @@ export const makeRegistry = <G extends Grant>(
         )
       )
 
-    /**
-     * Makes sure a timer rings the alarm at `at` or earlier. A timer is never interrupted: one
-     * that is no longer needed rings a loop that finds nothing to do. (Interrupting a sleep just
-     * as it starts can also leak a permit of TestClock's internal semaphore in effect 3.22 and
-     * hang every later sleep of the test: Effect-TS/effect#6910.)
-     */
-    const armTimer = (at: number, now: number): Effect.Effect<void> =>
-      Effect.suspend(() => {
-        for (const t of timerTimes) if (t <= at) return Effect.void
-        timerTimes.add(at)
-        const ring = Effect.sync(() => {
-          timerTimes.delete(at)
-          wakeLoop()
-        })
-        return Effect.asVoid(FiberSet.run(timers, Effect.ensuring(sleepMillis(at - now), ring)))
-      })
-
-    /** Chooses the next wake-up and sleeps until the alarm rings; or returns at once to look again. */
-    const sleep: Effect.Effect<void> = Effect.withFiberRuntime((fiber) => {
-      if (rescan) {
-        rescan = false
-        return Effect.void
-      }
-      const now = fiberMillis(fiber)
+    /** The next time the loop must look: a renewal due with a free slot, or a safety deadline. */
+    const nextWake = (): number => {
       let wakeAt = Number.POSITIVE_INFINITY
-      // With every slot busy, a due lease waits for a completion (which wakes) or its deadline.
+      // With every slot busy, a due lease waits for a completion (which rings) or its deadline.
       const slotFree = inFlight < RENEW_CONCURRENCY
       for (const h of leases.values()) {
         if (h.validUntil === undefined) continue
         const renewable = slotFree && h.renewing === undefined
         wakeAt = Math.min(wakeAt, safetyDeadline(h), renewable ? h.renewAt : Number.POSITIVE_INFINITY)
       }
-      // From here on a registration compares itself with `scheduledWake` and rings the alarm.
-      const signal = Deferred.unsafeMake<void>(fiber.id())
-      alarm = signal
-      scheduledWake = wakeAt
-      awake = false
-      const ringing = Deferred.await(signal)
-      return wakeAt === Number.POSITIVE_INFINITY ? ringing : Effect.zipRight(armTimer(wakeAt, now), ringing)
-    })
+      return wakeAt
+    }
 
     const tick: Effect.Effect<void> = Effect.gen(function*() {
-      awake = true
-      rescan = false
-      alarm = undefined
+      alarm.wokeUp()
       if (unreported.length > 0) {
         yield* Effect.forEach(unreported.splice(0), ({ error, held }) => reportLost(held, error), { discard: true })
       }
@@ -468,7 +421,7 @@ export const makeRegistry = <G extends Grant>(
       }
       yield* Effect.forEach(lost, ({ error, held }) => reportLost(held, error), { discard: true })
       yield* startRenewals(now)
-      yield* sleep
+      yield* Effect.suspend(() => alarm.sleepUntil(nextWake()))
     })
 
     /**
@@ -479,7 +432,7 @@ export const makeRegistry = <G extends Grant>(
     let defects = 0
     const restart = (cause: Cause.Cause<never>): Effect.Effect<void> =>
       Effect.withFiberRuntime((fiber) => {
-        awake = true
+        alarm.wokeUp()
         const now = fiberMillis(fiber)
         const lost: Array<{ readonly held: Held<G>; readonly error: LockLost }> = []
         let next = Number.POSITIVE_INFINITY
@@ -513,7 +466,7 @@ export const makeRegistry = <G extends Grant>(
       // Renewals are stopped first and their signals completed (a renewal fiber interrupted before
       // it started never runs its own completion), so no release waits on one.
       return FiberSet.clear(renewals).pipe(
-        Effect.zipRight(FiberSet.clear(timers)),
+        Effect.zipRight(alarm.stop),
         Effect.zipRight(Effect.sync(() => {
           for (const h of held) {
             if (h.renewing !== undefined) Deferred.unsafeDone(h.renewing, Exit.void)

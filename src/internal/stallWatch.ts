@@ -40,9 +40,15 @@ export class StallWatch extends Supervisor.AbstractSupervisor<void> {
     // The guard's own fiber carries the watch only while it forks the body; it is never stopped.
     if (!this.active || fiber.id() === this.interruptor) return
     const held = this.held
-    if (held.state === "held") {
-      if (held.validUntil === undefined || clockMillis(this.clock) < safetyDeadline(held)) return
-      held.sink.declareLostNow(held, "renewal-failed")
+    try {
+      if (held.state === "held") {
+        if (held.validUntil === undefined || clockMillis(this.clock) < safetyDeadline(held)) return
+        held.sink.declareLostNow(held, "renewal-failed")
+      }
+    } catch {
+      // Never throw into the runtime (it would stall the fiber's scheduler); stop the body instead.
+      fiber.unsafeInterruptAsFork(this.interruptor)
+      return
     }
     // A lost lease's body does no more work: interrupted before its next step.
     if (held.state === "lost") fiber.unsafeInterruptAsFork(this.interruptor)
