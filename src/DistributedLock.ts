@@ -6,9 +6,7 @@
  * @since 0.1.0
  */
 import * as Cause from "effect/Cause"
-import * as Clock from "effect/Clock"
 import * as Context from "effect/Context"
-import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -18,13 +16,16 @@ import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as Scope from "effect/Scope"
 import type { HeldLock, Lease, LockMode } from "./Lease.js"
-import type { AcquireRequest, Grant, LockBackend } from "./LockBackend.js"
+import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "./LockBackend.js"
 import { LockBackendError, LockLost, LockTimeout } from "./LockError.js"
 import type { InvalidLockName, LostReason } from "./LockError.js"
-import { type Held, makeRegistry, pollLost, type Registry, safetyDeadlineOf } from "./internal/held.js"
-import { monotonicMillis } from "./internal/clock.js"
+import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./internal/clock.js"
+import { type Held, heldOf, makeRegistry, type Registry, safetyDeadlineOf } from "./internal/held.js"
 import * as metrics from "./internal/metrics.js"
-import { clampTtl, decodeDuration, validateMode, validateName } from "./internal/validate.js"
+import { boundOption } from "./internal/bound.js"
+import { StallWatch } from "./internal/stallWatch.js"
+import { isTraced } from "./internal/tracing.js"
+import { clampTtl, decodeDuration, modeProblem, nameProblem } from "./internal/validate.js"
 
 /**
  * Options for one acquisition.
@@ -87,31 +88,51 @@ const DEFAULT_TRY_TIMEOUT = Duration.seconds(5)
 /** Bound on one release; past it the backend has already destroyed what it could not prove. */
 const RELEASE_TIMEOUT = Duration.seconds(10)
 
+/** A backend parameter the core relies on, checked once when the service is built. */
+const checkBackend = (
+  backend: Pick<LockBackend, "renewBatchSize" | "maxNameBytes" | "minTtl" | "defaultTtl">
+): string | undefined => {
+  const { maxNameBytes, renewBatchSize } = backend
+  if (!Number.isInteger(renewBatchSize) || renewBatchSize < 1) {
+    return `renewBatchSize must be a positive integer, got ${String(renewBatchSize)}`
+  }
+  if (!Number.isInteger(maxNameBytes) || maxNameBytes < 1) {
+    return `maxNameBytes must be a positive integer, got ${String(maxNameBytes)}`
+  }
+  if (!Duration.isDuration(backend.minTtl) || !Duration.isDuration(backend.defaultTtl)) {
+    return "minTtl and defaultTtl must be Durations"
+  }
+  return undefined
+}
+
 /**
  * Builds the service over a backend. Starts one background fiber, scoped to the caller, that
- * renews every lease this service holds.
+ * renews every lease this service holds; it restarts after a defect (logged), so loss detection
+ * never stops. A backend whose parameters the core cannot work with (a `renewBatchSize` that is
+ * not a positive integer, for example) is a defect in that backend: `make` dies with an
+ * `IllegalArgumentException` naming it.
  *
  * @since 0.1.0
  * @category constructors
  */
 export const make = <G extends Grant>(backend: LockBackend<G>): Effect.Effect<Service, never, Scope.Scope> =>
   Effect.gen(function*() {
+    const problem = checkBackend(backend)
+    if (problem !== undefined) {
+      return yield* Effect.die(new Cause.IllegalArgumentException(`effect-lock backend "${backend.backend}": ${problem}`))
+    }
     const registry = yield* makeRegistry(backend, { releaseTimeout: RELEASE_TIMEOUT })
     yield* Effect.forkScoped(registry.run)
     // Closing the service tells every holder its lease is gone (renewals stop here) and releases
     // it, rather than leaving bodies running on leases that will silently expire.
     yield* Effect.addFinalizer(() => registry.close)
-    const take = (kind: "acquire" | "try") => (name: string, options?: AcquireOptions) =>
-      takeLease(backend, registry, kind, name, options)
+    const acquire = (name: string, options?: AcquireOptions) =>
+      Effect.flatMap(takeLease(backend, registry, "acquire", name, options), (lease) =>
+        Option.isSome(lease) ? Effect.succeed(lease.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero })))
     return {
       backend: backend.backend,
-      acquire: (name, options) =>
-        Effect.flatMap(take("acquire")(name, options), (lease) =>
-          Option.match(lease, {
-            onNone: () => Effect.fail(new LockTimeout({ name, waited: Duration.zero })),
-            onSome: Effect.succeed
-          })),
-      tryAcquire: take("try"),
+      acquire,
+      tryAcquire: (name, options) => takeLease(backend, registry, "try", name, options),
       inspect: registry.snapshot
     }
   })
@@ -127,6 +148,155 @@ export const layerBackend = <G extends Grant, E, R>(
 ): Layer.Layer<DistributedLock, E, Exclude<R, Scope.Scope>> =>
   Layer.scoped(DistributedLock, Effect.flatMap(backend, make))
 
+/** What one `acquire` / `tryAcquire` call asks for, worked out once before its attempts. */
+interface Take<G extends Grant> {
+  readonly backend: LockBackend<G>
+  readonly registry: Registry<G>
+  readonly kind: "acquire" | "try"
+  readonly name: string
+  readonly mode: LockMode
+  readonly ttl: Duration.Duration
+  readonly ttlMillis: number
+  readonly attempt: "once" | "wait"
+  readonly deadline: Option.Option<number>
+  readonly start: number
+  readonly scope: Scope.Scope
+  readonly fiber: Fiber.RuntimeFiber<unknown, unknown>
+  readonly traced: boolean
+}
+
+const closedError = (name: string) =>
+  new LockBackendError({ operation: "acquire", name, cause: new Error("the lock service was closed") })
+
+const takeLease = <G extends Grant>(
+  backend: LockBackend<G>,
+  registry: Registry<G>,
+  kind: "acquire" | "try",
+  name: string,
+  options: AcquireOptions | undefined
+): Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope> =>
+  Effect.withFiberRuntime((fiber) => {
+    const invalid = nameProblem(name, backend.maxNameBytes) ?? modeProblem(name, options?.mode)
+    if (invalid !== undefined) return Effect.fail(invalid)
+    if (registry.isClosed()) return Effect.fail(closedError(name))
+    const ttl = clampTtl(decodeDuration(options?.ttl) ?? backend.defaultTtl, backend.minTtl, MAX_TTL)
+    const start = fiberMillis(fiber)
+    const { attempt, deadline } = plan(kind, decodeDuration(options?.timeout), start)
+    const take: Take<G> = {
+      backend,
+      registry,
+      kind,
+      name,
+      mode: options?.mode ?? "exclusive",
+      ttl,
+      ttlMillis: Duration.toMillis(ttl),
+      attempt,
+      deadline,
+      start,
+      scope: Context.unsafeGet(fiber.currentContext as Context.Context<Scope.Scope>, Scope.Scope),
+      fiber,
+      traced: isTraced(fiber)
+    }
+    // Grant and registration of its release are one uninterruptible step; only the backend's
+    // explicitly interruptible waits can be interrupted, and those leave no grant behind.
+    const taking = Effect.uninterruptibleMask((restore) => attemptOnce(take, restore))
+    return take.traced
+      ? Effect.withSpan(taking, kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
+        captureStackTrace: false,
+        attributes: { "lock.name": name, "lock.backend": backend.backend, "lock.mode": take.mode }
+      })
+      : taking
+  })
+
+/** What one attempt learned from the backend's `onLost` before and after its grant was handed out. */
+interface AttemptState<G extends Grant> {
+  held: Held<G> | undefined
+  lostEarly: LostReason | undefined
+  discarded: boolean
+}
+
+const attemptOnce = <G extends Grant>(
+  take: Take<G>,
+  restore: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+): Effect.Effect<Option.Option<Lease>, AcquireError> => {
+  // Per attempt: a loss reported for a grant that was never handed out concerns only it.
+  const state: AttemptState<G> = { held: undefined, lostEarly: undefined, discarded: false }
+  const { deadline, registry } = take
+  const request: AcquireRequest = {
+    name: take.name,
+    mode: take.mode,
+    attempt: take.attempt,
+    ttl: take.ttl,
+    deadline,
+    interruptible: restore,
+    waitUntilDeadline: (step) =>
+      Option.isNone(deadline)
+        ? Effect.asSome(restore(step))
+        : Effect.flatMap(monotonicMillis, (now) => restore(boundOption(step, wholeMillis(deadline.value - now)))),
+    onLost: (reason) =>
+      Effect.suspend(() => {
+        if (state.discarded) return Effect.void
+        if (state.held === undefined) {
+          state.lostEarly = reason
+          return Effect.void
+        }
+        return registry.declareLost(state.held, reason)
+      })
+  }
+  return Effect.flatMap(take.backend.acquire(request), (result) => settle(take, state, result, restore))
+}
+
+/** Hands the grant out, or gives it back and decides what next; the checks and the hand-over are one step. */
+const settle = <G extends Grant>(
+  take: Take<G>,
+  state: AttemptState<G>,
+  result: AcquireResult<G>,
+  restore: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+): Effect.Effect<Option.Option<Lease>, AcquireError> => {
+  const { fiber, name, registry } = take
+  const now = fiberMillis(fiber)
+  if (result._tag === "Busy") return annotated(take, now, result._tag, Effect.succeedNone)
+  if (result._tag === "Granted") {
+    const grant = result.grant
+    const closed = registry.isClosed()
+    // A grant whose answer came after its safety deadline, or that was lost before it was
+    // handed out, is given back: a holder must never start work on a lease already gone.
+    if (
+      !closed && state.lostEarly === undefined &&
+      now < safetyDeadlineOf(Option.getOrUndefined(grant.validUntil), take.ttlMillis)
+    ) {
+      const held = registry.register(fiber, { name, mode: take.mode, grant, ttlMillis: take.ttlMillis })
+      // Set in the same step as the check above: a loss reported from now on reaches `held`.
+      state.held = held
+      metrics.unsafe.acquired(held.labels, now - take.start)
+      const lease = Option.some(registry.toLease(held))
+      const handed = Effect.as(Scope.addFinalizer(take.scope, registry.release(held)), lease)
+      return take.traced
+        ? annotated(take, now, result._tag, Effect.zipRight(Effect.annotateCurrentSpan("lock.token", String(grant.token)), handed))
+        : handed
+    }
+    state.discarded = true
+    const outOfTime = take.attempt === "once" || Option.exists(take.deadline, (at) => now >= at)
+    return Effect.zipRight(
+      registry.discard(name, grant),
+      closed ? Effect.fail(closedError(name)) : outOfTime ? timedOut(take, now) : attemptOnce(take, restore)
+    )
+  }
+  return annotated(take, now, result._tag, timedOut(take, now))
+}
+
+/** `self`, after annotating the acquire's span (when there is one) with the wait and its outcome. */
+const annotated = <G extends Grant, A, E>(take: Take<G>, now: number, outcome: string, self: Effect.Effect<A, E>) =>
+  take.traced
+    ? Effect.zipRight(Effect.annotateCurrentSpan({ "lock.wait_ms": now - take.start, "lock.outcome": outcome }), self)
+    : self
+
+const timedOut = <G extends Grant>(take: Take<G>, now: number): Effect.Effect<never, LockTimeout> =>
+  Effect.suspend(() => {
+    metrics.unsafe.timedOut(metrics.labelsOn(take.fiber, metrics.backendLabels(take.backend.backend)))
+    return Effect.fail(new LockTimeout({ name: take.name, waited: Duration.millis(Math.max(0, now - take.start)) }))
+  })
+
 const plan = (kind: "acquire" | "try", timeout: Duration.Duration | undefined, now: number) => {
   if (kind === "try") {
     const bound = timeout === undefined ? DEFAULT_TRY_TIMEOUT : Duration.max(timeout, Duration.zero)
@@ -140,98 +310,6 @@ const plan = (kind: "acquire" | "try", timeout: Duration.Duration | undefined, n
     ? { attempt: "once" as const, deadline: Option.some(now) }
     : { attempt: "wait" as const, deadline: Option.some(now + millis) }
 }
-
-const takeLease = <G extends Grant>(
-  backend: LockBackend<G>,
-  registry: Registry<G>,
-  kind: "acquire" | "try",
-  rawName: string,
-  options: AcquireOptions | undefined
-): Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope> =>
-  Effect.gen(function*() {
-    const name = yield* validateName(rawName, backend.maxNameBytes)
-    const mode = yield* validateMode(name, options?.mode)
-    const ttl = clampTtl(decodeDuration(options?.ttl) ?? backend.defaultTtl, backend.minTtl, MAX_TTL)
-    const start = yield* monotonicMillis
-    const { attempt, deadline } = plan(kind, decodeDuration(options?.timeout), start)
-    const scope = yield* Effect.scope
-    if (registry.isClosed()) {
-      return yield* new LockBackendError({ operation: "acquire", name, cause: new Error("the lock service was closed") })
-    }
-
-    // Grant and registration of its release are one uninterruptible step; only the backend's
-    // explicitly interruptible waits can be interrupted, and those leave no grant behind.
-    return yield* Effect.uninterruptibleMask((restore) =>
-      Effect.gen(function*() {
-        while (true) {
-          // Per attempt: a loss reported for a grant that was never handed out concerns only it.
-          const attemptState: { held?: Held<G>; lostEarly?: LostReason; discarded: boolean } = { discarded: false }
-          const request: AcquireRequest = {
-            name,
-            mode,
-            attempt,
-            ttl,
-            deadline,
-            interruptible: restore,
-            waitUntilDeadline: (step) =>
-              Option.match(deadline, {
-                onNone: () => Effect.asSome(restore(step)),
-                onSome: (at) =>
-                  Effect.flatMap(monotonicMillis, (now) => restore(Effect.timeout(step, Math.max(0, at - now)))).pipe(
-                    Effect.map(Option.some),
-                    Effect.catchTag("TimeoutException", () => Effect.succeedNone)
-                  )
-              }),
-            onLost: (reason) =>
-              Effect.suspend(() => {
-                if (attemptState.discarded) return Effect.void
-                if (attemptState.held === undefined) {
-                  attemptState.lostEarly = reason
-                  return Effect.void
-                }
-                return registry.declareLost(attemptState.held, reason)
-              })
-          }
-          const result = yield* backend.acquire(request)
-          const now = yield* monotonicMillis
-          yield* Effect.annotateCurrentSpan({ "lock.wait_ms": now - start, "lock.outcome": result._tag })
-          if (result._tag === "Busy") return Option.none<Lease>()
-          if (result._tag === "Granted") {
-            const validUntil = Option.getOrUndefined(result.grant.validUntil)
-            const closed = registry.isClosed()
-            // A grant whose answer came after its safety deadline, or that was lost before it was
-            // handed out, is given back: a holder must never start work on a lease already gone.
-            if (closed || attemptState.lostEarly !== undefined || now >= safetyDeadlineOf(validUntil, Duration.toMillis(ttl))) {
-              attemptState.discarded = true
-              yield* registry.discard(name, result.grant)
-              if (closed) {
-                return yield* new LockBackendError({ operation: "acquire", name, cause: new Error("the lock service was closed") })
-              }
-              const outOfTime = attempt === "once" || Option.exists(deadline, (at) => now >= at)
-              if (!outOfTime) continue
-            } else {
-              const registered = yield* registry.register(
-                { name, mode, grant: result.grant, ttl, since: yield* Clock.currentTimeMillis },
-                yield* Deferred.make<never, LockLost>()
-              )
-              attemptState.held = registered
-              yield* Scope.addFinalizer(scope, registry.release(registered))
-              yield* metrics.acquired(backend.backend, now - start)
-              yield* Effect.annotateCurrentSpan("lock.token", String(result.grant.token))
-              return Option.some(registry.toLease(registered))
-            }
-          }
-          yield* metrics.timedOut(backend.backend)
-          return yield* new LockTimeout({ name, waited: Duration.millis(Math.max(0, now - start)) })
-        }
-      })
-    )
-  }).pipe(
-    Effect.withSpan(kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
-      captureStackTrace: false,
-      attributes: { "lock.name": rawName, "lock.backend": backend.backend, "lock.mode": options?.mode ?? "exclusive" }
-    })
-  )
 
 /**
  * Waits for the lock and holds it until the enclosing Scope closes. Interruptible while waiting;
@@ -280,34 +358,38 @@ export const inspect: Effect.Effect<ReadonlyArray<HeldLock>, never, DistributedL
  */
 export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effect.Effect<A, E | LockLost, R> =>
   Effect.uninterruptibleMask((restore) =>
-    Effect.gen(function*() {
+    Effect.withFiberRuntime<A, E | LockLost, R>((parent) => {
+      const held = heldOf(lease)
       // A lease already known lost never starts the body.
-      const known = yield* pollLost(lease)
-      if (Option.isSome(known)) return yield* Effect.fail(known.value)
-      let lostWith: LockLost | undefined
-      const started = yield* Deferred.make<Fiber.RuntimeFiber<A, E>>()
-      // The watcher is running before the body starts, so no step of the body precedes it.
-      const watcher = yield* Effect.fork(
-        restore(
-          Effect.catchAll(lease.lost, (error) =>
-            Effect.flatMap(Deferred.await(started), (body) => {
-              lostWith = error
-              // The body is interrupted and awaited here, so it stops before anyone releases.
-              return Fiber.interrupt(body)
-            }))
+      if (held?.lostError !== undefined) return Effect.fail(held.lostError)
+      // The body and everything it forks are checked each time they resume: after a stall past
+      // the lease's safe time, the loss is declared and they stop before their next step.
+      const watch = held === undefined ? undefined : new StallWatch(held, parent.id(), clockOf(parent))
+      const fork = Effect.fork(restore(self))
+      return Effect.gen(function*() {
+        const body = yield* (watch === undefined ? fork : Effect.supervised(fork, watch))
+        let lostWith: LockLost | undefined
+        // The body is interrupted and awaited here, so it stops before anyone releases.
+        const watcher = yield* Effect.fork(
+          restore(Effect.catchAll(lease.lost, (error) => {
+            lostWith = error
+            return Fiber.interrupt(body)
+          }))
         )
-      )
-      const body = yield* Effect.fork(restore(self))
-      yield* Deferred.succeed(started, body)
-      const exit = yield* restore(Fiber.await(body)).pipe(
-        // The caller was interrupted: stop the body and wait until it has stopped.
-        Effect.onInterrupt(() => Effect.zipRight(Fiber.interrupt(body), Fiber.interrupt(watcher)))
-      )
-      yield* Fiber.interrupt(watcher)
-      if (lostWith !== undefined && Exit.isFailure(exit) && Cause.isInterruptedOnly(exit.cause)) {
-        return yield* Effect.fail(lostWith)
-      }
-      return yield* exit
+        const exit = yield* restore(Fiber.await(body)).pipe(
+          // The caller was interrupted: stop the body and wait until it has stopped.
+          Effect.onInterrupt(() => Effect.zipRight(Fiber.interrupt(body), Fiber.interrupt(watcher)))
+        )
+        if (watch !== undefined) watch.active = false
+        yield* Fiber.interrupt(watcher)
+        if (Exit.isFailure(exit) && Cause.isInterruptedOnly(exit.cause)) {
+          // Whoever interrupted the body (the watcher, or the body's own fibers on resuming after
+          // the loss), a body stopped by a lost lease ends in LockLost, never a bare interruption.
+          const lost = held?.lostError ?? lostWith
+          if (lost !== undefined) return yield* Effect.fail(lost)
+        }
+        return yield* exit
+      })
     })
   )
 

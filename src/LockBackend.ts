@@ -114,8 +114,14 @@ export interface LockBackend<G extends Grant = Grant> {
    * a `validUntil`.
    */
   readonly renew: (grants: ReadonlyArray<G>) => Effect.Effect<ReadonlyArray<RenewOutcome>, LockBackendError>
-  /** Most grants `renew` is given at once. */
+  /** Most grants `renew` is given at once; a positive integer (`DistributedLock.make` checks). */
   readonly renewBatchSize: number
+  /**
+   * `true` when `Grant.release` never waits on anything (an in-process store): the core then
+   * skips the backstop timeout it otherwise puts around every release, a timer per release.
+   * Absent means `false`.
+   */
+  readonly instantRelease?: boolean | undefined
 }
 
 /**

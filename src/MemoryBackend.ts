@@ -6,20 +6,25 @@
  *
  * @since 0.1.0
  */
-import * as Clock from "effect/Clock"
 import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import type * as FiberId from "effect/FiberId"
 import type * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as DistributedLock from "./DistributedLock.js"
-import { monotonicMillis } from "./internal/clock.js"
+import { fiberMillis, sleepMillis } from "./internal/clock.js"
 import * as FencingToken from "./FencingToken.js"
 import type { LockMode } from "./Lease.js"
 import type { AcquireRequest, AcquireResult, Grant, LockBackend, RenewOutcome } from "./LockBackend.js"
 import type { LostReason } from "./LockError.js"
+
+// Every operation on the store reads the clock, checks and changes the entries in one
+// synchronous step: no other fiber can run between a check and the change it decides, however
+// often the runtime switches fibers. Only telling holders and waiters happens afterwards.
 
 interface Holder {
   readonly owner: number
@@ -33,8 +38,8 @@ interface Entry {
   /** Last token handed out for this name; entries are kept forever so tokens never repeat. */
   counter: bigint
   readonly holders: Map<number, Holder>
-  /** Completed and replaced whenever a holder leaves, waking every waiter. */
-  changed: Deferred.Deferred<void>
+  /** Acquires waiting for a holder to leave; all are woken when one does, and look again. */
+  waiters: Set<Deferred.Deferred<void>> | undefined
 }
 
 const StoreTypeId: unique symbol = Symbol.for("effect-lock/MemoryBackend/Store")
@@ -85,7 +90,8 @@ export interface StoredLease {
  * @category inspection
  */
 export const holders = (store: Store): Effect.Effect<ReadonlyArray<StoredLease>> =>
-  Effect.map(monotonicMillis, (now) => {
+  Effect.withFiberRuntime((fiber) => {
+    const now = fiberMillis(fiber)
     const out: Array<StoredLease> = []
     for (const [name, entry] of store[StoreTypeId].entries) {
       for (const holder of entry.holders.values()) {
@@ -94,8 +100,20 @@ export const holders = (store: Store): Effect.Effect<ReadonlyArray<StoredLease>>
         }
       }
     }
-    return out
+    return Effect.succeed(out)
   })
+
+/** Wakes every waiter of `entry` (a holder left); each looks again. Synchronous. */
+const wakeWaiters = (entry: Entry): void => {
+  const waiters = entry.waiters
+  if (waiters === undefined) return
+  entry.waiters = undefined
+  for (const waiter of waiters) Deferred.unsafeDone(waiter, Exit.void)
+}
+
+/** Tells each of `gone` its lease is lost, after the store already changed. */
+const tellLost = (gone: ReadonlyArray<Holder> | undefined, reason: LostReason): Effect.Effect<void> =>
+  gone === undefined ? Effect.void : Effect.forEach(gone, (holder) => holder.onLost(reason), { discard: true })
 
 /**
  * Takes the lock `name` away from every holder: their leases fail `lost` with
@@ -107,37 +125,30 @@ export const holders = (store: Store): Effect.Effect<ReadonlyArray<StoredLease>>
 export const revoke = (store: Store, name: string): Effect.Effect<void> =>
   Effect.suspend(() => {
     const entry = store[StoreTypeId].entries.get(name)
-    if (entry === undefined) return Effect.void
+    if (entry === undefined || entry.holders.size === 0) return Effect.void
     const gone = Array.from(entry.holders.values())
     entry.holders.clear()
-    return Effect.forEach(gone, (holder) => holder.onLost("revoked"), { discard: true }).pipe(
-      Effect.zipRight(signal(entry))
-    )
+    wakeWaiters(entry)
+    return tellLost(gone, "revoked")
   })
 
-const signal = (entry: Entry): Effect.Effect<void> =>
-  Effect.flatMap(Deferred.make<void>(), (next) => {
-    const previous = entry.changed
-    entry.changed = next
-    return Deferred.succeed(previous, undefined)
-  })
+const entryOf = (store: Store, name: string): Entry => {
+  const entries = store[StoreTypeId].entries
+  let entry = entries.get(name)
+  if (entry === undefined) entries.set(name, entry = { counter: 0n, holders: new Map(), waiters: undefined })
+  return entry
+}
 
-const entryOf = (store: Store, name: string): Effect.Effect<Entry> =>
-  Effect.suspend(() => {
-    const existing = store[StoreTypeId].entries.get(name)
-    if (existing !== undefined) return Effect.succeed(existing)
-    return Effect.map(Deferred.make<void>(), (changed) => {
-      const entry: Entry = { counter: 0n, holders: new Map(), changed }
-      store[StoreTypeId].entries.set(name, entry)
-      return entry
-    })
-  })
-
-/** Drops holders whose lease ran out; they learn they were taken over. */
-const purgeExpired = (entry: Entry, now: number): Effect.Effect<void> => {
-  const expired = Array.from(entry.holders.values()).filter((h) => h.expiresAt <= now)
+/** Drops holders whose lease ran out and wakes the waiters; returns them so they can be told. */
+const purgeExpired = (entry: Entry, now: number): Array<Holder> | undefined => {
+  let expired: Array<Holder> | undefined
+  for (const holder of entry.holders.values()) {
+    if (holder.expiresAt <= now) (expired ??= []).push(holder)
+  }
+  if (expired === undefined) return undefined
   for (const holder of expired) entry.holders.delete(holder.owner)
-  return Effect.forEach(expired, (holder) => holder.onLost("stolen"), { discard: true })
+  wakeWaiters(entry)
+  return expired
 }
 
 const compatible = (entry: Entry, mode: LockMode): boolean => {
@@ -172,6 +183,12 @@ const MIN_TTL = Duration.millis(100)
 /** Same bound as the database backends, so names behave alike everywhere. */
 const MAX_NAME_BYTES = 1024
 
+/** What one look at the store decided. */
+type Look =
+  | { readonly _tag: "Granted"; readonly grant: MemoryGrant }
+  | { readonly _tag: "Busy" }
+  | { readonly _tag: "Wait"; readonly woken: Deferred.Deferred<void>; readonly sleepMillis: number }
+
 /**
  * Builds the backend (the SPI), for wrapping or for `DistributedLock.make`.
  *
@@ -184,65 +201,67 @@ export const makeBackend = (options?: Options): Effect.Effect<LockBackend<Memory
     const state = store[StoreTypeId]
 
     const release = (name: string, owner: number): Effect.Effect<void> =>
-      Effect.suspend(() => {
+      Effect.sync(() => {
         const entry = state.entries.get(name)
         // Owner-scoped: a holder that was taken over finds no row of its own and touches nothing.
-        if (entry === undefined || !entry.holders.delete(owner)) return Effect.void
-        return signal(entry)
+        if (entry !== undefined && entry.holders.delete(owner)) wakeWaiters(entry)
       })
 
-    const tryGrant = (entry: Entry, request: AcquireRequest, owner: number) =>
-      Effect.gen(function*() {
-        const now = yield* monotonicMillis
-        yield* purgeExpired(entry, now)
-        if (!compatible(entry, request.mode)) return Option.none<MemoryGrant>()
+    /** One synchronous look: grant, report busy, or register as a waiter, as of `now`. */
+    const look = (entry: Entry, request: AcquireRequest, owner: number, now: number, fiberId: FiberId.FiberId): Look => {
+      if (compatible(entry, request.mode)) {
         const ttlMillis = Duration.toMillis(request.ttl)
         entry.counter += 1n
         const token = FencingToken.make(entry.counter)
-        entry.holders.set(owner, {
-          owner,
-          mode: request.mode,
-          token,
-          onLost: request.onLost,
-          expiresAt: now + ttlMillis
-        })
-        return Option.some<MemoryGrant>({
-          name: request.name,
-          owner,
-          ttlMillis,
-          token,
-          validUntil: Option.some(now + ttlMillis),
-          release: release(request.name, owner)
-        })
-      })
-
-    const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<MemoryGrant>> =>
-      Effect.gen(function*() {
-        const entry = yield* entryOf(store, request.name)
-        const owner = state.nextOwner++
-        while (true) {
-          const granted = yield* tryGrant(entry, request, owner)
-          if (Option.isSome(granted)) return { _tag: "Granted", grant: granted.value } as const
-          if (request.attempt === "once") return { _tag: "Busy" } as const
-          const now = yield* monotonicMillis
-          const nextExpiry = Math.min(...Array.from(entry.holders.values(), (h) => h.expiresAt))
-          // Wake when a holder leaves or when the earliest lease runs out, whichever is first.
-          const woke = yield* request.waitUntilDeadline(
-            Effect.raceFirst(Deferred.await(entry.changed), Clock.sleep(Duration.millis(Math.max(0, nextExpiry - now))))
-          )
-          if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
+        entry.holders.set(owner, { owner, mode: request.mode, token, onLost: request.onLost, expiresAt: now + ttlMillis })
+        return {
+          _tag: "Granted",
+          grant: {
+            name: request.name,
+            owner,
+            ttlMillis,
+            token,
+            validUntil: Option.some(now + ttlMillis),
+            release: release(request.name, owner)
+          }
         }
+      }
+      if (request.attempt === "once") return { _tag: "Busy" }
+      // Registered in the same step as the check: a holder leaving after it wakes this waiter.
+      const woken = Deferred.unsafeMake<void>(fiberId)
+      ;(entry.waiters ??= new Set()).add(woken)
+      let nextExpiry = Number.POSITIVE_INFINITY
+      for (const holder of entry.holders.values()) nextExpiry = Math.min(nextExpiry, holder.expiresAt)
+      return { _tag: "Wait", woken, sleepMillis: Math.max(0, nextExpiry - now) }
+    }
+
+    const attempt = (request: AcquireRequest, owner: number): Effect.Effect<AcquireResult<MemoryGrant>> =>
+      Effect.withFiberRuntime((fiber) => {
+        const entry = entryOf(store, request.name)
+        const now = fiberMillis(fiber)
+        const expired = purgeExpired(entry, now)
+        const seen = look(entry, request, owner, now, fiber.id())
+        const told = tellLost(expired, "stolen")
+        if (seen._tag !== "Wait") return expired === undefined ? Effect.succeed(seen) : Effect.as(told, seen)
+        // Wake when a holder leaves or when the earliest lease runs out, whichever is first.
+        const wait = request.waitUntilDeadline(
+          Effect.raceFirst(Deferred.await(seen.woken), sleepMillis(seen.sleepMillis))
+        ).pipe(Effect.ensuring(Effect.sync(() => entry.waiters?.delete(seen.woken))))
+        return Effect.flatMap(Effect.zipRight(told, wait), (woke) =>
+          Option.isNone(woke) ? Effect.succeed({ _tag: "TimedOut" } as const) : attempt(request, owner))
       })
 
     const renewOne = (grant: MemoryGrant, now: number): RenewOutcome => {
       const entry = state.entries.get(grant.name)
       const holder = entry?.holders.get(grant.owner)
-      if (holder === undefined) {
-        const taken = entry !== undefined && Array.from(entry.holders.values()).some((h) => h.expiresAt > now)
+      if (entry === undefined || holder === undefined) {
+        let taken = false
+        if (entry !== undefined) for (const h of entry.holders.values()) if (h.expiresAt > now) taken = true
         return { _tag: "Lost", reason: taken ? "stolen" : "expired" }
       }
       if (holder.expiresAt <= now) {
-        entry!.holders.delete(grant.owner)
+        entry.holders.delete(grant.owner)
+        wakeWaiters(entry)
         return { _tag: "Lost", reason: "expired" }
       }
       holder.expiresAt = now + grant.ttlMillis
@@ -255,8 +274,13 @@ export const makeBackend = (options?: Options): Effect.Effect<LockBackend<Memory
       defaultTtl: Duration.decode(options?.ttl ?? Duration.seconds(30)),
       minTtl: MIN_TTL,
       renewBatchSize: 10_000,
-      acquire,
-      renew: (grants) => Effect.map(monotonicMillis, (now) => grants.map((grant) => renewOne(grant, now)))
+      instantRelease: true,
+      acquire: (request) => Effect.suspend(() => attempt(request, state.nextOwner++)),
+      renew: (grants) =>
+        Effect.withFiberRuntime((fiber) => {
+          const now = fiberMillis(fiber)
+          return Effect.succeed(grants.map((grant) => renewOne(grant, now)))
+        })
     }
   })
 

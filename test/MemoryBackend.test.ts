@@ -1,18 +1,22 @@
 import { describe, expect, it } from "@effect/vitest"
+import * as Cause from "effect/Cause"
+import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
+import * as Logger from "effect/Logger"
+import * as LogLevel from "effect/LogLevel"
 import * as Option from "effect/Option"
 import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as DistributedLock from "effect-lock/DistributedLock"
+import type { LockMode } from "effect-lock/Lease"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
+import * as Net from "node:net"
 import { monotonicMillis } from "../src/internal/clock.js"
-import { contractSuite, freshName } from "./support/contract.js"
-import { type Faults, makeFaults, withFaults } from "./support/faults.js"
-
-const settle = Effect.repeatN(Effect.yieldNow(), 50)
+import { contractSuite, freshName, stallSuite, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
+import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./support/faults.js"
 
 const store = Effect.runSync(MemoryBackend.makeStore)
 
@@ -23,10 +27,11 @@ contractSuite("MemoryBackend", {
   storeHolders: (name) =>
     Effect.map(MemoryBackend.holders(store), (all) => all.filter((lease) => lease.name === name).length),
   advance: TestClock.adjust,
-  settle,
   maxNameBytes: 1024,
   minTtl: Duration.millis(100)
 })
+
+stallSuite("MemoryBackend", Effect.flatMap(MemoryBackend.makeBackend(), DistributedLock.make))
 
 /** One "process" of a cluster sharing `shared`, with injectable renewal faults. */
 const node = (shared: MemoryBackend.Store, faults: Faults = makeFaults(), ttl?: Duration.DurationInput) =>
@@ -34,6 +39,115 @@ const node = (shared: MemoryBackend.Store, faults: Faults = makeFaults(), ttl?: 
     DistributedLock.make(withFaults(backend, faults)))
 
 const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
+
+/** Waits (bounded, on the TestClock) until `condition` holds. */
+const until = (what: string, condition: Effect.Effect<boolean>) => waitUntil("test", what, condition)
+
+/** Until the store holds `count` leases of `name`. */
+const storeHolds = (shared: MemoryBackend.Store, name: string, count = 1) =>
+  until(
+    `the store holds ${count} lease(s) of "${name}"`,
+    Effect.map(MemoryBackend.holders(shared), (all) => all.filter((h) => h.name === name).length === count)
+  )
+
+/** A small seeded generator (mulberry32), so a failing random test can be re-run with its seed. */
+const seededRandom = (seed: number) => {
+  let a = seed >>> 0
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0
+    let t = a
+    t = Math.imul(t ^ (t >>> 15), t | 1)
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61)
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296
+  }
+}
+
+/** Counts holders inside a body and remembers the worst overlap seen. */
+const exclusionProbe = () => {
+  let exclusive = 0
+  let shared = 0
+  let violations = 0
+  const inside = (mode: LockMode) =>
+    Effect.acquireUseRelease(
+      Effect.sync(() => {
+        if (mode === "exclusive") exclusive++
+        else shared++
+        if (exclusive > 1 || (exclusive === 1 && shared > 0)) violations++
+      }),
+      // A few steps inside the body, so the runtime switches fibers while it is held.
+      () => yieldTimes(3),
+      () =>
+        Effect.sync(() => {
+          if (mode === "exclusive") exclusive--
+          else shared--
+        })
+    )
+  return { inside, violations: () => violations }
+}
+
+const TRIALS = 100
+const FIBERS = 8
+
+describe("MemoryBackend exclusion when the runtime switches fibers every 12 ops", () => {
+  it.scoped(`two layers sharing a store: ${FIBERS} fibers in withLock never overlap (${TRIALS} trials)`, () =>
+    Effect.gen(function*() {
+      let overlapping = 0
+      for (let trial = 0; trial < TRIALS; trial++) {
+        const shared = yield* MemoryBackend.makeStore
+        const layers = [yield* node(shared), yield* node(shared)]
+        const probe = exclusionProbe()
+        yield* Effect.forEach(
+          Array.from({ length: FIBERS }, (_, i) => i),
+          (i) => DistributedLock.withLock(probe.inside("exclusive"), "counter").pipe(provide(layers[i % 2]!)),
+          { concurrency: "unbounded", discard: true }
+        ).pipe(withYieldBudget(TIGHT_YIELD_BUDGET))
+        if (probe.violations() > 0) overlapping++
+      }
+      expect(overlapping).toBe(0)
+    }))
+
+  it.scoped(`${FIBERS} fibers calling tryAcquire never hold one exclusive lock together (${TRIALS} trials)`, () =>
+    Effect.gen(function*() {
+      let overlapping = 0
+      let granted = 0
+      for (let trial = 0; trial < TRIALS; trial++) {
+        const shared = yield* MemoryBackend.makeStore
+        const layers = [yield* node(shared), yield* node(shared)]
+        const probe = exclusionProbe()
+        yield* Effect.forEach(
+          Array.from({ length: FIBERS }, (_, i) => i),
+          (i) =>
+            Effect.scoped(Effect.flatMap(layers[i % 2]!.tryAcquire("try"), (lease) =>
+              Option.isSome(lease) ? Effect.zipRight(Effect.sync(() => granted++), probe.inside("exclusive")) : Effect.void)),
+          { concurrency: "unbounded", discard: true }
+        ).pipe(withYieldBudget(TIGHT_YIELD_BUDGET))
+        if (probe.violations() > 0) overlapping++
+      }
+      expect(overlapping).toBe(0)
+      // The check could fail: every trial granted the lock at least once.
+      expect(granted).toBeGreaterThanOrEqual(TRIALS)
+    }))
+
+  it.scoped("shared and exclusive holders in a random mix never overlap (seeded)", () =>
+    Effect.gen(function*() {
+      const seed = Number(process.env.EFFECT_LOCK_TEST_SEED ?? Date.now() % 1_000_000)
+      const random = seededRandom(seed)
+      let overlapping = 0
+      for (let trial = 0; trial < 50; trial++) {
+        const shared = yield* MemoryBackend.makeStore
+        const layers = [yield* node(shared), yield* node(shared)]
+        const probe = exclusionProbe()
+        const modes = Array.from({ length: FIBERS }, (): LockMode => (random() < 0.5 ? "shared" : "exclusive"))
+        yield* Effect.forEach(
+          modes,
+          (mode, i) => DistributedLock.withLock(probe.inside(mode), "mixed", { mode }).pipe(provide(layers[i % 2]!)),
+          { concurrency: "unbounded", discard: true }
+        ).pipe(withYieldBudget(TIGHT_YIELD_BUDGET))
+        if (probe.violations() > 0) overlapping++
+      }
+      expect(overlapping, `seed ${seed} (re-run with EFFECT_LOCK_TEST_SEED=${seed})`).toBe(0)
+    }))
+})
 
 describe("DistributedLock on the memory backend", () => {
   it.scoped("interrupting acquire at any yield point leaves no grant behind", () =>
@@ -48,7 +162,7 @@ describe("DistributedLock on the memory backend", () => {
       // Sweep the interruption over every yield point of an acquire that races a release.
       for (let at = 0; at < 120; at++) {
         const holder = yield* Effect.forkScoped(Effect.scoped(Effect.zipRight(a.acquire(name), Effect.never)))
-        yield* settle
+        yield* storeHolds(shared, name)
         const waiter = yield* Effect.fork(Effect.scoped(Effect.zipRight(b.acquire(name), Effect.never)))
         for (let i = 0; i < at; i++) {
           if (i === Math.floor(at / 2)) yield* Fiber.interruptFork(holder)
@@ -67,15 +181,115 @@ describe("DistributedLock on the memory backend", () => {
       }
     }))
 
+  it.scoped("a loss reported while acquire hands the grant over is never dropped (every yield point)", () =>
+    Effect.gen(function*() {
+      const dropped: Array<number> = []
+      for (let yields = 0; yields < 60; yields++) {
+        yield* Effect.scoped(
+          Effect.gen(function*() {
+            const faults = makeFaults()
+            // The session "dies" right after its grant: the loss is reported by another fiber,
+            // `yields` turns later, wherever the acquiring fiber happens to be.
+            faults.loseAfterGrant = yields
+            const a = yield* node(yield* MemoryBackend.makeStore, faults)
+            const lease = yield* a.acquire("early")
+            yield* until("the loss was reported", Effect.sync(() => faults.lossesReported === 1))
+            // Either the grant was given back and a fresh one taken, or the holder was told.
+            if (lease.token === 1n && (yield* lease.isHeld)) dropped.push(yields)
+          }).pipe(withYieldBudget(TIGHT_YIELD_BUDGET))
+        )
+      }
+      expect(dropped).toEqual([])
+    }))
+
+  it.scoped("a lease registered while the renewal loop is awake is renewed on time (every yield point)", () =>
+    Effect.gen(function*() {
+      const late: Array<number> = []
+      for (let yields = 0; yields < 30; yields++) {
+        yield* Effect.scoped(
+          Effect.gen(function*() {
+            const faults = makeFaults()
+            const startShort = yield* Deferred.make<void>()
+            let armed = false
+            // Four long leases whose first renewals hang: the loop wakes for them, starts four
+            // batches and then has nothing to wake it but its own timer.
+            const hung = new Set<string>()
+            faults.renewHook = (names) =>
+              names[0]!.startsWith("long") && !hung.has(names[0]!)
+                ? Effect.zipRight(Effect.sync(() => hung.add(names[0]!)), Effect.never)
+                : Effect.void
+            // The short lease's grant is handed over while the loop is starting those batches.
+            faults.afterGrant = Effect.suspend(() =>
+              armed ? Effect.zipRight(Deferred.await(startShort), yieldTimes(yields)) : Effect.void
+            )
+            const base = withFaults(yield* MemoryBackend.makeBackend(), faults)
+            const backend: typeof base = {
+              ...base,
+              get renewBatchSize() {
+                // Read by the loop as it starts batches: the moment the short lease is handed over.
+                if (armed) Deferred.unsafeDone(startShort, Exit.void)
+                return 1
+              }
+            }
+            const a = yield* DistributedLock.make(backend)
+            for (let i = 0; i < 4; i++) yield* a.acquire(`long-${i}`, { ttl: "3 seconds" })
+            armed = true
+            const short = yield* Effect.fork(
+              Effect.zipRight(Effect.sleep("999 millis"), a.acquire("short", { ttl: "300 millis" }))
+            )
+            yield* TestClock.adjust("1 second")
+            const lease = yield* Fiber.join(short)
+            armed = false
+            // Past its first renewal (at 1,099 ms) and its safety deadline (1,239 ms).
+            yield* TestClock.adjust("260 millis")
+            const renewed = faults.renewCalls.some((call) => call.names.includes("short"))
+            if ((yield* lease.isHeld) && !renewed) late.push(yields)
+            // Let the hung renewals reach their budget so the scope can release the long leases.
+            yield* TestClock.adjust("1 second")
+          }).pipe(withYieldBudget(TIGHT_YIELD_BUDGET))
+        )
+      }
+      expect(late).toEqual([])
+    }))
+
+  it.scoped("withLock reports LockLost, never a bare interruption, whichever fiber stops the body first", () =>
+    Effect.gen(function*() {
+      for (let yields = 0; yields < 40; yields++) {
+        const shared = yield* MemoryBackend.makeStore
+        const a = yield* node(shared)
+        const running = yield* Deferred.make<void>()
+        // A body that keeps resuming: its fibers see the loss as soon as they resume, and may
+        // stop before the watcher interrupts them.
+        const body = Effect.zipRight(
+          Deferred.succeed(running, undefined),
+          Effect.forever(Effect.yieldNow())
+        )
+        const run = yield* Effect.fork(
+          DistributedLock.withLock(body, "race").pipe(provide(a), withYieldBudget(TIGHT_YIELD_BUDGET))
+        )
+        yield* Deferred.await(running)
+        yield* yieldTimes(yields)
+        yield* MemoryBackend.revoke(shared, "race")
+        const exit = yield* Fiber.await(run)
+        expect(exit).toMatchObject({ _tag: "Failure" })
+        if (Exit.isFailure(exit)) {
+          expect(Cause.isInterruptedOnly(exit.cause)).toBe(false)
+          expect(Cause.failureOption(exit.cause)).toMatchObject({ value: { _tag: "LockLost", reason: "revoked" } })
+        }
+      }
+    }))
+
   it.scoped("withLock: a lost lease interrupts the body and the result is LockLost with its token", () =>
     Effect.gen(function*() {
       const shared = yield* MemoryBackend.makeStore
       const a = yield* node(shared)
       const interrupted = yield* Effect.makeLatch(false)
+      const started = yield* Deferred.make<void>()
+      const body = Effect.zipRight(Deferred.succeed(started, undefined), Effect.never)
       const run = yield* Effect.fork(
-        DistributedLock.withLock(Effect.never.pipe(Effect.onInterrupt(() => interrupted.open)), "job").pipe(provide(a))
+        DistributedLock.withLock(body.pipe(Effect.onInterrupt(() => interrupted.open)), "job").pipe(provide(a))
       )
-      yield* settle
+      yield* Deferred.await(started)
       const [held] = yield* MemoryBackend.holders(shared)
       yield* MemoryBackend.revoke(shared, "job")
       const error = yield* Effect.flip(Fiber.join(run))
@@ -88,15 +302,21 @@ describe("DistributedLock on the memory backend", () => {
       const shared = yield* MemoryBackend.makeStore
       const faults = makeFaults()
       const a = yield* node(shared, faults)
-      const body = Effect.never.pipe(
+      const started = yield* Deferred.make<void>()
+      const finalizing = yield* Deferred.make<void>()
+      const body = Effect.zipRight(Deferred.succeed(started, undefined), Effect.never).pipe(
         Effect.ensuring(
-          Effect.zipRight(Effect.sleep(Duration.seconds(1)), Effect.sync(() => faults.events.push("body:finalized")))
+          Deferred.succeed(finalizing, undefined).pipe(
+            Effect.zipRight(Effect.sleep(Duration.seconds(1))),
+            Effect.zipRight(Effect.sync(() => faults.events.push("body:finalized")))
+          )
         )
       )
       const run = yield* Effect.fork(DistributedLock.withLock(body, "ordered").pipe(provide(a)))
-      yield* settle
+      yield* Deferred.await(started)
       const interrupting = yield* Effect.fork(Fiber.interrupt(run))
-      yield* settle
+      // The body's finalizer is running (and sleeping): the release must wait for it.
+      yield* Deferred.await(finalizing)
       yield* TestClock.adjust(Duration.seconds(2))
       yield* Fiber.join(interrupting)
       expect(faults.events.filter((e) => !e.startsWith("renew"))).toEqual([
@@ -129,6 +349,22 @@ describe("DistributedLock on the memory backend", () => {
       expect(ran).toEqual(Option.some("ran"))
     }))
 
+  it.scoped("a waiter is woken by the release itself, not by a timer", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const bFaults = makeFaults()
+      const a = yield* node(shared, makeFaults(), Duration.seconds(30))
+      const b = yield* node(shared, bFaults)
+      const scope = yield* Scope.make()
+      yield* Scope.extend(a.acquire("handoff"), scope)
+      const waiter = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire("handoff"), (lease) => lease.token)))
+      yield* until("the waiter is queued", Effect.sync(() => waitingFor(bFaults, "handoff") === 1))
+      // No time passes: only the release can wake it.
+      yield* Scope.close(scope, Exit.void)
+      yield* until("the waiter got the lock", Effect.map(Fiber.poll(waiter), Option.isSome))
+      expect(yield* Fiber.join(waiter)).toBe(2n)
+    }))
+
   it.scoped("renews each lease between ttl/4 and ttl/3 after the last renewal, in one batch per tick", () =>
     Effect.gen(function*() {
       const faults = makeFaults()
@@ -150,13 +386,16 @@ describe("DistributedLock on the memory backend", () => {
     Effect.gen(function*() {
       const faults = makeFaults()
       faults.renewDelay = Effect.sleep(Duration.millis(200))
-      const a = yield* node(yield* MemoryBackend.makeStore, faults, Duration.seconds(3))
+      const shared = yield* MemoryBackend.makeStore
+      const a = yield* node(shared, faults, Duration.seconds(3))
       const holder = yield* Effect.fork(Effect.scoped(Effect.zipRight(a.acquire("slow-renew"), Effect.never)))
-      yield* settle
+      yield* storeHolds(shared, "slow-renew")
       yield* TestClock.adjust(Duration.millis(1050))
       expect(faults.events).toEqual(["renew:start"])
       const closing = yield* Effect.fork(Fiber.interrupt(holder))
-      yield* settle
+      // The release has started (the service no longer lists the lease) and waits for the renewal.
+      yield* until("the release started", Effect.map(a.inspect, (held) => held.length === 0))
+      expect(faults.events).toEqual(["renew:start"])
       yield* TestClock.adjust(Duration.millis(300))
       yield* Fiber.join(closing)
       expect(faults.events).toEqual(["renew:start", "renew:end", "release:start:slow-renew", "release:end:slow-renew"])
@@ -202,10 +441,12 @@ describe("DistributedLock on the memory backend", () => {
       const scope = yield* Scope.make()
       const a = yield* Scope.extend(node(shared, faults, Duration.seconds(3)), scope)
       const stopped = yield* Effect.makeLatch(false)
+      const started = yield* Deferred.make<void>()
+      const body = Effect.zipRight(Deferred.succeed(started, undefined), Effect.never)
       const run = yield* Effect.fork(
-        DistributedLock.withLock(Effect.never.pipe(Effect.onInterrupt(() => stopped.open)), "closing").pipe(provide(a))
+        DistributedLock.withLock(body.pipe(Effect.onInterrupt(() => stopped.open)), "closing").pipe(provide(a))
       )
-      yield* settle
+      yield* Deferred.await(started)
       yield* TestClock.adjust(Duration.millis(1100))
       expect(faults.events).toContain("renew:start")
       yield* Scope.close(scope, Exit.void)
@@ -225,7 +466,8 @@ describe("DistributedLock on the memory backend", () => {
       faults.afterGrant = Effect.suspend(() => slowAnswers-- > 0 ? Effect.sleep(Duration.millis(2500)) : Effect.void)
       const a = yield* node(shared, faults, Duration.seconds(3))
       const taking = yield* Effect.fork(a.acquire("late"))
-      yield* settle
+      // Granted in the store, its answer on its way.
+      yield* storeHolds(shared, "late")
       yield* TestClock.adjust(Duration.millis(2600))
       const lease = yield* Fiber.join(taking)
       expect(lease.token).toBe(2n)
@@ -306,13 +548,13 @@ describe("DistributedLock on the memory backend", () => {
         ).pipe(Effect.zipRight(Effect.never), Effect.scoped)
       const fibers = yield* Effect.forEach(nodes, (service, id) =>
         Effect.fork(DistributedLock.singleton("leader", effect(id)).pipe(provide(service))))
-      yield* settle
-      expect(running).toBe(1)
+      yield* until("a leader runs", Effect.sync(() => runs.length === 1))
       for (let round = 0; round < 3; round++) {
+        const before = runs.length
         yield* MemoryBackend.revoke(shared, "leader")
-        yield* settle
+        yield* until("a new leader runs", Effect.sync(() => runs.length === before + 1))
+        // Competitors that lost wait out their backoff; none of them may run meanwhile.
         yield* TestClock.adjust(Duration.millis(10))
-        yield* settle
         expect(running).toBe(1)
       }
       expect(maxRunning).toBe(1)
@@ -320,9 +562,10 @@ describe("DistributedLock on the memory backend", () => {
       // The leader's process stops: one of the others takes over.
       const leader = runs[runs.length - 1]!
       yield* Fiber.interrupt(fibers[leader]!)
-      yield* settle
+      yield* until("another process leads", Effect.sync(() => runs.length === 5))
       expect(running).toBe(1)
       expect(runs[runs.length - 1]).not.toBe(leader)
+      expect(maxRunning).toBe(1)
       yield* Fiber.interruptAll(fibers)
     }))
 
@@ -333,7 +576,7 @@ describe("DistributedLock on the memory backend", () => {
       const fiber = yield* Effect.fork(
         DistributedLock.singleton("batch", Effect.sync(() => runs++), { restartAfter: "1 second" }).pipe(provide(a))
       )
-      yield* settle
+      // Runs at 0, 1, 2 and 3 s (adjust waits until the singleton is asleep before moving time).
       yield* TestClock.adjust(Duration.millis(3500))
       expect(runs).toBe(4)
       yield* Fiber.interrupt(fiber)
@@ -361,4 +604,172 @@ describe("DistributedLock on the memory backend", () => {
       const exit = yield* Effect.exit(Effect.scoped(DistributedLock.acquire("")))
       expect(Exit.isFailure(exit)).toBe(true)
     }).pipe(Effect.provide(MemoryBackend.layer())))
+})
+
+/** Records every log line (debug included) of what runs inside it. */
+const capturingLogs = () => {
+  const lines: Array<{ readonly level: string; readonly message: string }> = []
+  const logger = Logger.make(({ logLevel, message }) => {
+    lines.push({ level: logLevel.label, message: Array.isArray(message) ? message.map(String).join(" ") : String(message) })
+  })
+  const provideLogs = <A, E, R>(self: Effect.Effect<A, E, R>) =>
+    self.pipe(Effect.provide(Logger.replace(Logger.defaultLogger, logger)), Logger.withMinimumLogLevel(LogLevel.Debug))
+  return { lines, provideLogs }
+}
+
+describe("the renewal loop is supervised", () => {
+  it.scoped("a defect in the loop is logged, the loop restarts, and leases are still declared lost on time", () =>
+    Effect.gen(function*() {
+      const logs = capturingLogs()
+      let throwOnce = true
+      // A logger that throws the first time a loss is logged: a defect inside the loop's own step.
+      const throwing = Logger.make(({ logLevel, message }) => {
+        const text = Array.isArray(message) ? message.map(String).join(" ") : String(message)
+        if (throwOnce && text.includes("lost lock")) {
+          throwOnce = false
+          throw new Error("injected: the logger broke")
+        }
+        logs.lines.push({ level: logLevel.label, message: text })
+      })
+      yield* Effect.gen(function*() {
+        const faults = makeFaults()
+        faults.failRenew = true
+        const a = yield* node(yield* MemoryBackend.makeStore, faults)
+        const first = yield* a.acquire("first", { ttl: "1 second" })
+        const second = yield* a.acquire("second", { ttl: "3 seconds" })
+        const firstLostAt = yield* Effect.fork(Effect.zipRight(Effect.flip(first.lost), monotonicMillis))
+        const secondLostAt = yield* Effect.fork(Effect.zipRight(Effect.flip(second.lost), monotonicMillis))
+        yield* TestClock.adjust("3 seconds")
+        // Safety deadlines: 1 s − 1/5 and 3 s − 3/5 (renewals all failed).
+        expect(yield* Fiber.poll(firstLostAt)).toEqual(Option.some(Exit.succeed(800)))
+        expect(yield* Fiber.poll(secondLostAt)).toEqual(Option.some(Exit.succeed(2400)))
+        // And a lease taken after the defect is still looked after.
+        faults.failRenew = false
+        const third = yield* a.acquire("third", { ttl: "1 second" })
+        yield* TestClock.adjust("5 seconds")
+        expect(yield* third.isHeld).toBe(true)
+      }).pipe(Effect.provide(Logger.replace(Logger.defaultLogger, throwing)))
+      expect(throwOnce).toBe(false)
+      expect(logs.lines.some((l) => l.level === "ERROR" && l.message.includes("renewal loop failed"))).toBe(true)
+    }))
+
+  it.scoped("a renew call that throws or dies is retried at the retry pace, not in a spin; losses stay on time", () =>
+    Effect.gen(function*() {
+      for (const broken of ["throws", "dies"] as const) {
+        const shared = yield* MemoryBackend.makeStore
+        const base = yield* MemoryBackend.makeBackend({ store: shared })
+        let calls = 0
+        const backend: typeof base = {
+          ...base,
+          renew: (grants) => {
+            calls++
+            if (broken === "throws") throw new Error("injected: renew threw")
+            return Effect.zipRight(Effect.die(new Error("injected: renew died")), base.renew(grants))
+          }
+        }
+        const a = yield* DistributedLock.make(backend)
+        const start = yield* monotonicMillis
+        const lease = yield* a.acquire("broken", { ttl: "3 seconds" })
+        const lostAt = yield* Effect.fork(Effect.zipRight(Effect.flip(lease.lost), monotonicMillis))
+        yield* TestClock.adjust("3 seconds")
+        expect((yield* Fiber.join(lostAt)) - start).toBeLessThanOrEqual(2400)
+        // First attempt at 1,000 ms, then every 300 ms until the deadline at 2,400 ms.
+        expect(calls).toBeGreaterThanOrEqual(4)
+        expect(calls).toBeLessThanOrEqual(6)
+      }
+    }))
+
+  it.scoped("a backend whose renewBatchSize is not a positive integer is refused when the service is built", () =>
+    Effect.gen(function*() {
+      const base = yield* MemoryBackend.makeBackend()
+      for (const renewBatchSize of [0, -1, 1.5, Number.NaN]) {
+        const exit = yield* Effect.exit(DistributedLock.make({ ...base, renewBatchSize }))
+        expect(Exit.isFailure(exit)).toBe(true)
+        if (Exit.isFailure(exit)) {
+          const defect = Cause.dieOption(exit.cause)
+          expect(Option.isSome(defect)).toBe(true)
+          expect(String(Option.getOrUndefined(defect))).toContain("renewBatchSize must be a positive integer")
+        }
+      }
+    }))
+})
+
+/**
+ * A local TCP peer that answers each request at once and can then block the event loop: the
+ * answer sits in the socket buffer during the stall, as a database's answer does during a GC
+ * pause. After a stall Node runs due timers before it reads sockets.
+ */
+const stallingPeer = Effect.acquireRelease(
+  Effect.promise(async () => {
+    let stallNext = 0
+    let stallEnded = 0
+    const server = Net.createServer((socket) => {
+      socket.on("data", () => {
+        socket.write("!")
+        const millis = stallNext
+        stallNext = 0
+        if (millis > 0) {
+          const end = performance.now() + millis
+          while (performance.now() < end) {
+            // blocked
+          }
+          stallEnded = performance.now()
+        }
+      })
+    })
+    await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve))
+    const { port } = server.address() as Net.AddressInfo
+    const client = Net.connect(port, "127.0.0.1")
+    client.setNoDelay(true)
+    await new Promise<void>((resolve) => client.once("connect", resolve))
+    const roundTrip = Effect.async<void>((resume) => {
+      const onData = () => resume(Effect.void)
+      client.once("data", onData)
+      client.write("?")
+      return Effect.sync(() => client.off("data", onData))
+    })
+    return {
+      server,
+      client,
+      roundTrip,
+      stallAfterNextAnswer: (millis: number) => (stallNext = millis),
+      stallEnded: () => stallEnded
+    }
+  }),
+  ({ client, server }) =>
+    Effect.promise(() => {
+      client.destroy()
+      return new Promise<void>((resolve) => server.close(() => resolve()))
+    })
+)
+
+describe("bounds on backend calls survive event-loop stalls", () => {
+  it.scopedLive("a renewal answered during a stall longer than its budget counts: no failure, no retry", () =>
+    Effect.gen(function*() {
+      const peer = yield* stallingPeer
+      const logs = capturingLogs()
+      const base = yield* MemoryBackend.makeBackend()
+      let calls = 0
+      // Every renewal is a round trip to the peer first, as a database's would be.
+      const backend: typeof base = {
+        ...base,
+        renew: (grants) => Effect.zipRight(Effect.zipRight(Effect.sync(() => calls++), peer.roundTrip), base.renew(grants))
+      }
+      const { a, lease } = yield* logs.provideLogs(Effect.gen(function*() {
+        const a = yield* DistributedLock.make(backend)
+        // ttl 9 s: the renewal starts at 3 s with a 3 s budget; safety deadline at 7.2 s.
+        const lease = yield* a.acquire(freshName("stall-renew"), { ttl: "9 seconds" })
+        return { a, lease }
+      }))
+      const [before] = yield* a.inspect
+      // The peer answers the first renewal at once, then the process stalls 3.3 s (> the budget).
+      peer.stallAfterNextAnswer(3_300)
+      yield* waitUntil("live", "the stall happened and ended", Effect.sync(() => peer.stallEnded() > 0))
+      yield* waitUntil("live", "the renewal's answer was applied", Effect.map(a.inspect, ([held]) =>
+        held !== undefined && Option.getOrThrow(held.validUntil) > Option.getOrThrow(before!.validUntil)))
+      expect(calls).toBeGreaterThanOrEqual(1)
+      expect(yield* lease.isHeld).toBe(true)
+      // The answer that waited in the socket during the stall counted: nothing timed out or retried.
+      expect(logs.lines.filter((l) => l.message.includes("renewal"))).toEqual([])
+    }), 30_000)
 })

@@ -3,7 +3,9 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as Logger from "effect/Logger"
+import * as Exit from "effect/Exit"
 import * as Metric from "effect/Metric"
+import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as Tracer from "effect/Tracer"
 import * as DistributedLock from "effect-lock/DistributedLock"
@@ -105,6 +107,46 @@ describe("observability", () => {
       const [lost] = byName("effect-lock.lost")
       expect(lost!.attributes.get("lock.reason")).toBe("revoked")
       expect(lost!.attributes.get("lock.token")).toBe("1")
+    }))
+
+  it.scoped("metrics carry the labels of the fiber that acquired (Effect.tagMetrics), up and down alike", () =>
+    Effect.gen(function*() {
+      const store = yield* MemoryBackend.makeStore
+      const a = yield* DistributedLock.make(yield* MemoryBackend.makeBackend({ store }))
+      const tenant = (value: string) => Metric.tagged(Metric.tagged(LockMetrics.held, "backend", "memory"), "tenant", value)
+      const heldFor = (value: string) => Effect.map(Metric.value(tenant(value)), (s) => s.value)
+      const acquiredFor = (value: string) =>
+        Effect.map(
+          Metric.value(Metric.tagged(Metric.tagged(LockMetrics.acquisitions, "backend", "memory"), "tenant", value)),
+          (s) => s.count
+        )
+      const before = { held: yield* heldFor("a"), acquired: yield* acquiredFor("a"), other: yield* heldFor("b") }
+      const scope = yield* Scope.make()
+      yield* Scope.extend(a.acquire("tagged").pipe(Effect.tagMetrics("tenant", "a")), scope)
+      expect(yield* heldFor("a")).toBe(before.held + 1)
+      expect(yield* acquiredFor("a")).toBe(before.acquired + 1)
+      expect(yield* heldFor("b")).toBe(before.other)
+      // Released from another fiber (no tags): the gauge goes down where it went up.
+      yield* Scope.close(scope, Exit.void)
+      expect(yield* heldFor("a")).toBe(before.held)
+    }))
+
+  it.scoped("under a parent span that is not sampled, acquire and release start no span", () =>
+    Effect.gen(function*() {
+      const { spans, tracer } = yield* recordingTracer
+      yield* Effect.gen(function*() {
+        const a = yield* DistributedLock.make(yield* MemoryBackend.makeBackend())
+        // A request whose trace the caller's upstream decided not to sample.
+        const unsampled = Tracer.externalSpan({ traceId: "t-1", spanId: "s-1", sampled: false })
+        yield* Effect.scoped(a.acquire("unsampled")).pipe(Effect.withParentSpan(unsampled))
+        yield* Effect.scoped(a.acquire("sampled")).pipe(Effect.withSpan("caller"))
+      }).pipe(Effect.withTracer(tracer))
+      const lockSpans = spans.filter((span) => span.name.startsWith("effect-lock."))
+      // Only the sampled call's acquire and release.
+      expect(lockSpans.map((span) => [span.name, span.attributes.get("lock.name")])).toEqual([
+        ["effect-lock.acquire", "sampled"],
+        ["effect-lock.release", "sampled"]
+      ])
     }))
 
   it.scoped("a lost lease is logged once, at warning level, with its name, token and reason", () =>
