@@ -22,7 +22,7 @@ import type { InvalidLockName, LostReason } from "./LockError.js"
 import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./internal/clock.js"
 import { type Held, heldOf, makeRegistry, type Registry, safetyDeadlineOf } from "./internal/held.js"
 import * as metrics from "./internal/metrics.js"
-import { boundOption } from "./internal/bound.js"
+import { timeoutOption } from "./internal/stallSafe.js"
 import { StallWatch } from "./internal/stallWatch.js"
 import { isTraced } from "./internal/tracing.js"
 import { clampTtl, decodeDuration, modeProblem, nameProblem } from "./internal/validate.js"
@@ -232,7 +232,7 @@ const attemptOnce = <G extends Grant>(
     waitUntilDeadline: (step) =>
       Option.isNone(deadline)
         ? Effect.asSome(restore(step))
-        : Effect.flatMap(monotonicMillis, (now) => restore(boundOption(step, wholeMillis(deadline.value - now)))),
+        : Effect.flatMap(monotonicMillis, (now) => restore(timeoutOption(step, wholeMillis(deadline.value - now)))),
     onLost: (reason) =>
       Effect.suspend(() => {
         if (state.discarded) return Effect.void

@@ -11,7 +11,7 @@ import type * as Scope from "effect/Scope"
 import type { HeldLock, Lease, LockMode } from "../Lease.js"
 import type { Grant, LockBackend, RenewOutcome } from "../LockBackend.js"
 import { LockLost, type LostReason } from "../LockError.js"
-import { boundOption } from "./bound.js"
+import { timeoutOption } from "./stallSafe.js"
 import { clockOf, fiberMillis, monotonicMillis, sleepMillis, wholeMillis } from "./clock.js"
 import { makeLoopAlarm } from "./loopAlarm.js"
 import * as metrics from "./metrics.js"
@@ -218,7 +218,7 @@ export const makeRegistry = <G extends Grant>(
     const giveBack = (name: string, grant: G): Effect.Effect<void> => {
       const release = backend.instantRelease === true
         ? grant.release
-        : Effect.flatMap(boundOption(grant.release, releaseTimeoutMillis), (done) =>
+        : Effect.flatMap(timeoutOption(grant.release, wholeMillis(releaseTimeoutMillis)), (done) =>
           Option.isSome(done)
             ? Effect.void
             : Effect.fail(new Error(`release did not finish within ${Duration.format(options.releaseTimeout)}`)))
@@ -241,7 +241,7 @@ export const makeRegistry = <G extends Grant>(
         // Bounded: a renewal is itself cut off at its budget, this is only a backstop.
         const done = renewing === undefined
           ? back
-          : Effect.zipRight(boundOption(Effect.interruptible(Deferred.await(renewing)), releaseTimeoutMillis), back)
+          : Effect.zipRight(timeoutOption(Effect.interruptible(Deferred.await(renewing)), wholeMillis(releaseTimeoutMillis)), back)
         return isTraced(fiber)
           ? Effect.withSpan(done, "effect-lock.release", {
             captureStackTrace: false,
@@ -293,7 +293,7 @@ export const makeRegistry = <G extends Grant>(
     const callRenew = (live: ReadonlyArray<Held<G>>, budget: number) =>
       Effect.withFiberRuntime<ReadonlyArray<RenewOutcome> | undefined>((fiber) => {
         // Stall-safe: an answer that arrived while the event loop was blocked counts.
-        const call = boundOption(Effect.suspend(() => backend.renew(live.map((h) => h.grant))), budget).pipe(
+        const call = timeoutOption(Effect.suspend(() => backend.renew(live.map((h) => h.grant))), wholeMillis(budget)).pipe(
           Effect.flatMap(Option.match({
             onNone: () => Effect.as(Effect.logDebug("lease renewal ran out of time; retrying"), undefined),
             onSome: (outcomes) => Effect.succeed(outcomes)
