@@ -1,14 +1,11 @@
 /**
- * Counts the statements a library sends through a `SqlClient`, by wrapping the client it is
- * given: every `sql.unsafe(text, params)` call is logged with its time and first parameter's
- * size (the batch size of an array-parameter statement). PgLease sends every statement this
- * way, so the log is exact for it; a server-side count (pg_stat_database) is taken alongside.
+ * Counts the statements a library sends, with their time and first parameter's size (the batch
+ * size of an array-parameter statement), at PgLease's own connection lane, where it sends them
+ * (they do not pass through the app's `SqlClient`: renewals have connections of their own). A
+ * server-side count (pg_stat_database) is taken alongside.
  */
-import * as SqlClient from "@effect/sql/SqlClient"
-import { PgClient } from "@effect/sql-pg"
-import * as Context from "effect/Context"
+import type { Lane } from "../../src/internal/pgLeaseLane.js"
 import * as Effect from "effect/Effect"
-import * as Layer from "effect/Layer"
 import { now } from "./timing.js"
 
 export interface LoggedStatement {
@@ -31,32 +28,17 @@ export class StatementLog {
   }
 }
 
-const counting = (sql: SqlClient.SqlClient, log: StatementLog): SqlClient.SqlClient =>
-  new Proxy(sql, {
-    get(target, property) {
-      if (property === "unsafe") {
-        const unsafe: SqlClient.SqlClient["unsafe"] = (text, params) => {
-          log.record(text, params)
-          return target.unsafe(text, params)
-        }
-        return unsafe
-      }
-      return Reflect.get(target, property, target)
-    }
-  })
-
-/**
- * `PgClient` as given, and `SqlClient` wrapped to log into `log`. Built from one pg layer, so
- * both tags share the same pool.
- */
-export const countingPgLayer = <E>(
-  pg: Layer.Layer<PgClient.PgClient | SqlClient.SqlClient, E>,
-  log: StatementLog
-): Layer.Layer<PgClient.PgClient | SqlClient.SqlClient, E> =>
-  Layer.effectContext(
-    Effect.gen(function*() {
-      const client = yield* PgClient.PgClient
-      const sql = yield* SqlClient.SqlClient
-      return Context.make(PgClient.PgClient, client).pipe(Context.add(SqlClient.SqlClient, counting(sql, log)))
+/** PgLease's lane, logging every lock and renewal statement into `log` before sending it. */
+export const countingLane = (log: StatementLog) => (lane: Lane): Lane => ({
+  ...lane,
+  run: (operation, name, text, params, bound) =>
+    Effect.suspend(() => {
+      log.record(text, params)
+      return lane.run(operation, name, text, params, bound)
+    }),
+  renew: (text, params, bound) =>
+    Effect.suspend(() => {
+      log.record(text, params)
+      return lane.renew(text, params, bound)
     })
-  ).pipe(Layer.provide(pg))
+})

@@ -3,7 +3,7 @@
  * (and then release) them all, server sessions used (pg_stat_activity by application_name,
  * sampled every 100 ms, peak), Node heap and RSS after a full GC relative to before the layer
  * was built, and — while the locks sit held and idle — every statement the process sends:
- * PgLease's renewal statements counted at the SqlClient (exact) and the database's committed
+ * PgLease's renewal statements counted at its connection lane (exact) and the database's committed
  * transactions (pg_stat_database, server side).
  */
 import { PgClient } from "@effect/sql-pg"
@@ -26,7 +26,8 @@ import type { Target } from "../lib/report.js"
 import { reasonOf } from "../lib/rounds.js"
 import { openRuntime } from "../lib/runtime.js"
 import { spread, type Spread } from "../lib/stats.js"
-import { countingPgLayer, type LoggedStatement, StatementLog } from "../lib/statementLog.js"
+import { countingLane, type LoggedStatement, StatementLog } from "../lib/statementLog.js"
+import * as PgLeaseMake from "../../src/internal/pgLeaseMake.js"
 import { now, sleep } from "../lib/timing.js"
 
 /** Acquisitions in flight at once while taking all the locks. */
@@ -127,8 +128,8 @@ const runOnce = async (
   const log = new StatementLog()
   const layer: Layer.Layer<DistributedLock.DistributedLock, unknown> = subject.kind === "pg-lease"
     ? Layer.provide(
-      PgLease.layer({ ttl: ttlMs }),
-      countingPgLayer(PgClient.layer({ url: Redacted.make(database.url), applicationName: subject.applicationName }), log)
+      DistributedLock.layerBackend(PgLeaseMake.makeBackend({ ttl: ttlMs }, countingLane(log))),
+      PgClient.layer({ url: Redacted.make(database.url), applicationName: subject.applicationName })
     )
     : PgAdvisory.layer({ url: database.url, applicationName: subject.applicationName })
   // Its own session: a pg.Client runs one statement at a time, and the sampler never waits.
@@ -391,7 +392,7 @@ const render = (result: ScaleResult): string => {
   return [
     `The locks are acquired ${result.acquireConcurrency} at a time, each into its own scope, held, then released ` +
     `${result.acquireConcurrency} at a time. PgAdvisory runs with its default maxSessions (${ADVISORY_MAX_SESSIONS}); ` +
-    `PgLease over one PgClient pool (default size) with ttl ${result.leaseTtlMs / 1000} s, so it renews every ` +
+    `PgLease on its own connection lane (settings from one PgClient; up to 4 lock, 2 renewal and 1 LISTEN connections) with ttl ${result.leaseTtlMs / 1000} s, so it renews every ` +
     `${(result.leaseTtlMs / 3000).toFixed(1)} s. Heap and RSS are read after a full GC; heap and the RSS Δ are relative ` +
     "to before the layer was built, and include what any caller holding the locks keeps (a name, a scope and the " +
     "lease per lock). RSS also moves with what earlier rounds freed, so its Δ is rough. Sessions are counted in pg_stat_activity by the layer's application_name every 100 ms. The first " +
@@ -400,12 +401,12 @@ const render = (result: ScaleResult): string => {
     main,
     "",
     `**PgLease while held and idle** (the most leases only: a ${result.idleMs / 1000} s window — two renewal periods — after all leases are acquired): its statements ` +
-    "are counted at its SqlClient: renewal statements per renewal period (ttl/3), renewal ticks (the registry renews " +
+    "are counted at its own connection lane (where it sends them): renewal statements per renewal period (ttl/3), renewal ticks (the registry renews " +
     `everything due in one tick as full batches of ${result.renewBatchSize} rows and one partial batch, so a partial ` +
     "batch ends a tick), rows per statement, and any other statement. Server transactions/s is the database's " +
     "xact_commit delta over the window (pg_stat_database; backends publish it at most once a second, so the " +
     "window is widened by a settle period on each side): it counts every transaction in the database, autovacuum's " +
-    "included, so it is an upper bound on what the library sent; the SqlClient count is exact.",
+    "included, so it is an upper bound on what the library sent; the lane count is exact.",
     "",
     idle
   ].join("\n")
