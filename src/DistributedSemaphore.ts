@@ -13,7 +13,7 @@
 import * as Context from "effect/Context"
 import type * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as FiberRef from "effect/FiberRef"
+import type * as Fiber from "effect/Fiber"
 import { dual } from "effect/Function"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
@@ -136,7 +136,12 @@ interface Ask {
   readonly permits: number
 }
 
-const currentAsk = FiberRef.unsafeMake<Ask | undefined>(undefined)
+/**
+ * The ask of each fiber's latest permit request. The core calls the backend's `acquire` on the
+ * acquiring fiber, and a fiber makes one request at a time, so the entry set just before the
+ * request is the one its `acquire` reads (cheaper than a FiberRef's `locally` on the hot path).
+ */
+const asks = new WeakMap<Fiber.RuntimeFiber<unknown, unknown>, Ask>()
 
 /** Where `Permits` keep the lease the core made for them, for `withPermits`' guard. */
 const LeaseKey: unique symbol = Symbol.for("effect-lock/DistributedSemaphore/Lease")
@@ -144,8 +149,7 @@ const LeaseKey: unique symbol = Symbol.for("effect-lock/DistributedSemaphore/Lea
 /**
  * The permit store seen as a lock store, so that the core's acquire path, registry, renewal loop,
  * loss detection, guard and stall watch serve permits exactly as they serve locks. The request's
- * limit and permits reach it through the acquiring fiber (`currentAsk`): the core calls the
- * backend's `acquire` on that fiber.
+ * limit and permits reach it through the acquiring fiber (`asks`).
  */
 const asLockBackend = <P extends PermitGrant>(semaphore: SemaphoreBackend<P>): LockBackend<P> => ({
   backend: semaphore.backend,
@@ -157,7 +161,7 @@ const asLockBackend = <P extends PermitGrant>(semaphore: SemaphoreBackend<P>): L
   renew: semaphore.renew,
   acquire: (request) =>
     Effect.withFiberRuntime((fiber) => {
-      const ask = fiber.getFiberRef(currentAsk)
+      const ask = asks.get(fiber)
       if (ask === undefined) {
         return Effect.dieMessage("effect-lock: a permit store was asked for a lock outside DistributedSemaphore")
       }
@@ -224,32 +228,26 @@ export const make = <P extends PermitGrant>(
   semaphore: SemaphoreBackend<P>
 ): Effect.Effect<Service, never, Scope.Scope> =>
   Effect.map(DistributedLock.make(asLockBackend(semaphore)), (inner): Service => {
-    const take = <A>(
+    const take = <A, B>(
       name: string,
       options: PermitOptions,
-      taking: (lockOptions: DistributedLock.AcquireOptions) => Effect.Effect<A, DistributedLock.AcquireError, Scope.Scope>
-    ) =>
-      Effect.suspend((): Effect.Effect<{ readonly lease: A; readonly ask: Ask }, AcquireError, Scope.Scope> => {
+      taking: (lockOptions: DistributedLock.AcquireOptions) => Effect.Effect<A, DistributedLock.AcquireError, Scope.Scope>,
+      done: (taken: A, ask: Ask) => B
+    ): Effect.Effect<B, AcquireError, Scope.Scope> =>
+      Effect.withFiberRuntime((fiber) => {
         const problem = permitsProblem(name, options)
         if (problem !== undefined) return Effect.fail(problem)
         const ask: Ask = { limit: options.limit, permits: options.permits ?? 1 }
+        asks.set(fiber, ask)
         // "shared": what `inspect`, spans and metrics show for a set of permits (others may hold the name too).
         const lockOptions: DistributedLock.AcquireOptions = { timeout: options.timeout, ttl: options.ttl, mode: "shared" }
-        return taking(lockOptions).pipe(
-          Effect.locally(currentAsk, ask),
-          Effect.mapError(unwrapMismatch),
-          Effect.map((lease) => ({ lease, ask }))
-        )
+        return Effect.mapBoth(taking(lockOptions), { onFailure: unwrapMismatch, onSuccess: (taken) => done(taken, ask) })
       })
     return {
       backend: inner.backend,
-      acquire: (name, options) =>
-        Effect.map(take(name, options, (o) => inner.acquire(name, o)), ({ ask, lease }) => toPermits(lease, ask)),
+      acquire: (name, options) => take(name, options, (o) => inner.acquire(name, o), toPermits),
       tryAcquire: (name, options) =>
-        Effect.map(
-          take(name, options, (o) => inner.tryAcquire(name, o)),
-          ({ ask, lease }) => Option.map(lease, (l) => toPermits(l, ask))
-        )
+        take(name, options, (o) => inner.tryAcquire(name, o), (lease, ask) => Option.map(lease, (l) => toPermits(l, ask)))
     }
   })
 

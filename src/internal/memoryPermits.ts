@@ -175,28 +175,36 @@ export const makeSemaphoreBackend = (
       pump(entry)
     })
 
-  /** Hands the permits set aside for `waiter` to it. Synchronous. */
-  const take = (entry: PermitEntry, waiter: Waiter, request: PermitRequest, owner: number, now: number) => {
-    const index = entry.queue.indexOf(waiter)
-    if (index >= 0) entry.queue.splice(index, 1)
-    entry.reserved -= waiter.permits
-    entry.held += waiter.permits
+  /** Grants `request.permits` free permits, with a token each. Synchronous. */
+  const grant = (entry: PermitEntry, request: PermitRequest, owner: number, now: number) => {
+    const permits = request.permits
+    entry.held += permits
     const first = entry.counter + 1n
-    entry.counter += BigInt(waiter.permits)
-    const tokens = Array.from({ length: waiter.permits }, (_, i) => FencingToken.make(first + BigInt(i)))
+    entry.counter += BigInt(permits)
+    const tokens = permits === 1
+      ? [FencingToken.make(first)]
+      : Array.from({ length: permits }, (_, i) => FencingToken.make(first + BigInt(i)))
     const ttlMillis = Duration.toMillis(request.ttl)
-    entry.holders.set(owner, { owner, permits: waiter.permits, tokens, onLost: request.onLost, expiresAt: now + ttlMillis })
-    const grant: MemoryPermitGrant = {
+    entry.holders.set(owner, { owner, permits, tokens, onLost: request.onLost, expiresAt: now + ttlMillis })
+    const granted: MemoryPermitGrant = {
       name: request.name,
       owner,
-      permits: waiter.permits,
+      permits,
       ttlMillis,
       token: tokens[0]!,
       tokens,
       validUntil: Option.some(now + ttlMillis),
       release: release(request.name, owner)
     }
-    return { _tag: "Granted" as const, grant }
+    return { _tag: "Granted" as const, grant: granted }
+  }
+
+  /** Hands the permits set aside for `waiter` to it. Synchronous. */
+  const take = (entry: PermitEntry, waiter: Waiter, request: PermitRequest, owner: number, now: number) => {
+    const index = entry.queue.indexOf(waiter)
+    if (index >= 0) entry.queue.splice(index, 1)
+    entry.reserved -= waiter.permits
+    return grant(entry, request, owner, now)
   }
 
   /** Waits until the waiter's permits are set aside for it (or a holder's lease runs out), then takes them. */
@@ -234,23 +242,24 @@ export const makeSemaphoreBackend = (
     Effect.withFiberRuntime((fiber) => {
       const entry = entryOf(entries, request.name)
       const now = fiberMillis(fiber)
-      const expired = purgeExpired(entry, now)
-      const told = tellLost(expired, "stolen")
+      const expired = entry.holders.size === 0 ? undefined : purgeExpired(entry, now)
+      const told = <A>(result: A): Effect.Effect<A> =>
+        expired === undefined ? Effect.succeed(result) : Effect.as(tellLost(expired, "stolen"), result)
       if (inUse(entry) && entry.limit !== request.limit) {
-        return Effect.as(told, { _tag: "LimitMismatch" as const, current: entry.limit })
+        return told({ _tag: "LimitMismatch" as const, current: entry.limit })
       }
       if (!inUse(entry)) entry.limit = request.limit
-      // Every request queues and the queue decides, in this one step: a newcomer is served at
-      // once only if nobody is ahead of it and its permits are free.
+      // A newcomer is served at once only if nobody waits ahead of it and its permits are free
+      // (with an empty queue nothing is set aside either); otherwise it queues, in this same step.
+      if (entry.queue.length === 0 && request.permits <= entry.limit - entry.held) {
+        return told(grant(entry, request, owner, now))
+      }
+      if (request.attempt === "once") return told({ _tag: "Busy" as const })
       const waiter: Waiter = { permits: request.permits, woken: false, signal: Deferred.unsafeMake<void>(fiber.id()) }
       entry.queue.push(waiter)
       pump(entry)
-      if (waiter.woken) return Effect.as(told, take(entry, waiter, request, owner, now))
-      if (request.attempt === "once") {
-        abandon(entry, waiter)
-        return Effect.as(told, { _tag: "Busy" as const })
-      }
-      return Effect.zipRight(told, waitFor(entry, waiter, request, owner))
+      if (waiter.woken) return told(take(entry, waiter, request, owner, now))
+      return Effect.zipRight(told(undefined), waitFor(entry, waiter, request, owner))
     })
 
   const renewOne = (grant: MemoryPermitGrant, now: number): RenewOutcome => {
