@@ -7,12 +7,12 @@
  */
 import * as Cause from "effect/Cause"
 import * as Context from "effect/Context"
+import type * as Cron from "effect/Cron"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import { dual } from "effect/Function"
-import type * as Cron from "effect/Cron"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as Schedule from "effect/Schedule"
