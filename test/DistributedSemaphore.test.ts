@@ -18,6 +18,7 @@ import { LockBackendError } from "effect-lock/LockError"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import { TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
 import { yieldTimes } from "./support/faults.js"
+import { seededRandom, testSeed } from "./support/random.js"
 
 /** One "process" of a cluster sharing `store`: its own semaphore service (own registry, own renewals). */
 const node = (store: MemoryBackend.Store, wrap: (backend: SemaphoreBackend<any>) => SemaphoreBackend<any> = (b) => b) =>
@@ -40,18 +41,6 @@ const waitingAre = (store: MemoryBackend.Store, name: string, permits: ReadonlyA
 
 const heldPermits = (store: MemoryBackend.Store, name: string) =>
   Effect.map(stateOf(store, name), (s) => (s?.holders ?? []).reduce((sum, h) => sum + h.permits, 0))
-
-/** A small seeded generator (mulberry32), so a failing random test can be re-run with its seed. */
-const seededRandom = (seed: number) => {
-  let a = seed >>> 0
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0
-    let t = a
-    t = Math.imul(t ^ (t >>> 15), t | 1)
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61)
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296
-  }
-}
 
 /** Counts the permits held inside bodies and remembers the worst it saw. */
 const occupancy = (limit: number) => {
@@ -82,7 +71,7 @@ describe("DistributedSemaphore on the memory backend", () => {
     const label = budget === undefined ? "" : ` (runtime switching fibers every ${budget} ops)`
     it.scoped(`never more than limit permits held across ${PROCESSES} processes × ${FIBERS_PER_PROCESS} fibers${label}`, () =>
       Effect.gen(function*() {
-        const seed = Number(process.env.EFFECT_LOCK_TEST_SEED ?? Date.now() % 1_000_000)
+        const seed = testSeed()
         const random = seededRandom(seed)
         const store = yield* MemoryBackend.makeStore
         const services = yield* Effect.forEach(Array.from({ length: PROCESSES }), () => node(store))

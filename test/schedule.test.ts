@@ -18,10 +18,12 @@ import * as DistributedLock from "effect-lock/DistributedLock"
 import type { LockBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
+import { skewed } from "./support/clocks.js"
 import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
 
 const EVERY_SECOND = Schedule.cron("* * * * * *")
 const EVERY_5_SECONDS = Cron.unsafeParse("*/5 * * * * *")
+const EVERY_5_SECONDS_SCHEDULE = Schedule.cron(EVERY_5_SECONDS)
 
 interface Run {
   readonly replica: string
@@ -42,16 +44,6 @@ const captureLogs = () => {
   return { lines, provide }
 }
 
-/** A Clock whose wall time is `behind` ms behind `base`; its monotonic time and sleeps are `base`'s. */
-const skewed = (base: Clock.Clock, behind: number): Clock.Clock => ({
-  [Clock.ClockTypeId]: Clock.ClockTypeId,
-  unsafeCurrentTimeMillis: () => base.unsafeCurrentTimeMillis() - behind,
-  currentTimeMillis: Effect.sync(() => base.unsafeCurrentTimeMillis() - behind),
-  unsafeCurrentTimeNanos: () => base.unsafeCurrentTimeNanos(),
-  currentTimeNanos: base.currentTimeNanos,
-  sleep: (duration) => base.sleep(duration)
-})
-
 /** One replica's lock service over the shared store, its backend optionally wrapped. */
 const replica = (store: MemoryBackend.Store, wrap: (backend: LockBackend<any>) => LockBackend<any> = (b) => b) =>
   Effect.flatMap(MemoryBackend.makeBackend({ store }), (backend) => DistributedLock.make(wrap(backend)))
@@ -69,6 +61,43 @@ const recording = (runs: Array<Run>, who: string, base: Clock.Clock) => (occurre
       token: occurrence.lease.token
     })
   )
+
+/** One replica of `cluster`: its wall clock (default the test's) and its backend wrapper. */
+interface ReplicaSpec {
+  readonly who: string
+  readonly clock?: ((base: Clock.Clock) => Clock.Clock) | undefined
+  readonly wrap?: ((backend: LockBackend<any>) => LockBackend<any>) | undefined
+}
+
+/**
+ * Starts a replica per spec over one shared store, each running the same `schedule` line with a
+ * recording job; returns the store and what the jobs recorded.
+ */
+const cluster = (
+  name: string,
+  steps: Schedule.Schedule<unknown, unknown>,
+  options: DistributedLock.ScheduleOptions | undefined,
+  specs: ReadonlyArray<ReplicaSpec>
+) =>
+  Effect.gen(function*() {
+    const base = yield* Effect.clock
+    const store = yield* MemoryBackend.makeStore
+    const runs: Array<Run> = []
+    for (const spec of specs) {
+      const service = yield* replica(store, spec.wrap)
+      yield* Effect.forkScoped(
+        DistributedLock.schedule(name, steps, recording(runs, spec.who, base), options).pipe(
+          Effect.provideService(DistributedLock.DistributedLock, service),
+          Effect.withClock(spec.clock === undefined ? base : spec.clock(base))
+        )
+      )
+    }
+    return { store, runs }
+  })
+
+/** Replicas a, b, c… whose wall clocks are behind the test's by these amounts (ms). */
+const behind = (...amounts: ReadonlyArray<number>): ReadonlyArray<ReplicaSpec> =>
+  amounts.map((ms, i) => ({ who: String.fromCharCode(97 + i), clock: (base: Clock.Clock) => skewed(base, ms) }))
 
 /** How many times each occurrence ran, keyed by its scheduled time. */
 const countsOf = (runs: ReadonlyArray<Run>) => {
@@ -92,17 +121,7 @@ describe("DistributedLock.schedule on the memory backend", () => {
     const label = budget === undefined ? "" : ` (runtime switching fibers every ${budget} ops)`
     it.scoped(`three replicas: each of 20 occurrences runs exactly once${label}`, () =>
       Effect.gen(function*() {
-        const base = yield* Effect.clock
-      const store = yield* MemoryBackend.makeStore
-        const runs: Array<Run> = []
-        for (const who of ["a", "b", "c"]) {
-          const service = yield* replica(store)
-          yield* Effect.forkScoped(
-            DistributedLock.schedule("report", EVERY_SECOND, recording(runs, who, base)).pipe(
-              Effect.provideService(DistributedLock.DistributedLock, service)
-            )
-          )
-        }
+        const { runs } = yield* cluster("report", EVERY_SECOND, undefined, behind(0, 0, 0))
         yield* advance("20 seconds")
         expect(countsOf(runs)).toEqual(secondsFrom(1, 20))
         // Each run started at its occurrence's time, and under a fresh grant.
@@ -113,17 +132,7 @@ describe("DistributedLock.schedule on the memory backend", () => {
 
   it.scoped("without a hold (atLeastFor 0) a fast job runs again on the replicas that come next (so the test above can fail)", () =>
     Effect.gen(function*() {
-      const base = yield* Effect.clock
-      const store = yield* MemoryBackend.makeStore
-      const runs: Array<Run> = []
-      for (const who of ["a", "b", "c"]) {
-        const service = yield* replica(store)
-        yield* Effect.forkScoped(
-          DistributedLock.schedule("report", EVERY_SECOND, recording(runs, who, base), { atLeastFor: 0 }).pipe(
-            Effect.provideService(DistributedLock.DistributedLock, service)
-          )
-        )
-      }
+      const { runs } = yield* cluster("report", EVERY_SECOND, { atLeastFor: 0 }, behind(0, 0, 0))
       yield* advance("5 seconds")
       expect(countsOf(runs).some(([, count]) => count > 1)).toBe(true)
     }))
@@ -163,20 +172,9 @@ describe("DistributedLock.schedule on the memory backend", () => {
 
   it.scoped("a replica whose clock is 300 ms behind and one 600 ms behind never run a fast job again (atLeastFor 1 s)", () =>
     Effect.gen(function*() {
-      const base = yield* Effect.clock
       // At 1 s, every replica's next occurrence is the one at 5 s (its clock is less than 1 s behind).
       yield* TestClock.adjust("1 second")
-      const store = yield* MemoryBackend.makeStore
-      const runs: Array<Run> = []
-      for (const [who, behind] of [["a", 0], ["b", 300], ["c", 600]] as const) {
-        const service = yield* replica(store)
-        yield* Effect.forkScoped(
-          DistributedLock.schedule("skewed", EVERY_5_SECONDS, recording(runs, who, base), { atLeastFor: "1 second" }).pipe(
-            Effect.provideService(DistributedLock.DistributedLock, service),
-            Effect.withClock(skewed(base, behind))
-          )
-        )
-      }
+      const { runs } = yield* cluster("skewed", EVERY_5_SECONDS_SCHEDULE, { atLeastFor: "1 second" }, behind(0, 300, 600))
       yield* advance("49 seconds")
       expect(countsOf(runs)).toEqual(secondsFrom(5, 10, 5))
       // The accurate clock reaches every occurrence first.
@@ -185,85 +183,49 @@ describe("DistributedLock.schedule on the memory backend", () => {
 
   it.scoped("the same skew with atLeastFor 0 runs each occurrence three times (so the test above can fail)", () =>
     Effect.gen(function*() {
-      const base = yield* Effect.clock
-      // At 1 s, every replica's next occurrence is the one at 5 s (its clock is less than 1 s behind).
       yield* TestClock.adjust("1 second")
-      const store = yield* MemoryBackend.makeStore
-      const runs: Array<Run> = []
-      for (const [who, behind] of [["a", 0], ["b", 300], ["c", 600]] as const) {
-        const service = yield* replica(store)
-        yield* Effect.forkScoped(
-          DistributedLock.schedule("skewed", EVERY_5_SECONDS, recording(runs, who, base), { atLeastFor: 0 }).pipe(
-            Effect.provideService(DistributedLock.DistributedLock, service),
-            Effect.withClock(skewed(base, behind))
-          )
-        )
-      }
+      const { runs } = yield* cluster("skewed", EVERY_5_SECONDS_SCHEDULE, { atLeastFor: 0 }, behind(0, 300, 600))
       yield* advance("20 seconds")
       expect(countsOf(runs)).toEqual([[5000, 3], [10000, 3], [15000, 3], [20000, 3]])
     }))
 
   it.scoped("skew beyond atLeastFor is not covered: a clock 300 ms behind runs again with atLeastFor 200 ms", () =>
     Effect.gen(function*() {
-      const base = yield* Effect.clock
-      // At 1 s, every replica's next occurrence is the one at 5 s (its clock is less than 1 s behind).
       yield* TestClock.adjust("1 second")
-      const store = yield* MemoryBackend.makeStore
-      const runs: Array<Run> = []
-      for (const [who, behind] of [["a", 0], ["b", 300]] as const) {
-        const service = yield* replica(store)
-        yield* Effect.forkScoped(
-          DistributedLock.schedule("skewed", EVERY_5_SECONDS, recording(runs, who, base), { atLeastFor: "200 millis" }).pipe(
-            Effect.provideService(DistributedLock.DistributedLock, service),
-            Effect.withClock(skewed(base, behind))
-          )
-        )
-      }
+      const { runs } = yield* cluster("skewed", EVERY_5_SECONDS_SCHEDULE, { atLeastFor: "200 millis" }, behind(0, 300))
       yield* advance("10 seconds")
       expect(countsOf(runs)).toEqual([[5000, 2], [10000, 2]])
     }))
 
   it.scoped("a replica whose timer fires 1.5 s late (a GC pause) skips the occurrence instead of running it again", () =>
     Effect.gen(function*() {
-      const base = yield* Effect.clock
       yield* TestClock.adjust("1 second")
-      const store = yield* MemoryBackend.makeStore
-      const runs: Array<Run> = []
       // Same wall time as the others, but every sleep ends 1.5 s late: it reaches each occurrence
       // after the winner's hold (1 s) has ended, when the lock is free again.
-      const late: Clock.Clock = { ...skewed(base, 0), sleep: (duration) => base.sleep(Duration.sum(duration, "1500 millis")) }
-      for (const [who, clock] of [["a", base], ["late", late]] as const) {
-        const service = yield* replica(store)
-        yield* Effect.forkScoped(
-          DistributedLock.schedule("late", EVERY_5_SECONDS, recording(runs, who, base), { atLeastFor: "1 second" }).pipe(
-            Effect.provideService(DistributedLock.DistributedLock, service),
-            Effect.withClock(clock)
-          )
-        )
-      }
+      const late = (base: Clock.Clock): Clock.Clock => ({
+        ...skewed(base, 0),
+        sleep: (duration) => base.sleep(Duration.sum(duration, "1500 millis"))
+      })
+      const { runs } = yield* cluster("late", EVERY_5_SECONDS_SCHEDULE, { atLeastFor: "1 second" }, [
+        { who: "a" },
+        { who: "late", clock: late }
+      ])
       yield* advance("25 seconds")
       expect(countsOf(runs)).toEqual(secondsFrom(5, 5, 5))
     }))
 
   it.scoped("a claim that reaches the store after the claim window is given back without running the job", () =>
     Effect.gen(function*() {
-      const base = yield* Effect.clock
       yield* TestClock.adjust("1 second")
-      const store = yield* MemoryBackend.makeStore
-      const runs: Array<Run> = []
       // Its requests take 1.5 s to reach the store: by then the winner's 1 s hold is over.
       const slow = (backend: LockBackend<any>): LockBackend<any> => ({
         ...backend,
         acquire: (request) => Effect.zipRight(request.interruptible(Effect.sleep("1500 millis")), backend.acquire(request))
       })
-      for (const [who, wrap] of [["a", (b: LockBackend<any>) => b], ["slow", slow]] as const) {
-        const service = yield* replica(store, wrap)
-        yield* Effect.forkScoped(
-          DistributedLock.schedule("slow", EVERY_5_SECONDS, recording(runs, who, base), { atLeastFor: "1 second" }).pipe(
-            Effect.provideService(DistributedLock.DistributedLock, service)
-          )
-        )
-      }
+      const { runs, store } = yield* cluster("slow", EVERY_5_SECONDS_SCHEDULE, { atLeastFor: "1 second" }, [
+        { who: "a" },
+        { who: "slow", wrap: slow }
+      ])
       yield* advance("25 seconds")
       expect(countsOf(runs)).toEqual(secondsFrom(5, 5, 5))
       expect(yield* MemoryBackend.holders(store)).toEqual([])
@@ -272,24 +234,18 @@ describe("DistributedLock.schedule on the memory backend", () => {
   it.scoped("with the store's clock (LockBackend.now) replicas 3 s behind agree on every occurrence", () =>
     Effect.gen(function*() {
       const base = yield* Effect.clock
-      // At 1 s, every replica's next occurrence is the one at 5 s (its clock is less than 1 s behind).
       yield* TestClock.adjust("1 second")
-      const store = yield* MemoryBackend.makeStore
-      const runs: Array<Run> = []
       // The store's clock is TestClock's own wall time, whatever the replicas' clocks say.
       const withStoreClock = (backend: LockBackend<any>): LockBackend<any> => ({
         ...backend,
         now: Effect.sync(() => base.unsafeCurrentTimeMillis())
       })
-      for (const [who, behind] of [["a", 3_000], ["b", 0], ["c", 1_500]] as const) {
-        const service = yield* replica(store, withStoreClock)
-        yield* Effect.forkScoped(
-          DistributedLock.schedule("store-clock", EVERY_5_SECONDS, recording(runs, who, base), { atLeastFor: "200 millis" }).pipe(
-            Effect.provideService(DistributedLock.DistributedLock, service),
-            Effect.withClock(skewed(base, behind))
-          )
-        )
-      }
+      const { runs } = yield* cluster(
+        "store-clock",
+        EVERY_5_SECONDS_SCHEDULE,
+        { atLeastFor: "200 millis" },
+        behind(3_000, 0, 1_500).map((spec) => ({ ...spec, wrap: withStoreClock }))
+      )
       yield* advance("30 seconds")
       expect(countsOf(runs)).toEqual(secondsFrom(5, 6, 5))
       // Run at the store's time of each occurrence, by whichever replica got there first.
