@@ -108,6 +108,14 @@ describe.concurrent("examples run against a real PostgreSQL", () => {
     expect(out.at(-1)).toBe("replicas stopped")
   })
 
+  it("bounded-exports.ts: six exports on three replicas, never more than two at a time", async () => {
+    const out = messages(await run("bounded-exports.ts"))
+    const running = out.flatMap((m) => /^replica-[abc]: exporting report [12] \((\d) running\)$/.exec(m)?.[1] ?? []).map(Number)
+    expect(running).toHaveLength(6)
+    expect(Math.max(...running)).toBe(2)
+    expect(out.at(-1)).toBe("6 exports done, at most 2 at a time")
+  })
+
   it("dedicated-lock-pool.ts: 200 locked bodies finish on a 4-connection work pool", async () => {
     const out = messages(await run("dedicated-lock-pool.ts"))
     expect(out).toEqual(["200 locked bodies finished on a 4-connection work pool"])
