@@ -22,6 +22,7 @@ import { BENCH_DIR, installedVersion, packageVersion, ROOT } from "./lib/version
 import { type HandoffResult, scenario as handoff } from "./scenarios/handoff.js"
 import { type PeersResult, scenario as peers } from "./scenarios/peers.js"
 import { scenario as scale } from "./scenarios/scale.js"
+import { scenario as semaphore } from "./scenarios/semaphore.js"
 import { renderSideBySide } from "./scenarios/sideBySide.js"
 import { scenario as uncontended, type UncontendedResult } from "./scenarios/uncontended.js"
 
@@ -41,7 +42,13 @@ const runnable = <R>(scenario: Scenario<R>): Runnable => ({
   }
 })
 
-const SCENARIOS: ReadonlyArray<Runnable> = [runnable(uncontended), runnable(handoff), runnable(scale), runnable(peers)]
+const SCENARIOS: ReadonlyArray<Runnable> = [
+  runnable(uncontended),
+  runnable(handoff),
+  runnable(scale),
+  runnable(peers),
+  runnable(semaphore)
+]
 
 const FULL: Settings = {
   quick: false,

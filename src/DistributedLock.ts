@@ -7,6 +7,7 @@
  */
 import * as Cause from "effect/Cause"
 import * as Context from "effect/Context"
+import type * as Cron from "effect/Cron"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -14,6 +15,7 @@ import * as Fiber from "effect/Fiber"
 import { dual } from "effect/Function"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
+import * as Schedule from "effect/Schedule"
 import * as Scope from "effect/Scope"
 import type { HeldLock, Lease, LockMode } from "./Lease.js"
 import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "./LockBackend.js"
@@ -22,6 +24,7 @@ import type { InvalidLockName, LostReason } from "./LockError.js"
 import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./internal/clock.js"
 import { type Held, heldOf, makeRegistry, type Registry, safetyDeadlineOf } from "./internal/held.js"
 import * as metrics from "./internal/metrics.js"
+import * as internalSchedule from "./internal/schedule.js"
 import { timeoutOption } from "./internal/stallSafe.js"
 import { StallWatch } from "./internal/stallWatch.js"
 import { isTraced } from "./internal/tracing.js"
@@ -70,6 +73,11 @@ export interface Service {
   ) => Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope>
   /** The locks this process holds through this service right now. */
   readonly inspect: Effect.Effect<ReadonlyArray<HeldLock>>
+  /**
+   * The store's wall clock (ms since the epoch), when the backend has one (`LockBackend.now`):
+   * `schedule` reads occurrence times on it so that replicas agree whatever their own clocks say.
+   */
+  readonly storeTime?: Effect.Effect<number, LockBackendError> | undefined
 }
 
 /**
@@ -133,7 +141,8 @@ export const make = <G extends Grant>(backend: LockBackend<G>): Effect.Effect<Se
       backend: backend.backend,
       acquire,
       tryAcquire: (name, options) => takeLease(backend, registry, "try", name, options),
-      inspect: registry.snapshot
+      inspect: registry.snapshot,
+      storeTime: backend.now
     }
   })
 
@@ -523,4 +532,91 @@ export const singleton = <A, E, R>(
       })
     )
   return Effect.suspend(() => loop(0))
+}
+
+/**
+ * Options for `schedule`.
+ *
+ * - `atLeastFor`: after a job that ends early, the lock stays held until this long after it was
+ *   won (never past the next occurrence), and an occurrence is run only if won within this long of
+ *   its scheduled time. A replica whose clock is behind (or whose timer fires late) by less than
+ *   this finds the occurrence taken and skips it. Default: half the time to the next occurrence,
+ *   at most 10 s. `0`: no hold; an occurrence can then be won until the next one is due.
+ * - `atMostFor`: a job still running this long after it started is interrupted (its finalizers
+ *   run) and the lock is given back; the schedule goes on with the next occurrence. Default: none.
+ * - `ttl`: the lease length, as for `acquire`; the lease is renewed while the job runs.
+ * - `retryBase` / `retryMax`: backoff between attempts when the lock store fails (default 100 ms
+ *   doubling up to 10 s), within the occurrence's claim window.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface ScheduleOptions {
+  readonly atLeastFor?: Duration.DurationInput | undefined
+  readonly atMostFor?: Duration.DurationInput | undefined
+  readonly ttl?: Duration.DurationInput | undefined
+  readonly retryBase?: Duration.DurationInput | undefined
+  readonly retryMax?: Duration.DurationInput | undefined
+}
+
+/**
+ * One occurrence of a scheduled job, as the job sees it.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface Occurrence {
+  readonly name: string
+  /**
+   * When the occurrence was due, in ms since the epoch, on the clock the replicas compare
+   * (the store's where the backend has one): the same number on every replica, so it can key
+   * what the job writes.
+   */
+  readonly scheduledAt: number
+  /** The lease held for this occurrence; its token fences the job's writes. */
+  readonly lease: Lease
+}
+
+/**
+ * Runs `job` on the schedule, once per occurrence across every replica that runs the same line.
+ *
+ * Each replica steps `schedule` on the wall clock; at each occurrence it tries the lock `name`
+ * (never waiting for it): the winner runs the job under the lock, the others skip that
+ * occurrence. The schedule must be aligned to the wall clock (`Schedule.cron`, a `Cron`,
+ * `Schedule.secondOfMinute` …), so that every replica computes the same occurrence times;
+ * replicas started at different moments would not agree on `Schedule.spaced`'s. See
+ * `ScheduleOptions` for `atLeastFor` (clock skew) and `atMostFor` (hung jobs).
+ *
+ * A lost lock interrupts the job (logged; the schedule goes on). Errors of the lock store are
+ * logged and retried with backoff until the occurrence's claim window closes, then it is skipped
+ * (logged); they never fail the schedule. An occurrence that nobody could claim in its window is
+ * skipped, never run late: at most once per occurrence. When the job fails with `E`, the lock is
+ * given back and `schedule` fails with `E`; otherwise it never returns (a finite schedule returns
+ * its last output when it is done).
+ *
+ * @since 0.1.0
+ * @category combinators
+ */
+export function schedule<E, R>(
+  name: string,
+  cron: Cron.Cron,
+  job: Effect.Effect<unknown, E, R> | ((occurrence: Occurrence) => Effect.Effect<unknown, E, R>),
+  options?: ScheduleOptions
+): Effect.Effect<never, E | InvalidLockName, R | DistributedLock>
+export function schedule<Out, R2, E, R>(
+  name: string,
+  schedule: Schedule.Schedule<Out, unknown, R2>,
+  job: Effect.Effect<unknown, E, R> | ((occurrence: Occurrence) => Effect.Effect<unknown, E, R>),
+  options?: ScheduleOptions
+): Effect.Effect<Out, E | InvalidLockName, R | R2 | DistributedLock>
+export function schedule<E, R>(
+  name: string,
+  cronOrSchedule: Cron.Cron | Schedule.Schedule<unknown, unknown, unknown>,
+  job: Effect.Effect<unknown, E, R> | ((occurrence: Occurrence) => Effect.Effect<unknown, E, R>),
+  options?: ScheduleOptions
+): Effect.Effect<unknown, E | InvalidLockName, unknown> {
+  const steps: Schedule.Schedule<unknown, unknown, unknown> = Schedule.isSchedule(cronOrSchedule)
+    ? cronOrSchedule
+    : Schedule.cron(cronOrSchedule)
+  return Effect.flatMap(DistributedLock, (lock) => internalSchedule.run({ lock, guard }, name, steps, job, options))
 }

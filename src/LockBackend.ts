@@ -122,6 +122,77 @@ export interface LockBackend<G extends Grant = Grant> {
    * Absent means `false`.
    */
   readonly instantRelease?: boolean | undefined
+  /**
+   * The store's own wall clock, in milliseconds since the epoch (`select now()` on a database).
+   * Optional: a backend that has one lets `DistributedLock.schedule` compute occurrence times on
+   * the clock every replica shares, so replicas whose own clocks disagree still agree on when an
+   * occurrence is due. Absent: each replica uses its own `Clock`.
+   */
+  readonly now?: Effect.Effect<number, LockBackendError> | undefined
+}
+
+/**
+ * What `DistributedSemaphore` asks a backend for: an `AcquireRequest` (same interruption rules,
+ * same deadline, same `onLost`) for `permits` of the `limit` permits of the semaphore `name`.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface PermitRequest extends AcquireRequest {
+  /** How many permits the semaphore has; every holder and waiter of one name must agree on it. */
+  readonly limit: number
+  /** How many permits this request takes at once, all or none: `1 <= permits <= limit`. */
+  readonly permits: number
+}
+
+/**
+ * The outcome of one permit request: as for a lock, or `LimitMismatch` when the name is in use
+ * (held or waited for) with another `limit` — never a silent second semaphore.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export type PermitResult<G> =
+  | AcquireResult<G>
+  | { readonly _tag: "LimitMismatch"; readonly current: number }
+
+/**
+ * A grant of permits: one `Grant` (renewed, released and lost as one) carrying a fencing token
+ * per permit. `token` is the first of `tokens`.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface PermitGrant extends Grant {
+  /** One token per permit, strictly increasing per semaphore name across all grants. */
+  readonly tokens: ReadonlyArray<FencingToken>
+}
+
+/**
+ * A permit store: the same parameters and `renew` contract as `LockBackend`, with an `acquire`
+ * that takes a `PermitRequest`. Renewal, loss detection, release and the guard of a body are the
+ * core's, exactly as for locks. A grant is lost as a whole: `renew` reports `Lost` when any of
+ * its permits is gone.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface SemaphoreBackend<G extends PermitGrant = PermitGrant> extends Omit<LockBackend<G>, "acquire" | "now"> {
+  /** Takes `permits` permits at once, or reports busy, timed out or a limit mismatch. */
+  readonly acquire: (request: PermitRequest) => Effect.Effect<PermitResult<G>, LockBackendError>
+}
+
+/**
+ * A lock store that is also a permit store: what `DistributedSemaphore.layerBackend` turns into
+ * a layer providing both `DistributedLock` and `DistributedSemaphore`.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface LockAndSemaphoreBackend<G extends Grant = Grant, P extends PermitGrant = PermitGrant>
+  extends LockBackend<G>
+{
+  readonly semaphore: SemaphoreBackend<P>
 }
 
 /**

@@ -1,8 +1,8 @@
 /**
  * An in-process lock store with the same semantics as the database backends: leases with a ttl,
- * renewal, expiry and takeover, fencing tokens, shared mode. Time is read only through Effect's
- * Clock, so `TestClock.adjust` drives expiry and renewal; two layers sharing one `Store` behave
- * like two processes of a cluster.
+ * renewal, expiry and takeover, fencing tokens, shared mode, and semaphores (`DistributedSemaphore`).
+ * Time is read only through Effect's Clock, so `TestClock.adjust` drives expiry and renewal; two
+ * layers sharing one `Store` behave like two processes of a cluster.
  *
  * @since 0.1.0
  */
@@ -15,11 +15,13 @@ import * as Exit from "effect/Exit"
 import type * as FiberId from "effect/FiberId"
 import type * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
-import * as DistributedLock from "./DistributedLock.js"
+import type * as DistributedLock from "./DistributedLock.js"
+import * as DistributedSemaphore from "./DistributedSemaphore.js"
 import { fiberMillis, sleepMillis } from "./internal/clock.js"
+import * as Permits from "./internal/memoryPermits.js"
 import * as FencingToken from "./FencingToken.js"
 import type { LockMode } from "./Lease.js"
-import type { AcquireRequest, AcquireResult, Grant, LockBackend, RenewOutcome } from "./LockBackend.js"
+import type { AcquireRequest, AcquireResult, Grant, LockAndSemaphoreBackend, RenewOutcome } from "./LockBackend.js"
 import type { LostReason } from "./LockError.js"
 
 // Every operation on the store reads the clock, checks and changes the entries in one
@@ -54,6 +56,8 @@ const StoreTypeId: unique symbol = Symbol.for("effect-lock/MemoryBackend/Store")
 export interface Store {
   readonly [StoreTypeId]: {
     readonly entries: Map<string, Entry>
+    /** Semaphores, a namespace of their own (see `internal/memoryPermits.ts`). */
+    readonly permits: Permits.PermitEntries
     nextOwner: number
   }
 }
@@ -65,7 +69,7 @@ export interface Store {
  * @category constructors
  */
 export const makeStore: Effect.Effect<Store> = Effect.sync(() => ({
-  [StoreTypeId]: { entries: new Map(), nextOwner: 0 }
+  [StoreTypeId]: { entries: new Map(), permits: new Map(), nextOwner: 0 }
 }))
 
 /**
@@ -132,6 +136,35 @@ export const revoke = (store: Store, name: string): Effect.Effect<void> =>
     return tellLost(gone, "revoked")
   })
 
+/**
+ * Takes every permit of the semaphore `name` away: their holders fail `lost` with
+ * `LockLost { reason: "revoked" }` (a `withPermits` body is interrupted) and waiters that now fit
+ * are woken.
+ *
+ * @since 0.1.0
+ * @category combinators
+ */
+export const revokePermits = (store: Store, name: string): Effect.Effect<void> =>
+  Permits.revoke(store[StoreTypeId].permits, name)
+
+/**
+ * One semaphore in use in a store: its limit, live holders and queued waiters.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export type StoredSemaphore = Permits.StoredSemaphore
+
+/**
+ * The semaphores a store has in use right now (held or waited for; expired holders excluded):
+ * what a test checks to prove no permit and no waiter was left behind.
+ *
+ * @since 0.1.0
+ * @category inspection
+ */
+export const semaphores = (store: Store): Effect.Effect<ReadonlyArray<StoredSemaphore>> =>
+  Effect.withFiberRuntime((fiber) => Effect.succeed(Permits.snapshot(store[StoreTypeId].permits, fiberMillis(fiber))))
+
 const entryOf = (store: Store, name: string): Entry => {
   const entries = store[StoreTypeId].entries
   let entry = entries.get(name)
@@ -190,12 +223,15 @@ type Look =
   | { readonly _tag: "Wait"; readonly woken: Deferred.Deferred<void>; readonly sleepMillis: number }
 
 /**
- * Builds the backend (the SPI), for wrapping or for `DistributedLock.make`.
+ * Builds the backend (the SPI), for wrapping or for `DistributedLock.make`; its `semaphore` is
+ * the permit store, for `DistributedSemaphore.make`.
  *
  * @since 0.1.0
  * @category constructors
  */
-export const makeBackend = (options?: Options): Effect.Effect<LockBackend<MemoryGrant>> =>
+export const makeBackend = (
+  options?: Options
+): Effect.Effect<LockAndSemaphoreBackend<MemoryGrant, Permits.MemoryPermitGrant>> =>
   Effect.gen(function*() {
     const store = options?.store ?? (yield* makeStore)
     const state = store[StoreTypeId]
@@ -268,11 +304,19 @@ export const makeBackend = (options?: Options): Effect.Effect<LockBackend<Memory
       return { _tag: "Renewed", validUntil: holder.expiresAt }
     }
 
+    const defaultTtl = Duration.decode(options?.ttl ?? Duration.seconds(30))
     return {
       backend: "memory",
       maxNameBytes: MAX_NAME_BYTES,
-      defaultTtl: Duration.decode(options?.ttl ?? Duration.seconds(30)),
+      defaultTtl,
       minTtl: MIN_TTL,
+      semaphore: Permits.makeSemaphoreBackend(state.permits, {
+        backend: "memory",
+        maxNameBytes: MAX_NAME_BYTES,
+        defaultTtl,
+        minTtl: MIN_TTL,
+        nextOwner: () => state.nextOwner++
+      }),
       renewBatchSize: 10_000,
       instantRelease: true,
       acquire: (request) => Effect.suspend(() => attempt(request, state.nextOwner++)),
@@ -285,13 +329,15 @@ export const makeBackend = (options?: Options): Effect.Effect<LockBackend<Memory
   })
 
 /**
- * A `DistributedLock` on an in-memory store.
+ * A `DistributedLock` and a `DistributedSemaphore` on an in-memory store.
  *
  * @since 0.1.0
  * @category layers
  */
-export const layer = (options?: Options): Layer.Layer<DistributedLock.DistributedLock> =>
-  DistributedLock.layerBackend(makeBackend(options))
+export const layer = (
+  options?: Options
+): Layer.Layer<DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore> =>
+  DistributedSemaphore.layerBackend(makeBackend(options))
 
 /**
  * `layer` with its ttl read from configuration (`ttl` as a Duration).
@@ -304,5 +350,5 @@ export const layerConfig = (
     ttl: Config.option(Config.duration("ttl")).pipe(Config.map(Option.getOrUndefined))
   }),
   store?: Store
-): Layer.Layer<DistributedLock.DistributedLock, ConfigError.ConfigError> =>
-  DistributedLock.layerBackend(Effect.flatMap(config, (resolved) => makeBackend({ ttl: resolved.ttl, store })))
+): Layer.Layer<DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore, ConfigError.ConfigError> =>
+  DistributedSemaphore.layerBackend(Effect.flatMap(config, (resolved) => makeBackend({ ttl: resolved.ttl, store })))

@@ -4,6 +4,7 @@
  * @since 0.1.0
  */
 export * as DistributedLock from "./DistributedLock.js"
+export * as DistributedSemaphore from "./DistributedSemaphore.js"
 export * as Fence from "./Fence.js"
 export * as FencingToken from "./FencingToken.js"
 export * as Lease from "./Lease.js"

@@ -92,6 +92,30 @@ describe.concurrent("examples run against a real PostgreSQL", () => {
     expect(out[2]).toBe("balance is 100")
   })
 
+  it("nightly-report.ts: three replicas on one schedule; each occurrence's report built once, by one of them", async () => {
+    const out = messages(await run("nightly-report.ts"))
+    const builds = out.flatMap((m) => {
+      const match = /^(replica-[abc]): building the report for (\S+) \(fencing token (\d+)\)$/.exec(m)
+      return match === null ? [] : [{ who: match[1]!, at: Date.parse(match[2]!), token: BigInt(match[3]!) }]
+    })
+    // 5 s of an every-second schedule, layers built meanwhile: at least 3 occurrences.
+    expect(builds.length).toBeGreaterThanOrEqual(3)
+    // Each occurrence once, on consecutive whole seconds, each under a newer fencing token.
+    const times = builds.map((b) => b.at)
+    expect(times.every((t) => t % 1_000 === 0)).toBe(true)
+    expect(times.slice(1).map((t, i) => t - times[i]!)).toEqual(times.slice(1).map(() => 1_000))
+    expect(builds.slice(1).every((b, i) => b.token > builds[i]!.token)).toBe(true)
+    expect(out.at(-1)).toBe("replicas stopped")
+  })
+
+  it("bounded-exports.ts: six exports on three replicas, never more than two at a time", async () => {
+    const out = messages(await run("bounded-exports.ts"))
+    const running = out.flatMap((m) => /^replica-[abc]: exporting report [12] \((\d) running\)$/.exec(m)?.[1] ?? []).map(Number)
+    expect(running).toHaveLength(6)
+    expect(Math.max(...running)).toBe(2)
+    expect(out.at(-1)).toBe("6 exports done, at most 2 at a time")
+  })
+
   it("dedicated-lock-pool.ts: 200 locked bodies finish on a 4-connection work pool", async () => {
     const out = messages(await run("dedicated-lock-pool.ts"))
     expect(out).toEqual(["200 locked bodies finished on a 4-connection work pool"])
