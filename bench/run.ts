@@ -24,6 +24,7 @@ import { type PeersResult, scenario as peers } from "./scenarios/peers.js"
 import { scenario as scale } from "./scenarios/scale.js"
 import { scenario as semaphore } from "./scenarios/semaphore.js"
 import { renderSideBySide } from "./scenarios/sideBySide.js"
+import { scenario as sqlite } from "./scenarios/sqlite.js"
 import { scenario as uncontended, type UncontendedResult } from "./scenarios/uncontended.js"
 
 /** A scenario with its result type hidden: it runs, renders and judges itself in one go. */
@@ -47,7 +48,8 @@ const SCENARIOS: ReadonlyArray<Runnable> = [
   runnable(handoff),
   runnable(scale),
   runnable(peers),
-  runnable(semaphore)
+  runnable(semaphore),
+  runnable(sqlite)
 ]
 
 const FULL: Settings = {

@@ -1,7 +1,7 @@
 /**
  * The demo's timeline as a picture: one lane per worker process, a bar for each time it held the
  * lock (its token on the bar, red where it ended lost), a tick for each fenced write, the session
- * kill, the freeze, and the write the fence refused.
+ * kill (or, on SQLite, the holder's crash), the freeze, and the write the fence refused.
  */
 import { document, el, legend, linear, type Node, PALETTE, text, title, xAxis } from "../bench/lib/svg.js"
 
@@ -14,6 +14,8 @@ export interface Hold {
   lost?: string
 }
 
+const BACKEND_NAMES: Readonly<Record<string, string>> = { advisory: "PgAdvisory", lease: "PgLease", sqlite: "SqliteLease" }
+
 /** Everything the picture shows; times are epoch milliseconds. */
 export interface Timeline {
   readonly backend: string
@@ -23,7 +25,8 @@ export interface Timeline {
   end: number
   readonly holds: Array<Hold>
   readonly writes: Array<{ readonly worker: number; readonly at: number; readonly round: number }>
-  readonly kills: Array<{ readonly worker: number; readonly at: number; readonly sessions: number }>
+  /** The first disruption: a session kill (PostgreSQL), or a crash of the holder process (SQLite). */
+  readonly kills: Array<{ readonly worker: number; readonly at: number; readonly label: string }>
   readonly freezes: Array<{ readonly worker: number; readonly from: number; to?: number }>
   readonly refused: Array<{ readonly worker: number; readonly at: number; readonly token: string; readonly current: string }>
   readonly takeovers: Array<{ readonly worker: number; readonly at: number; readonly cause: string; readonly ms: number }>
@@ -124,7 +127,7 @@ export const renderTimeline = (timeline: Timeline): string => {
 
   const kills = timeline.kills.flatMap((k): ReadonlyArray<Node> => [
     el("line", { x1: at(k.at), x2: at(k.at), y1: frame.top - 14, y2: frame.bottom, stroke: PALETTE.red, "stroke-width": 2 }),
-    label(at(k.at), frame.top - 4, `session kill: worker ${k.worker}'s ${k.sessions} session(s)`, PALETTE.red)
+    label(at(k.at), frame.top - 4, k.label, PALETTE.red)
   ])
 
   const refused = timeline.refused.flatMap((r): ReadonlyArray<Node> => {
@@ -148,7 +151,7 @@ export const renderTimeline = (timeline: Timeline): string => {
   return document(WIDTH, height, `effect-lock demo timeline (${timeline.backend})`, [
     ...title(
       WIDTH,
-      `effect-lock demo: ${timeline.workers} worker processes, ${timeline.backend === "advisory" ? "PgAdvisory" : "PgLease"} backend`,
+      `effect-lock demo: ${timeline.workers} worker processes, ${BACKEND_NAMES[timeline.backend] ?? timeline.backend} backend`,
       timeline.backend === "advisory"
         ? "who holds the lock over time, with its fencing token; session advisory locks (no ttl)"
         : `who holds the lock over time, with its fencing token; lease ttl ${timeline.ttlMs} ms`
@@ -165,7 +168,7 @@ export const renderTimeline = (timeline: Timeline): string => {
       { label: "holds the lock (token)", color: PALETTE.blue, shape: "box" },
       { label: "held until lost", color: PALETTE.red, shape: "box" },
       { label: "frozen", color: PALETTE.grey, shape: "box" },
-      { label: "session kill", color: PALETTE.red },
+      { label: timeline.backend === "sqlite" ? "crash (SIGKILL)" : "session kill", color: PALETTE.red },
       { label: "refused write (✕)", color: PALETTE.purple },
       { label: "fenced write (tick)", color: PALETTE.dark }
     ], 150, 6)

@@ -4,13 +4,15 @@
  */
 import * as SqlClient from "@effect/sql/SqlClient"
 import { PgClient } from "@effect/sql-pg"
+import { SqliteClient } from "@effect/sql-sqlite-node"
 import { Duration, Effect, Layer, Logger, LogLevel, Random, Redacted } from "effect"
-import { DistributedLock, Fence, type FencingToken, PgAdvisory, PgLease } from "effect-lock"
+import { DistributedLock, Fence, FencingToken, LockError, PgAdvisory, PgLease, SqliteLease } from "effect-lock"
 import { applicationName, FENCE_RESOURCE, LOCK_NAME, type WorkerEvent } from "./events.js"
 
 const worker = Number(process.env["DEMO_WORKER"])
-const url = process.env["DEMO_URL"]!
-const backend = process.env["DEMO_BACKEND"] === "advisory" ? "advisory" : "lease"
+const url = process.env["DEMO_URL"] ?? ""
+const file = process.env["DEMO_FILE"] ?? ""
+const backend = process.env["DEMO_BACKEND"] === "advisory" ? "advisory" : process.env["DEMO_BACKEND"] === "sqlite" ? "sqlite" : "lease"
 const ttl = Duration.millis(Number(process.env["DEMO_TTL_MS"] ?? 2000))
 const work = Duration.millis(Number(process.env["DEMO_WORK_MS"] ?? 400))
 const send = Duration.millis(Number(process.env["DEMO_SEND_MS"] ?? 300))
@@ -20,18 +22,43 @@ const emit = (event: WorkerEvent) =>
 
 /** The round's write: recorded only if no newer token has written to this resource. */
 const fencedWrite = (token: FencingToken.FencingToken) =>
+  (backend === "sqlite" ? sqliteFencedWrite(token) : pgFencedWrite(token)).pipe(
+    Effect.flatMap((round) => emit({ e: "wrote", token: token.toString(), round }))
+  )
+
+/** On PostgreSQL: `Fence.check` in the write's transaction. */
+const pgFencedWrite = (token: FencingToken.FencingToken) =>
+  Effect.flatMap(SqlClient.SqlClient, (sql) =>
+    sql.withTransaction(Effect.gen(function*() {
+      yield* Fence.check(FENCE_RESOURCE, token)
+      const [row] = yield* sql<{ round: number }>`
+        insert into demo_rounds (round, worker, token)
+        select coalesce(max(round), 0) + 1, ${worker}, ${token.toString()}::bigint from demo_rounds
+        returning round`
+      return row!.round
+    })))
+
+/**
+ * On SQLite (`Fence` is PostgreSQL-only): the same rule in the write's own statement — the row is
+ * written only if no higher token has written one — atomic under SQLite's write lock.
+ */
+const sqliteFencedWrite = (token: FencingToken.FencingToken) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
-    yield* Fence.check(FENCE_RESOURCE, token)
+    const presented = token.toString()
     const [row] = yield* sql<{ round: number }>`
       insert into demo_rounds (round, worker, token)
-      select coalesce(max(round), 0) + 1, ${worker}, ${token.toString()}::bigint from demo_rounds
+      select (select coalesce(max(round), 0) + 1 from demo_rounds), ${worker}, cast(${presented} as integer)
+      where cast(${presented} as integer) >= (select coalesce(max(token), 0) from demo_rounds)
       returning round`
-    return row!.round
-  }).pipe(
-    Effect.flatMap((round) => emit({ e: "wrote", token: token.toString(), round })),
-    (write) => Effect.flatMap(SqlClient.SqlClient, (sql) => sql.withTransaction(write))
-  )
+    if (row !== undefined) return row.round
+    const [current] = yield* sql<{ token: string }>`select cast(max(token) as text) as token from demo_rounds`
+    return yield* new LockError.StaleFencingToken({
+      resource: FENCE_RESOURCE,
+      presented: token,
+      current: FencingToken.make(BigInt(current!.token))
+    })
+  })
 
 const round = Effect.gen(function*() {
   const lease = yield* DistributedLock.acquire(LOCK_NAME, { ttl })
@@ -73,14 +100,16 @@ const program = Effect.gen(function*() {
   }
 })
 
-const sqlLayer = PgClient.layer({ url: Redacted.make(url), applicationName: applicationName(worker) })
-const lockLayer = backend === "lease"
-  ? PgLease.layer({ ttl })
-  : PgAdvisory.layer({ url: Redacted.make(url), applicationName: applicationName(worker) })
+const live: Layer.Layer<DistributedLock.DistributedLock | SqlClient.SqlClient, unknown> = backend === "sqlite"
+  ? Layer.provideMerge(SqliteLease.layer({ ttl, applicationName: applicationName(worker) }), SqliteClient.layer({ filename: file }))
+  : Layer.provideMerge(
+    backend === "lease" ? PgLease.layer({ ttl }) : PgAdvisory.layer({ url: Redacted.make(url), applicationName: applicationName(worker) }),
+    PgClient.layer({ url: Redacted.make(url), applicationName: applicationName(worker) })
+  )
 
 const fiber = Effect.runFork(
   program.pipe(
-    Effect.provide(Layer.provideMerge(lockLayer, sqlLayer)),
+    Effect.provide(live),
     Effect.catchAllCause(Effect.logError),
     // The timeline reports what happens; the library's own warnings would repeat it.
     Logger.withMinimumLogLevel(LogLevel.Error)

@@ -103,11 +103,12 @@ import * as DistributedLock from "./DistributedLock.js"
 import * as FencingToken from "./FencingToken.js"
 import type { LockBackend } from "./LockBackend.js"
 import { LockBackendError } from "./LockError.js"
-import type * as Attempt from "./internal/pgLeaseAttempt.js"
+import type * as Attempt from "./internal/leaseAttempt.js"
 import { MAX_NAME_BYTES, MIN_TTL } from "./internal/pgLeaseBackend.js"
 import { RENEW_CONNECTIONS } from "./internal/pgLeaseLane.js"
+import { type HolderRow, storedLease } from "./internal/leaseOptions.js"
 import * as Make from "./internal/pgLeaseMake.js"
-import { RENEW_BATCH_SIZE } from "./internal/pgLeaseRenew.js"
+import { RENEW_BATCH_SIZE } from "./internal/leaseRenew.js"
 import * as Sql from "./internal/pgLeaseSql.js"
 
 /**
@@ -152,7 +153,7 @@ export interface Options extends Make.Options {}
  * @since 0.1.0
  * @category models
  */
-export interface PgLeaseGrant extends Attempt.PgLeaseGrant {}
+export interface PgLeaseGrant extends Attempt.LeaseGrant {}
 
 /**
  * The default table name.
@@ -266,28 +267,8 @@ export const holders = (
   Effect.gen(function*() {
     const tables = yield* Make.resolveTables(options?.table)
     const { run } = statements(yield* Make.SqlClientTag)
-    const rows = yield* run<{
-      name: string
-      mode: LockMode
-      token: string
-      expires: number
-      acquired: number
-      application: string | null
-      host: string | null
-      pid: number | null
-      waiting: number | null
-    }>("holders", options?.name, Sql.holders(tables), [options?.name ?? null])
-    return rows.map((row) => ({
-      name: row.name,
-      mode: row.mode,
-      token: FencingToken.make(BigInt(row.token)),
-      expiresAt: row.expires,
-      acquiredAt: row.acquired,
-      application: row.application,
-      host: row.host,
-      pid: row.pid,
-      waitingSince: row.waiting
-    }))
+    const rows = yield* run<HolderRow>("holders", options?.name, Sql.holders(tables), [options?.name ?? null])
+    return rows.map(storedLease)
   })
 
 /**

@@ -9,8 +9,8 @@ import { adminUrl } from "./support/pg.js"
 
 const root = fileURLToPath(new URL("..", import.meta.url))
 
-/** `npm run demo`, shortened, against the test server (the demo makes and drops its own database). */
-const demo = async (backend: "lease" | "advisory") => {
+/** `npm run demo`, shortened, against the test server (the demo makes and drops its own database; sqlite: a temp file). */
+const demo = async (backend: "lease" | "advisory" | "sqlite") => {
   const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "effect-lock-demo-"))
   const svgPath = Path.join(dir, `timeline-${backend}.svg`)
   try {
@@ -44,6 +44,20 @@ describe.concurrent("npm run demo", () => {
     expect(texts.some((t) => t.startsWith("frozen (SIGSTOP) "))).toBe(true)
     expect(texts.some((t) => /^write with token \d+ refused by the fence \(current \d+\)$/.test(t))).toBe(true)
     expect(texts.some((t) => /^takes over \d+ ms after the freeze$/.test(t))).toBe(true)
+  })
+
+  it("sqlite backend: a crashed holder is taken over after its ttl, the stale write refused, nothing left held, the timeline drawn", { timeout: 120_000 }, async () => {
+    const { stdout: out, svgPath, svg } = await demo("sqlite")
+    expect(out).toContain("every guarantee held.")
+    expect(out).toMatch(/SQLite: .*demo\.db/)
+    expect(out).toMatch(/TAKES OVER with token \d+, \d+ ms after the crash/)
+    expect(out).toMatch(/TAKES OVER with token \d+, \d+ ms after the freeze/)
+    expect(out).toMatch(/REJECTED by the fence/)
+    expect(out).toMatch(/ok\s+locks left held\s+0/)
+    expect(out).toContain(`timeline drawn: ${svgPath}`)
+    const texts = textsOf(svg!)
+    expect(texts.some((t) => t.startsWith("crash (SIGKILL): worker "))).toBe(true)
+    expect(texts.some((t) => /^write with token \d+ refused by the fence \(current \d+\)$/.test(t))).toBe(true)
   })
 
   it("advisory backend: a killed session loses the lock and another worker takes over, the timeline drawn", { timeout: 120_000 }, async () => {

@@ -1,62 +1,49 @@
 /**
- * The PgLease backend assembled from its pieces: the lane its statements travel on, first-use
- * table creation, grant attempts and give-backs, renewal, and wake-ups for waiters.
+ * PgLease's dialect of the lease engine: the statements of `pgLeaseSql`, first-use creation that
+ * retries a lost catalog race, and wake-ups through LISTEN/NOTIFY (`pgLeaseWake`) when the lane
+ * can listen — a release notifies the waiters at the head from its own statement, so the
+ * releasing process hears them like every other.
  */
-import * as Exit from "effect/Exit"
-import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as Option from "effect/Option"
-import * as Random from "effect/Random"
 import type * as Scope from "effect/Scope"
-import * as Crypto from "node:crypto"
-import type { AcquireRequest, AcquireResult, LockBackend } from "../LockBackend.js"
-import { LockBackendError } from "../LockError.js"
-import { monotonicMillis } from "./clock.js"
-import * as Attempt from "./pgLeaseAttempt.js"
-import * as GiveBack from "./pgLeaseGiveBack.js"
-import type { Lane } from "./pgLeaseLane.js"
-import * as Renew from "./pgLeaseRenew.js"
+import type { LockBackend } from "../LockBackend.js"
+import type { LeaseGrant } from "./leaseAttempt.js"
+import * as Engine from "./leaseEngine.js"
+import type { Lane } from "./leaseLane.js"
 import * as Sql from "./pgLeaseSql.js"
 import * as Wake from "./pgLeaseWake.js"
 import { sqlStateOf } from "./sqlState.js"
-import { CATALOG_RACE, CREATE_ATTEMPTS } from "./sqlTable.js"
+import { CATALOG_RACE } from "./sqlTable.js"
 
-/** Longest lock name, in UTF-8 bytes; a btree entry could take ~2700, this leaves room. */
-export const MAX_NAME_BYTES = 1024
-export const MIN_TTL = Duration.seconds(1)
-/**
- * While notifications are proven to arrive, a waiter still re-reads the row at least every
- * this many check intervals, in case a wake-up was lost on a healthy-looking listener. A dead
- * listener is caught sooner, by its next check, which wakes every waiter.
- */
-const TRUSTED_POLL_FACTOR = 6
-/** A waiter retries at least this often: each retry keeps its place (which lasts `PLACE_TTL`). */
-const PLACE_REFRESH_MILLIS = Duration.toMillis(Attempt.PLACE_TTL) * 0.3
-/** The look again after taking a place: this many times the taking statement's duration, plus a floor. */
-const FOLLOW_UP_FACTOR = 3
-const FOLLOW_UP_MIN_MILLIS = 5
+export { MAX_NAME_BYTES, MIN_TTL } from "./leaseEngine.js"
 
-export interface Settings extends Attempt.AttemptSettings, GiveBack.GiveBackSettings {
-  readonly defaultTtl: Duration.Duration
-  readonly pollInterval: Duration.Duration
-  readonly checkInterval: Duration.Duration
-  /** Create the table on first use. */
-  readonly createTable: boolean
+export interface Settings extends Engine.Settings {
+  readonly tables: Sql.Tables
+  readonly channel: string
   /** `auto`: listen when the lane can and notifications prove to arrive; `always`; `never`. */
   readonly listen: "auto" | "always" | "never"
 }
+
+/** The statements and error handling of PostgreSQL. */
+export const dialect = (tables: Sql.Tables, channel: string): Engine.Dialect => ({
+  backend: "pg-lease",
+  acquire: Sql.acquire(tables),
+  release: Sql.release(tables),
+  renew: Sql.renew(tables),
+  ensureTable: [Sql.ensureTable(tables)],
+  releaseParams: (name, owner, waiter) => [name, owner, waiter, channel],
+  // The release statement notifies the heads itself; they hear it through LISTEN, this process too.
+  wokenBy: () => [],
+  retryCreate: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? "")
+})
 
 /**
  * Builds the backend on `lane`. The table is created on the first acquire, not here, so an
  * application can start while the database is down.
  */
-export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<Attempt.PgLeaseGrant>, never, Scope.Scope> =>
+export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<LeaseGrant>, never, Scope.Scope> =>
   Effect.gen(function*() {
     const scope = yield* Effect.scope
-    const giveBack = yield* GiveBack.make(lane, settings)
-    const ready = yield* tableReadiness(lane, settings)
-    const attempt = Attempt.make(settings, { lane, giveBack, ready, scope })
-    const renew = Renew.make(lane, settings.tables, settings.statementTimeout)
     const hub = settings.listen === "never" || lane.listen === undefined ? undefined : yield* Wake.make({
       listen: lane.listen,
       notify: (channel, payload) => lane.run("notify", undefined, Sql.ping, [channel, payload], settings.statementTimeout),
@@ -64,86 +51,5 @@ export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<
       checkInterval: settings.checkInterval,
       mode: settings.listen === "always" ? "always" : "auto"
     }, scope)
-    const pollMillis = Duration.toMillis(settings.pollInterval)
-
-    const sleepFor = (wakeAt: number | undefined, deadline: Option.Option<number>) =>
-      Effect.gen(function*() {
-        // With a listener that proves it hears, a waiter sleeps until something could change
-        // unannounced (a crashed holder or waiter ahead sends nothing) or a long re-check.
-        // Otherwise it polls, jittered. Either way it retries before its place could expire.
-        const trusted = hub !== undefined && wakeAt !== undefined && (yield* hub.trusted)
-        const jitter = yield* Random.next
-        const cap = trusted ? Duration.toMillis(settings.checkInterval) * TRUSTED_POLL_FACTOR : pollMillis * (0.5 + jitter / 2)
-        const now = yield* monotonicMillis
-        const untilChange = wakeAt === undefined ? Number.POSITIVE_INFINITY : wakeAt - now
-        // Never past the deadline: the next attempt then reports the timeout.
-        const untilDeadline = Option.match(deadline, { onNone: () => Number.POSITIVE_INFINITY, onSome: (at) => at - now })
-        return Duration.millis(Math.max(0, Math.min(cap, PLACE_REFRESH_MILLIS, untilChange, untilDeadline)))
-      })
-
-    /**
-     * Attempts until granted or the deadline; the first attempt that finds the lock taken also
-     * takes this request's place in the queue, and later ones keep it. Subscribed to wake-ups
-     * before the first attempt, and the wake-up count is taken before each attempt and waited on
-     * after it: a wake-up that lands at any moment after subscribing ends the next wait at once.
-     * Leaving without a grant gives the place up at once (else it would block those behind it
-     * until it expires).
-     */
-    const waitFor = (request: AcquireRequest, waiter: string) =>
-      Effect.gen(function*() {
-        const subscription = hub === undefined ? undefined : yield* hub.subscribe(request.name, waiter)
-        let first = true
-        while (true) {
-          const mark = subscription === undefined ? 0 : yield* subscription.mark
-          const result = yield* attempt(request, waiter, first)
-          if (result._tag !== "Busy") return result
-          // A release that started before this request's place was committed cannot see it, so
-          // it wakes nobody for it: after taking its place, a waiter looks again once such a
-          // release has had time to commit (a few of its own statement times).
-          const followUp = first ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS) : undefined
-          first = false
-          const delay = Duration.min(yield* sleepFor(result.wakeAt, request.deadline), followUp ?? Duration.infinity)
-          // Only waits are interruptible or cut at the deadline; they grant nothing.
-          const woke = yield* request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay))
-          if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
-        }
-      }).pipe(
-        Effect.scoped,
-        Effect.onExit((exit) => (Exit.isSuccess(exit) && exit.value._tag === "Granted" ? Effect.void : giveBack.leave(request.name, waiter)))
-      )
-
-    const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<Attempt.PgLeaseGrant>, LockBackendError> =>
-      Effect.suspend(() => {
-        // This request's place in the queue, kept across its attempts (each has its own owner).
-        const waiter = Crypto.randomUUID()
-        if (request.attempt === "wait") return waitFor(request, waiter)
-        return Effect.map(attempt(request, waiter, true), (result) => (result._tag === "Busy" ? { _tag: "Busy" } as const : result))
-      })
-
-    return {
-      backend: "pg-lease",
-      maxNameBytes: MAX_NAME_BYTES,
-      defaultTtl: settings.defaultTtl,
-      minTtl: MIN_TTL,
-      renewBatchSize: Renew.RENEW_BATCH_SIZE,
-      acquire,
-      renew
-    }
-  })
-
-/** Creates the table once per backend, on first use; a failure is retried by the next acquire. */
-const tableReadiness = (lane: Lane, settings: Settings): Effect.Effect<Effect.Effect<void, LockBackendError>> =>
-  Effect.gen(function*() {
-    let ready = !settings.createTable
-    const lock = yield* Effect.makeSemaphore(1)
-    const text = Sql.ensureTable(settings.tables)
-    const create = lane.run("create-table", undefined, text, [], settings.statementTimeout).pipe(
-      Effect.retry({ times: CREATE_ATTEMPTS - 1, while: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? "") }),
-      Effect.tap(() =>
-        Effect.sync(() => {
-          ready = true
-        })
-      )
-    )
-    return Effect.suspend(() => (ready ? Effect.void : lock.withPermits(1)(Effect.suspend(() => (ready ? Effect.void : create)))))
+    return yield* Engine.make(lane, settings, dialect(settings.tables, settings.channel), hub)
   })

@@ -17,7 +17,6 @@
 import type { SqlClient } from "@effect/sql/SqlClient"
 import type { Connection as SqlConnection } from "@effect/sql/SqlConnection"
 import type { PgClientConfig } from "@effect/sql-pg/PgClient"
-import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -32,38 +31,11 @@ import type pg from "pg"
 import { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
 import * as Driver from "./pgLeaseDriver.js"
+import { type Lane, outsideTransaction, type Sent } from "./leaseLane.js"
 import { withinOrFail } from "./stallSafe.js"
 
-/** Rows of a statement, with the monotonic time (ms) just before it was sent. */
-export interface Sent<A> {
-  readonly rows: ReadonlyArray<A>
-  readonly sentAt: number
-}
-
-export interface Lane {
-  readonly kind: "own" | "application"
-  /** A lock statement, failing with `LockBackendError { operation }` when it has not answered within `bound`. */
-  readonly run: <A extends object>(
-    operation: string,
-    name: string | undefined,
-    text: string,
-    params: ReadonlyArray<unknown>,
-    bound: Duration.Duration
-  ) => Effect.Effect<Sent<A>, LockBackendError>
-  /** A renewal statement, on connections no other statement uses; same bound rule. */
-  readonly renew: <A extends object>(
-    text: string,
-    params: ReadonlyArray<unknown>,
-    bound: Duration.Duration
-  ) => Effect.Effect<Sent<A>, LockBackendError>
-  /**
-   * LISTEN on a channel, handing each payload to `deliver` as it arrives; fails (never hangs)
-   * once its connection is known dead. Undefined when this lane cannot listen.
-   */
-  readonly listen: ((channel: string, deliver: (payload: string) => void) => Effect.Effect<void, LockBackendError>) | undefined
-  /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
-  readonly prepareRenewals: Effect.Effect<void>
-}
+export type { Lane, Sent } from "./leaseLane.js"
+export { outsideTransaction } from "./leaseLane.js"
 
 /** Connections for renewals: one in use normally, a second while the first is busy or stuck. */
 export const RENEW_CONNECTIONS = 2
@@ -180,28 +152,6 @@ const ownPool = (driver: Driver.Driver, config: pg.ClientConfig, size: number) =
   })
 
 // --- the application's SqlClient ------------------------------------------------------------------
-
-/**
- * sql's transaction tag, referenced by key: a statement sent where this tag is in the context
- * joins the caller's transaction.
- */
-const TransactionConnection = Context.GenericTag<unknown>("@effect/sql/SqlClient/TransactionConnection")
-
-/**
- * Runs `self` outside any transaction of the caller. @effect/sql sends a statement on the
- * connection found under its `TransactionConnection` tag, and a forked fiber inherits its
- * parent's context: so a lock statement run, or a fiber forked, inside the user's
- * `sql.withTransaction` would join that transaction — a rollback would undo a grant's token bump,
- * `now()` would be the transaction's start, and the uncommitted row would block and hide from
- * everyone else. Without the tag, @effect/sql takes a fresh pool connection per statement.
- */
-export const outsideTransaction = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
-  Effect.contextWithEffect((context: Context.Context<R>) =>
-    context.unsafeMap.has(TransactionConnection.key)
-      // Replaces the context (`Effect.provide` would merge it into the current one, tag included).
-      ? Effect.mapInputContext(self, (current: Context.Context<R>) => Context.omit(TransactionConnection)(current) as Context.Context<R>)
-      : self
-  )
 
 /** The lane over the application's `SqlClient`; `listen` is the `PgClient`'s when there is one. */
 export const application = (

@@ -13,7 +13,8 @@ import type * as Scope from "effect/Scope"
 import * as Os from "node:os"
 import type { LockBackend } from "../LockBackend.js"
 import { LockBackendError } from "../LockError.js"
-import type { PgLeaseGrant } from "./pgLeaseAttempt.js"
+import type { LeaseGrant } from "./leaseAttempt.js"
+import * as LeaseOptions from "./leaseOptions.js"
 import * as Backend from "./pgLeaseBackend.js"
 import * as Lane from "./pgLeaseLane.js"
 import * as Sql from "./pgLeaseSql.js"
@@ -45,8 +46,7 @@ const DEFAULT_APPLICATION = "effect-lock"
 export const SqlClientTag = Context.GenericTag<SqlClient>("@effect/sql/SqlClient")
 const PgClientTag = Context.GenericTag<PgClient>("@effect/sql-pg/PgClient")
 
-export const configError = (reason: string) =>
-  new LockBackendError({ operation: "configure", cause: new Error(`PgLease: ${reason}`) })
+export const configError = LeaseOptions.configError("PgLease")
 
 /** The validated tables (default when absent), or the configuration error that names the problem. */
 export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tables, LockBackendError> => {
@@ -54,16 +54,12 @@ export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tabl
   return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
 }
 
-const duration = (input: Duration.DurationInput | undefined, fallback: Duration.Duration, what: string) =>
-  input === undefined ? Effect.succeed(fallback) : Option.match(Duration.decodeUnknown(input), {
-    onNone: () => Effect.fail(configError(`${what} is not a duration: ${String(input)}`)),
-    onSome: Effect.succeed
-  })
+const duration = LeaseOptions.durationOption(configError)
 
 export const makeBackend = (
   options?: Options,
   wrapLane: (lane: Lane.Lane) => Lane.Lane = identity
-): Effect.Effect<LockBackend<PgLeaseGrant>, LockBackendError, SqlClient | Scope.Scope> =>
+): Effect.Effect<LockBackend<LeaseGrant>, LockBackendError, SqlClient | Scope.Scope> =>
   Effect.gen(function*() {
     const tables = yield* resolveTables(options?.table)
     const channel = options?.channel ?? tables.leases.relname

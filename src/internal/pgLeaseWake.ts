@@ -19,7 +19,8 @@ import * as Queue from "effect/Queue"
 import type * as Scope from "effect/Scope"
 import * as Crypto from "node:crypto"
 import { monotonicMillis } from "./clock.js"
-import { outsideTransaction } from "./pgLeaseLane.js"
+import { outsideTransaction } from "./leaseLane.js"
+import { makeWaiters, type Subscription, type WakeHub } from "./leaseWaiters.js"
 import { PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./pgLeaseSql.js"
 import { within } from "./stallSafe.js"
 
@@ -49,33 +50,7 @@ export interface WakeOptions {
   readonly mode: "auto" | "always"
 }
 
-/** What a waiter holds while it waits for one name. */
-export interface Subscription {
-  /** The wake-ups so far: take it before an attempt, and wait with it after a failed one. */
-  readonly mark: Effect.Effect<number>
-  /**
-   * Until a wake-up that came after `mark` (at once if one already has: true), or `delay` (false).
-   * One wait at a time per subscription.
-   */
-  readonly wait: (mark: number, delay: Duration.Duration) => Effect.Effect<boolean>
-}
-
-export interface WakeHub {
-  /**
-   * Subscribes the waiter `waiter` (its place in the queue) of the lock `name`: it is woken by a
-   * notification naming it, one naming the lock (a revoke), and whenever the listener is lost.
-   */
-  readonly subscribe: (name: string, waiter: string) => Effect.Effect<Subscription, never, Scope.Scope>
-  /** True while notifications are proven to arrive: waiters may then sleep long. */
-  readonly trusted: Effect.Effect<boolean>
-}
-
-/** One waiter: a count of its wake-ups, and its pending wait if any. Every change is synchronous. */
-interface Waiter {
-  readonly name: string
-  wakes: number
-  resume: (() => void) | undefined
-}
+export type { Subscription, WakeHub } from "./leaseWaiters.js"
 
 /**
  * Builds the hub. Nothing connects until the first subscription; from then on the listener
@@ -83,10 +58,7 @@ interface Waiter {
  */
 export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
-    // Each waiter has an entry of its own, added and removed synchronously: no entry is shared,
-    // so none can be replaced or counted down under a waiter still holding it.
-    const byName = new Map<string, Set<Waiter>>()
-    const byId = new Map<string, Waiter>()
+    const waiters = makeWaiters()
     const pings = new Map<string, Deferred.Deferred<void>>()
     const kick = yield* Queue.sliding<void>(1)
     const checkMillis = Duration.toMillis(options.checkInterval)
@@ -96,31 +68,19 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     let verifiedAt = Number.NEGATIVE_INFINITY
     let healthy = false
 
-    const fire = (waiter: Waiter) => {
-      waiter.wakes++
-      const resume = waiter.resume
-      waiter.resume = undefined
-      resume?.()
-    }
-
-    const wakeAll = () => {
-      for (const waiter of byId.values()) fire(waiter)
-    }
-
     const distrust = Effect.sync(() => {
       const was = healthy
       healthy = false
       // Waiters sleeping on the promise of a notification re-check now and poll from here on.
-      if (was) wakeAll()
+      if (was) waiters.wakeAll()
     })
 
     /** Handles a payload as it arrives, synchronously: a wake-up is never queued behind anything. */
     const onPayload = (payload: string) => {
       if (payload.startsWith(WAITER_PREFIX)) {
-        const waiter = byId.get(payload.slice(WAITER_PREFIX.length))
-        if (waiter !== undefined) fire(waiter)
+        waiters.wakeWaiter(payload.slice(WAITER_PREFIX.length))
       } else if (payload.startsWith(RELEASED_PREFIX)) {
-        for (const waiter of byName.get(payload.slice(RELEASED_PREFIX.length)) ?? []) fire(waiter)
+        waiters.wakeName(payload.slice(RELEASED_PREFIX.length))
       } else if (payload.startsWith(PING_PREFIX)) {
         const echo = pings.get(payload.slice(PING_PREFIX.length))
         if (echo !== undefined) Deferred.unsafeDone(echo, Exit.void)
@@ -170,7 +130,7 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     /** Re-checks while anyone waits; returns when an echo is missed. */
     const watch = Effect.gen(function*() {
       while (true) {
-        if (byId.size === 0) yield* kick.take
+        if (waiters.size() === 0) yield* kick.take
         const now = yield* monotonicMillis
         const due = verifiedAt + checkMillis - now
         if (due > 0) {
@@ -237,48 +197,16 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     })
 
     const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, Scope.Scope> =>
-      Effect.acquireRelease(
-        Effect.sync(() => {
-          const waiter: Waiter = { name, wakes: 0, resume: undefined }
-          byId.set(id, waiter)
-          let named = byName.get(name)
-          if (named === undefined) byName.set(name, named = new Set())
-          named.add(waiter)
-          return waiter
-        }).pipe(Effect.tap(() => Effect.zipRight(ensureStarted, kick.offer(undefined)))),
-        (waiter) =>
-          Effect.sync(() => {
-            if (byId.get(id) === waiter) byId.delete(id)
-            const named = byName.get(name)
-            named?.delete(waiter)
-            if (named?.size === 0) byName.delete(name)
-          })
-      ).pipe(Effect.map((waiter): Subscription => ({
-        mark: Effect.sync(() => waiter.wakes),
-        // A timer and a callback in one step, not two racing fibers: this is on every handoff's path.
-        wait: (mark, delay) =>
-          Effect.async<boolean>((resume) => {
-            if (waiter.wakes !== mark) return resume(Effect.succeed(true))
-            const timer = setTimeout(() => {
-              if (waiter.resume === woken) waiter.resume = undefined
-              resume(Effect.succeed(false))
-            }, Duration.toMillis(delay))
-            const woken = () => {
-              clearTimeout(timer)
-              resume(Effect.succeed(true))
-            }
-            waiter.resume = woken
-            return Effect.sync(() => {
-              clearTimeout(timer)
-              if (waiter.resume === woken) waiter.resume = undefined
-            })
-          })
-      })))
+      waiters.subscribe(name, id, Effect.zipRight(ensureStarted, kick.offer(undefined)))
 
     const trusted = Effect.map(
       monotonicMillis,
       (now) => healthy && now - verifiedAt <= checkMillis + Duration.toMillis(ECHO_TIMEOUT) * 2
     )
 
-    return { subscribe, trusted }
+    const wake = (ids: ReadonlyArray<string>) => {
+      for (const id of ids) waiters.wakeWaiter(id)
+    }
+
+    return { subscribe, trusted, wake }
   })

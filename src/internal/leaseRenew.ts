@@ -1,5 +1,5 @@
 /**
- * Renewal of PgLease grants: one statement per batch (up to `RENEW_BATCH_SIZE` leases), on the
+ * Renewal of lease grants: one statement per batch (up to `RENEW_BATCH_SIZE` leases), on the
  * lane's renewal connections, telling for every lease it could not renew why it is gone.
  */
 import type * as Duration from "effect/Duration"
@@ -7,8 +7,7 @@ import * as Effect from "effect/Effect"
 import type { LockMode } from "../Lease.js"
 import type { RenewOutcome } from "../LockBackend.js"
 import { LockBackendError } from "../LockError.js"
-import type { Lane } from "./pgLeaseLane.js"
-import * as Sql from "./pgLeaseSql.js"
+import type { Lane } from "./leaseLane.js"
 
 /** Renewals per statement: big enough that 10,000 leases renew in 10 statements, small enough to stay fast. */
 export const RENEW_BATCH_SIZE = 1000
@@ -22,9 +21,8 @@ export interface Renewable {
   readonly ttlMillis: number
 }
 
-export const make = (lane: Lane, tables: Sql.Tables, bound: Duration.Duration) => {
-  const text = Sql.renew(tables)
-  return (grants: ReadonlyArray<Renewable>): Effect.Effect<ReadonlyArray<RenewOutcome>, LockBackendError> =>
+export const make = (lane: Lane, text: string, bound: Duration.Duration) =>
+  (grants: ReadonlyArray<Renewable>): Effect.Effect<ReadonlyArray<RenewOutcome>, LockBackendError> =>
     grants.length === 0 ? Effect.succeed([]) : Effect.gen(function*() {
       const { rows, sentAt } = yield* lane.renew<{ idx: number; outcome: string }>(text, [
         grants.map((g) => g.name),
@@ -40,9 +38,11 @@ export const make = (lane: Lane, tables: Sql.Tables, bound: Duration.Duration) =
         })
       }
       // `sentAt` is monotonic time before sending: the server's new expiry is at least it plus the ttl.
-      return rows.map((row, i): RenewOutcome => outcomeOf(row.outcome, sentAt + grants[i]!.ttlMillis))
+      // In batch order, whatever order the database returned them in.
+      return [...rows].sort((a, b) => Number(a.idx) - Number(b.idx)).map((row, i): RenewOutcome =>
+        outcomeOf(row.outcome, sentAt + grants[i]!.ttlMillis)
+      )
     })
-}
 
 const outcomeOf = (outcome: string, validUntil: number): RenewOutcome => {
   switch (outcome) {

@@ -1,5 +1,5 @@
 /**
- * One grant attempt of PgLease: the acquire statement, run in a fiber of its own so that the
+ * One grant attempt of a lease backend: the acquire statement, run in a fiber of its own so that the
  * caller can stop waiting for it (interruption, deadline) without its outcome being lost — an
  * abandoned attempt gives back whatever it took, its waiting place included.
  */
@@ -16,14 +16,13 @@ import type { AcquireRequest, Grant } from "../LockBackend.js"
 import type { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
 import { within } from "./stallSafe.js"
-import type { GiveBack } from "./pgLeaseGiveBack.js"
-import { type Lane, outsideTransaction } from "./pgLeaseLane.js"
-import * as Sql from "./pgLeaseSql.js"
+import type { GiveBack } from "./leaseGiveBack.js"
+import { type Lane, outsideTransaction } from "./leaseLane.js"
 
 /**
  * A lease held by this process.
  */
-export interface PgLeaseGrant extends Grant {
+export interface LeaseGrant extends Grant {
   readonly name: string
   /** The random owner token of this acquisition, as stored in its row. */
   readonly owner: string
@@ -32,7 +31,7 @@ export interface PgLeaseGrant extends Grant {
 }
 
 export type Attempt =
-  | { readonly _tag: "Granted"; readonly grant: PgLeaseGrant }
+  | { readonly _tag: "Granted"; readonly grant: LeaseGrant }
   /**
    * Not granted. `wakeAt` (monotonic ms): when something could change without a notification
    * (the holder's lease or a waiter's place ahead running out); undefined when unknown.
@@ -45,7 +44,6 @@ export type Attempt =
 export const PLACE_TTL = Duration.seconds(5)
 
 export interface AttemptSettings {
-  readonly tables: Sql.Tables
   readonly application: string
   readonly host: string
   readonly statementTimeout: Duration.Duration
@@ -58,6 +56,8 @@ export interface AttemptDeps {
   readonly ready: Effect.Effect<void, LockBackendError>
   /** The scope the statement fibers live in (the backend's). */
   readonly scope: Scope.Scope
+  /** The dialect's acquire statement. */
+  readonly text: string
 }
 
 /**
@@ -67,7 +67,7 @@ export interface AttemptDeps {
 export type AttemptFn = (request: AcquireRequest, waiter: string, first: boolean) => Effect.Effect<Attempt, LockBackendError>
 
 export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn => {
-  const text = Sql.acquire(settings.tables)
+  const text = deps.text
   const statementMillis = Duration.toMillis(settings.statementTimeout)
   const placeMillis = Duration.toMillis(PLACE_TTL)
 
@@ -95,7 +95,7 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn =>
       )
       const row = rows[0]
       if (row !== undefined && row.token !== null) {
-        const grant: PgLeaseGrant = {
+        const grant: LeaseGrant = {
           name: request.name,
           owner,
           mode: request.mode,

@@ -13,9 +13,8 @@ import type * as Scope from "effect/Scope"
 import type { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
 import { within } from "./stallSafe.js"
-import type { Lane } from "./pgLeaseLane.js"
-import { outsideTransaction } from "./pgLeaseLane.js"
-import * as Sql from "./pgLeaseSql.js"
+import { type Lane, outsideTransaction } from "./leaseLane.js"
+import type { WakeHub } from "./leaseWaiters.js"
 
 /** Attempts of a release before it gives up and leaves the lease to expire. */
 const RELEASE_RETRIES = 2
@@ -23,10 +22,11 @@ const RELEASE_RETRY_SPACING = Duration.millis(50)
 /** How long closing the layer waits for give-backs still running. */
 const SHUTDOWN_GIVE_BACK = Duration.seconds(3)
 
-export interface GiveBackSettings {
-  readonly tables: Sql.Tables
-  readonly channel: string
-  readonly statementTimeout: Duration.Duration
+/** What giving back needs of the dialect. */
+export interface GiveBackDialect {
+  readonly release: string
+  readonly releaseParams: (name: string, owner: string | null, waiter: string | null) => ReadonlyArray<unknown>
+  readonly wokenBy: (rows: ReadonlyArray<object>) => ReadonlyArray<string>
 }
 
 export interface GiveBack {
@@ -47,11 +47,18 @@ export interface GiveBack {
   ) => Effect.Effect<void>
 }
 
-export const make = (lane: Lane, settings: GiveBackSettings): Effect.Effect<GiveBack, never, Scope.Scope> =>
+export const make = (
+  lane: Lane,
+  statementTimeout: Duration.Duration,
+  dialect: GiveBackDialect,
+  hub: WakeHub | undefined
+): Effect.Effect<GiveBack, never, Scope.Scope> =>
   Effect.gen(function*() {
-    const text = Sql.release(settings.tables)
-    const giveBack = (name: string, owner: string | null, waiter: string | null, bound = settings.statementTimeout) =>
-      lane.run("release", name, text, [name, owner, waiter, settings.channel], bound)
+    const giveBack = (name: string, owner: string | null, waiter: string | null, bound = statementTimeout) =>
+      lane.run("release", name, dialect.release, dialect.releaseParams(name, owner, waiter), bound).pipe(
+        // Waiters of this process that the release found at the head are woken without a round trip.
+        Effect.tap(({ rows }) => hub === undefined ? Effect.void : Effect.sync(() => hub.wake(dialect.wokenBy(rows))))
+      )
 
     // Background give-backs are awaited (bounded) when the layer closes: cut short, they would
     // leave a row held until its ttl runs out. Added before the lane's finalizers run, so the lane is still open.
@@ -76,7 +83,7 @@ export const make = (lane: Lane, settings: GiveBackSettings): Effect.Effect<Give
         Effect.asVoid
       )
 
-    const totalMillis = Duration.toMillis(settings.statementTimeout)
+    const totalMillis = Duration.toMillis(statementTimeout)
     const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> =>
       Effect.gen(function*() {
         const deadline = (yield* monotonicMillis) + totalMillis

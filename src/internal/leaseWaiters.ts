@@ -1,0 +1,125 @@
+/**
+ * The waiters of one lease backend in this process, and how they are woken: each waiter is
+ * subscribed under its lock name and its place in the queue (an id), and a wake-up names either
+ * (a release names the waiters now at the head; a revoke names the lock). Where wake-ups come
+ * from is the hub's business: PostgreSQL's LISTEN connection (`pgLeaseWake`), or this process's
+ * own give-backs (`SqliteLease`, whose waiters of other processes poll).
+ */
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import type * as Scope from "effect/Scope"
+
+/** What a waiter holds while it waits for one name. */
+export interface Subscription {
+  /** The wake-ups so far: take it before an attempt, and wait with it after a failed one. */
+  readonly mark: Effect.Effect<number>
+  /**
+   * Until a wake-up that came after `mark` (at once if one already has: true), or `delay` (false).
+   * One wait at a time per subscription.
+   */
+  readonly wait: (mark: number, delay: Duration.Duration) => Effect.Effect<boolean>
+}
+
+export interface WakeHub {
+  /**
+   * Subscribes the waiter `waiter` (its place in the queue) of the lock `name`: it is woken by a
+   * wake-up naming it, one naming the lock (a revoke), and whenever the hub loses its source.
+   */
+  readonly subscribe: (name: string, waiter: string) => Effect.Effect<Subscription, never, Scope.Scope>
+  /** True while wake-ups are proven to arrive: waiters may then sleep long. */
+  readonly trusted: Effect.Effect<boolean>
+  /**
+   * Wakes at once the waiters of this process among `waiters` (ids of places): a give-back of
+   * this process found them at the head of the queue. Ids of other processes are ignored.
+   */
+  readonly wake: (waiters: ReadonlyArray<string>) => void
+}
+
+/** One waiter: a count of its wake-ups, and its pending wait if any. Every change is synchronous. */
+interface Waiter {
+  readonly name: string
+  wakes: number
+  resume: (() => void) | undefined
+}
+
+/** The registry a hub keeps its waiters in; every method is synchronous. */
+export interface Waiters {
+  /** Subscribes a waiter; `onSubscribe` runs once it is registered (e.g. to start a listener). */
+  readonly subscribe: (name: string, waiter: string, onSubscribe: Effect.Effect<void>) => Effect.Effect<Subscription, never, Scope.Scope>
+  /** Wakes the waiter with this id, if it is one of this process's. */
+  readonly wakeWaiter: (waiter: string) => void
+  /** Wakes every waiter of the lock `name`. */
+  readonly wakeName: (name: string) => void
+  /** Wakes every waiter (their source of wake-ups was lost: they re-check and poll). */
+  readonly wakeAll: () => void
+  /** How many waiters are subscribed. */
+  readonly size: () => number
+}
+
+export const makeWaiters = (): Waiters => {
+  // Each waiter has an entry of its own, added and removed synchronously: no entry is shared,
+  // so none can be replaced or counted down under a waiter still holding it.
+  const byName = new Map<string, Set<Waiter>>()
+  const byId = new Map<string, Waiter>()
+
+  const fire = (waiter: Waiter) => {
+    waiter.wakes++
+    const resume = waiter.resume
+    waiter.resume = undefined
+    resume?.()
+  }
+
+  const subscribe = (name: string, id: string, onSubscribe: Effect.Effect<void>): Effect.Effect<Subscription, never, Scope.Scope> =>
+    Effect.acquireRelease(
+      Effect.sync(() => {
+        const waiter: Waiter = { name, wakes: 0, resume: undefined }
+        byId.set(id, waiter)
+        let named = byName.get(name)
+        if (named === undefined) byName.set(name, named = new Set())
+        named.add(waiter)
+        return waiter
+      }).pipe(Effect.tap(() => onSubscribe)),
+      (waiter) =>
+        Effect.sync(() => {
+          if (byId.get(id) === waiter) byId.delete(id)
+          const named = byName.get(name)
+          named?.delete(waiter)
+          if (named?.size === 0) byName.delete(name)
+        })
+    ).pipe(Effect.map((waiter): Subscription => ({
+      mark: Effect.sync(() => waiter.wakes),
+      // A timer and a callback in one step, not two racing fibers: this is on every handoff's path.
+      wait: (mark, delay) =>
+        Effect.async<boolean>((resume) => {
+          if (waiter.wakes !== mark) return resume(Effect.succeed(true))
+          const timer = setTimeout(() => {
+            if (waiter.resume === woken) waiter.resume = undefined
+            resume(Effect.succeed(false))
+          }, Duration.toMillis(delay))
+          const woken = () => {
+            clearTimeout(timer)
+            resume(Effect.succeed(true))
+          }
+          waiter.resume = woken
+          return Effect.sync(() => {
+            clearTimeout(timer)
+            if (waiter.resume === woken) waiter.resume = undefined
+          })
+        })
+    })))
+
+  return {
+    subscribe,
+    wakeWaiter: (id) => {
+      const waiter = byId.get(id)
+      if (waiter !== undefined) fire(waiter)
+    },
+    wakeName: (name) => {
+      for (const waiter of byName.get(name) ?? []) fire(waiter)
+    },
+    wakeAll: () => {
+      for (const waiter of byId.values()) fire(waiter)
+    },
+    size: () => byId.size
+  }
+}

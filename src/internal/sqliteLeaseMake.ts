@@ -1,0 +1,129 @@
+/**
+ * From `SqliteLease.Options` to a running backend: options validated and defaulted, the database
+ * file chosen (the option, else the application's `SqliteClient`'s), the backend's own client
+ * opened on it, the tables created, and the lease engine assembled with SQLite's dialect.
+ */
+import type { SqliteClient } from "@effect/sql-sqlite-node/SqliteClient"
+import * as Context from "effect/Context"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import { identity } from "effect/Function"
+import * as Option from "effect/Option"
+import type * as Scope from "effect/Scope"
+import * as Os from "node:os"
+import type { LockBackend } from "../LockBackend.js"
+import { LockBackendError } from "../LockError.js"
+import type { LeaseGrant } from "./leaseAttempt.js"
+import * as Engine from "./leaseEngine.js"
+import type { Lane } from "./leaseLane.js"
+import * as LeaseOptions from "./leaseOptions.js"
+import * as Lanes from "./sqliteLeaseLane.js"
+import * as Sql from "./sqliteLeaseSql.js"
+import * as Wake from "./sqliteLeaseWake.js"
+
+/** The options of `SqliteLease.layer`; documented there. */
+export interface Options {
+  readonly filename?: string | undefined
+  readonly table?: string | undefined
+  readonly ttl?: Duration.DurationInput | undefined
+  readonly pollInterval?: Duration.DurationInput | undefined
+  readonly busyTimeout?: Duration.DurationInput | undefined
+  readonly statementTimeout?: Duration.DurationInput | undefined
+  readonly createTable?: boolean | undefined
+  readonly applicationName?: string | undefined
+}
+
+export const DEFAULT_TABLE = "effect_lock_leases"
+export const DEFAULT_TTL = Duration.seconds(30)
+export const DEFAULT_POLL = Duration.millis(50)
+export const DEFAULT_BUSY_TIMEOUT = Duration.millis(50)
+export const DEFAULT_STATEMENT_TIMEOUT = Duration.seconds(5)
+const DEFAULT_APPLICATION = "effect-lock"
+/** Unused by SQLite's hub (never trusted); the engine's long re-check interval. */
+const CHECK_INTERVAL = Duration.seconds(5)
+
+/** sql-sqlite-node's tag, referenced by key: this module needs no driver at run time. */
+const SqliteClientTag = Context.GenericTag<SqliteClient>("@effect/sql-sqlite-node/SqliteClient")
+
+export const configError = LeaseOptions.configError("SqliteLease")
+
+/** The validated tables (default when absent), or the configuration error that names the problem. */
+export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tables, LockBackendError> => {
+  const parsed = Sql.parseTables(table ?? DEFAULT_TABLE)
+  return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
+}
+
+const duration = LeaseOptions.durationOption(configError)
+
+/** The database file: the option, else the application's `SqliteClient`'s (never an in-memory one). */
+const resolveFilename = (filename: string | undefined): Effect.Effect<string, LockBackendError> =>
+  Effect.gen(function*() {
+    if (filename !== undefined) {
+      if (typeof filename !== "string" || filename.length === 0) return yield* configError("filename must be a non-empty string")
+    }
+    const client = yield* Effect.serviceOption(SqliteClientTag)
+    const file = filename ?? Option.getOrUndefined(Option.map(client, (c) => c.config.filename))
+    if (file === undefined) {
+      return yield* configError("give a filename, or provide a SqliteClient (its database file is then used)")
+    }
+    if (file === ":memory:" || file === "" || file.startsWith("file::memory:")) {
+      return yield* configError(
+        `an in-memory database ("${file}") is private to one connection; give SqliteLease the file the processes share`
+      )
+    }
+    return file
+  })
+
+/** The statements and error handling of SQLite. */
+export const dialect = (tables: Sql.Tables): Engine.Dialect => ({
+  backend: "sqlite-lease",
+  acquire: Sql.acquire(tables),
+  release: Sql.release(tables),
+  renew: Sql.renew(tables),
+  ensureTable: Sql.createTable(tables),
+  releaseParams: (name, owner, waiter) => [name, owner, waiter],
+  wokenBy: Wake.headsOf,
+  // Creation statements serialize on the write lock and are idempotent; the lane retries a busy database.
+  retryCreate: () => false
+})
+
+export const makeBackend = (
+  options?: Options,
+  wrapLane: (lane: Lane) => Lane = identity
+): Effect.Effect<LockBackend<LeaseGrant>, LockBackendError, Scope.Scope> =>
+  Effect.gen(function*() {
+    const tables = yield* resolveTables(options?.table)
+    const statementTimeout = yield* duration(options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, "statementTimeout")
+    const busyTimeout = yield* duration(options?.busyTimeout, DEFAULT_BUSY_TIMEOUT, "busyTimeout")
+    const pollInterval = yield* duration(options?.pollInterval, DEFAULT_POLL, "pollInterval")
+    const ttl = yield* duration(options?.ttl, DEFAULT_TTL, "ttl")
+    if (Duration.toMillis(pollInterval) <= 0) return yield* configError("pollInterval must be positive")
+    if (Duration.greaterThanOrEqualTo(busyTimeout, statementTimeout)) {
+      return yield* configError(
+        `busyTimeout (${Duration.format(busyTimeout)}) must be shorter than statementTimeout (${Duration.format(statementTimeout)})`
+      )
+    }
+    const application = options?.applicationName ?? DEFAULT_APPLICATION
+    const filename = yield* resolveFilename(options?.filename)
+    const own = yield* Lanes.own(filename, busyTimeout)
+    const createTable = options?.createTable !== false
+    const sqlite = dialect(tables)
+    if (createTable) {
+      // At build, not first use: the file is local, and a file that cannot be written is then a
+      // layer error rather than the first acquire's.
+      yield* Effect.forEach(sqlite.ensureTable, (text) => own.run("create-table", undefined, text, [], statementTimeout), {
+        discard: true
+      }).pipe(Effect.mapError((error) => Lanes.openError(filename, error.cause)))
+    }
+    const lane = wrapLane(own)
+    return yield* Engine.make(lane, {
+      application,
+      host: Os.hostname(),
+      statementTimeout,
+      defaultTtl: ttl,
+      pollInterval,
+      checkInterval: CHECK_INTERVAL,
+      // Created above (or by the application's migrations).
+      createTable: false
+    }, sqlite, Wake.make())
+  })
