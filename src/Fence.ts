@@ -34,6 +34,12 @@
  * `create table if not exists` can fail on the catalog's unique index. An existing table needs no
  * CREATE privilege; set `createTable: false` when your migrations own it.
  *
+ * **Bounds.** Every statement a check sends (the check, its savepoint, the first-use creation and
+ * its creation lock) is bounded on the client by `statementTimeout` (default 5 s): a frozen server,
+ * a dropped connection or a writer of the same resource whose transaction stays open fails the
+ * check with a `LockBackendError` within the bound, and the statement is cancelled in the
+ * background. Inside a transaction the caller's transaction is then unusable: roll it back.
+ *
  * **Isolation.** Written for READ COMMITTED (PostgreSQL's default). Under REPEATABLE READ or
  * SERIALIZABLE a check racing a concurrent writer of the same resource fails with a
  * `LockBackendError` wrapping a serialization failure (40001): retry the transaction.
@@ -42,6 +48,7 @@
  */
 import type * as SqlClient from "@effect/sql/SqlClient"
 import * as Context from "effect/Context"
+import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Layer from "effect/Layer"
@@ -49,6 +56,7 @@ import * as Option from "effect/Option"
 import * as FencingToken from "./FencingToken.js"
 import { LockBackendError, StaleFencingToken } from "./LockError.js"
 import { sqlStateOf } from "./internal/sqlState.js"
+import { withinOrFail } from "./internal/stallSafe.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, parseTable, type TableRef } from "./internal/sqlTable.js"
 
 /**
@@ -67,6 +75,10 @@ export const DEFAULT_TABLE = "effect_lock_fences"
  * - `createTable`: create the table on first use (default true); set false when your migrations
  *   run `migration` and the application's role may not create tables. A missing table is then a
  *   `LockBackendError`.
+ * - `statementTimeout`: client-side bound on each statement a check sends (default 5 s), so a
+ *   frozen server or a dropped connection fails the check with a `LockBackendError` instead of
+ *   hanging it. It includes waiting for a concurrent writer of the same resource whose
+ *   transaction holds the resource's row: raise it if your guarded transactions run longer.
  *
  * @since 0.1.0
  * @category models
@@ -74,6 +86,7 @@ export const DEFAULT_TABLE = "effect_lock_fences"
 export interface Options {
   readonly table?: string | undefined
   readonly createTable?: boolean | undefined
+  readonly statementTimeout?: Duration.DurationInput | undefined
 }
 
 /**
@@ -120,6 +133,8 @@ const TransactionConnectionTag = Context.GenericTag<
 // --- SQL ----------------------------------------------------------------------------------------
 
 const UNDEFINED_TABLE = "42P01"
+/** Default client-side bound on one statement of a check. */
+const DEFAULT_STATEMENT_TIMEOUT = Duration.seconds(5)
 const SAVEPOINT = "effect_lock_fence"
 /** Transactions remembered per table as having created it, so their own success proves nothing. */
 const MAX_REMEMBERED_CREATORS = 64
@@ -152,16 +167,24 @@ const currentSql = (table: TableRef): string => `select token::text as token fro
 
 // --- statements ---------------------------------------------------------------------------------
 
+/** Sends one statement of the fence, bounded by `bound` ms. */
 const run = <A extends object>(
   sql: SqlClient.SqlClient,
+  bound: number,
   operation: string,
   name: string | undefined,
   text: string,
   params: ReadonlyArray<unknown> = []
-): Effect.Effect<ReadonlyArray<A>, LockBackendError> =>
-  sql.unsafe<A>(text, params).withoutTransform.pipe(
-    Effect.mapError((cause) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause }))
+): Effect.Effect<ReadonlyArray<A>, LockBackendError> => {
+  const fail = (cause: unknown) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause })
+  return withinOrFail(
+    // Disconnected: at the bound the check fails at once; sql-pg's cancel of the statement (up to
+    // 5 s through the pool) goes on in the background instead of holding the caller.
+    Effect.disconnect(sql.unsafe<A>(text, params).withoutTransform.pipe(Effect.mapError(fail))),
+    Duration.millis(bound),
+    () => fail(new Error(`no answer from the database within ${bound} ms`))
   )
+}
 
 const isUndefinedTable = (error: unknown): error is LockBackendError =>
   error instanceof LockBackendError && sqlStateOf(error) === UNDEFINED_TABLE
@@ -173,20 +196,21 @@ const isCatalogRace = (error: unknown): boolean => CATALOG_RACE.has(sqlStateOf(e
  */
 const inSavepoint = <A, E>(
   sql: SqlClient.SqlClient,
+  bound: number,
   operation: string,
   name: string | undefined,
   body: Effect.Effect<A, E>
 ): Effect.Effect<A, E | LockBackendError> =>
   Effect.uninterruptibleMask((restore) =>
     Effect.zipRight(
-      run(sql, operation, name, `savepoint ${SAVEPOINT}`),
+      run(sql, bound, operation, name, `savepoint ${SAVEPOINT}`),
       Effect.flatMap(Effect.exit(restore(body)), (exit) =>
         Effect.zipRight(
           Exit.isSuccess(exit)
-            ? run(sql, operation, name, `release savepoint ${SAVEPOINT}`)
+            ? run(sql, bound, operation, name, `release savepoint ${SAVEPOINT}`)
             : Effect.zipRight(
-              run(sql, operation, name, `rollback to savepoint ${SAVEPOINT}`),
-              run(sql, operation, name, `release savepoint ${SAVEPOINT}`)
+              run(sql, bound, operation, name, `rollback to savepoint ${SAVEPOINT}`),
+              run(sql, bound, operation, name, `release savepoint ${SAVEPOINT}`)
             ),
           exit
         ))
@@ -233,16 +257,16 @@ const rememberCreator = (state: TableState, xact: string): void => {
 
 // --- the fence ----------------------------------------------------------------------------------
 
-const makeService = (table: TableRef, createTable: boolean): Service => {
+const makeService = (table: TableRef, createTable: boolean, bound: number): Service => {
   const ensure = (
     sql: SqlClient.SqlClient,
     inTransaction: boolean,
     operation: string,
     name: string | undefined
   ): Effect.Effect<void, LockBackendError> => {
-    const once = run(sql, operation, name, ensureSql(table))
+    const once = run(sql, bound, operation, name, ensureSql(table))
     // Inside a transaction every attempt gets a savepoint, so a lost race can be retried.
-    return (inTransaction ? inSavepoint(sql, operation, name, once) : once).pipe(
+    return (inTransaction ? inSavepoint(sql, bound, operation, name, once) : once).pipe(
       Effect.retry({ times: CREATE_ATTEMPTS - 1, while: isCatalogRace }),
       Effect.asVoid
     )
@@ -254,7 +278,7 @@ const makeService = (table: TableRef, createTable: boolean): Service => {
     token: FencingToken.FencingToken
   ): Effect.Effect<void, StaleFencingToken | LockBackendError> =>
     Effect.flatMap(
-      run<{ accepted: boolean }>(sql, "fence-check", resource, acceptSql(table), [resource, token.toString()]),
+      run<{ accepted: boolean }>(sql, bound, "fence-check", resource, acceptSql(table), [resource, token.toString()]),
       (accepted) => accepted.length > 0 ? Effect.void : refuse(sql, resource, token)
     )
 
@@ -264,7 +288,7 @@ const makeService = (table: TableRef, createTable: boolean): Service => {
     presented: FencingToken.FencingToken
   ): Effect.Effect<never, StaleFencingToken | LockBackendError> =>
     Effect.flatMap(
-      run<{ token: string }>(sql, "fence-check", resource, currentSql(table), [resource]),
+      run<{ token: string }>(sql, bound, "fence-check", resource, currentSql(table), [resource]),
       ([row]) =>
         Effect.fail<StaleFencingToken | LockBackendError>(
           row === undefined
@@ -280,7 +304,7 @@ const makeService = (table: TableRef, createTable: boolean): Service => {
   /** The caller's top-level transaction id (the same in every savepoint of it). */
   const currentXact = (sql: SqlClient.SqlClient, resource: string) =>
     Effect.map(
-      run<{ xact: string }>(sql, "fence-check", resource, "select txid_current()::text as xact"),
+      run<{ xact: string }>(sql, bound, "fence-check", resource, "select txid_current()::text as xact"),
       ([row]) => row?.xact ?? ""
     )
 
@@ -305,7 +329,7 @@ const makeService = (table: TableRef, createTable: boolean): Service => {
     token: FencingToken.FencingToken
   ) =>
     Effect.gen(function*() {
-      const first = yield* Effect.either(inSavepoint(sql, "fence-check", resource, attempt(sql, resource, token)))
+      const first = yield* Effect.either(inSavepoint(sql, bound, "fence-check", resource, attempt(sql, resource, token)))
       if (first._tag === "Right") {
         const xact = yield* currentXact(sql, resource)
         // A table this very transaction created may still roll back: only someone else's proves it is there.
@@ -347,7 +371,7 @@ const makeService = (table: TableRef, createTable: boolean): Service => {
   return { table: table.text, migration: `${createTableSql(table)};\n`, check, ensureTable }
 }
 
-const defaultService = makeService(parseTable(DEFAULT_TABLE) as TableRef, true)
+const defaultService = makeService(parseTable(DEFAULT_TABLE) as TableRef, true, Duration.toMillis(DEFAULT_STATEMENT_TIMEOUT))
 
 /**
  * Builds a fence over a table of your choice. Fails with a `LockBackendError` (operation
@@ -362,7 +386,16 @@ export const make = (options?: Options): Effect.Effect<Service, LockBackendError
     if (typeof table === "string") {
       return Effect.fail(new LockBackendError({ operation: "configure", cause: new Error(`Fence: ${table}`) }))
     }
-    return Effect.succeed(makeService(table, options?.createTable ?? true))
+    const bound = options?.statementTimeout === undefined ? Option.some(DEFAULT_STATEMENT_TIMEOUT) : Duration.decodeUnknown(options.statementTimeout)
+    if (Option.isNone(bound) || !Duration.isFinite(bound.value) || Duration.toMillis(bound.value) <= 0) {
+      return Effect.fail(
+        new LockBackendError({
+          operation: "configure",
+          cause: new Error(`Fence: statementTimeout must be a positive, finite duration, got ${String(options?.statementTimeout)}`)
+        })
+      )
+    }
+    return Effect.succeed(makeService(table, options?.createTable ?? true, Duration.toMillis(bound.value)))
   })
 
 /**

@@ -1,5 +1,6 @@
 import { SqlClient } from "@effect/sql"
 import { describe, expect, it, layer } from "@effect/vitest"
+import { afterAll } from "vitest"
 import { Array as Arr, Deferred, Duration, Effect, Either, Fiber, Random, Schedule, Tracer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as Fence from "effect-lock/Fence"
@@ -499,4 +500,108 @@ describe("Fence on a database without its table", () => {
       yield* sql.withTransaction(Fence.check("first-0", token(2)))
       expect(yield* recorded("first-0")).toBe(2n)
     }).pipe(Effect.provide(PgTest.layer(freshForTransactions, POOL))))
+})
+
+/** Server processes this file stopped; continued after the file even if a test timed out. */
+const stopped = new Set<number>()
+const thaw = (pid: number) => {
+  stopped.delete(pid)
+  try {
+    process.kill(pid, "SIGCONT")
+  } catch {
+    // already gone
+  }
+}
+afterAll(() => stopped.forEach(thaw))
+
+/** The bound these tests give a check; the promise is the bound plus two event-loop turns. */
+const BOUND_MS = 500
+/** What a loaded 2-core machine may add to the bound (scheduling, the timer's own lateness). */
+const SLACK_MS = 1_500
+
+const timed = <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+  Effect.gen(function*() {
+    const started = Date.now()
+    const result = yield* Effect.either(effect)
+    return { result, elapsed: Date.now() - started }
+  })
+
+layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence bounds", (it) => {
+  it.effect("a check blocked behind another writer's open transaction fails at statementTimeout, and its statement is cancelled", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      const fence = yield* Fence.make({ statementTimeout: Duration.millis(BOUND_MS) })
+      yield* fence.check("held-row", token(1))
+      const checked = yield* Deferred.make<void>()
+      const resume = yield* Deferred.make<void>()
+      const holder = yield* Effect.fork(
+        sql.withTransaction(
+          Effect.zipRight(fence.check("held-row", token(2)), Effect.zipRight(Deferred.succeed(checked, undefined), Deferred.await(resume)))
+        )
+      )
+      yield* Deferred.await(checked)
+      const { elapsed, result } = yield* timed(fence.check("held-row", token(3)))
+      expect(Either.isLeft(result) && result.left).toMatchObject({ _tag: "LockBackendError", operation: "fence-check", name: "held-row" })
+      expect(elapsed).toBeGreaterThanOrEqual(BOUND_MS - 20)
+      expect(elapsed).toBeLessThan(BOUND_MS + SLACK_MS)
+      // The abandoned statement does not stay queued on the row at the server.
+      yield* Effect.flatMap(
+        sql<{ n: number }>`select count(*)::int as n from pg_stat_activity
+          where datname = current_database() and wait_event_type = 'Lock' and query like 'insert into "effect_lock_fences"%'`,
+        ([row]) => (row!.n === 0 ? Effect.void : Effect.fail("still waiting"))
+      ).pipe(Effect.retry(Schedule.spaced(POLL)), Effect.timeout(BLOCKED_WITHIN))
+      yield* Deferred.succeed(resume, undefined)
+      yield* Fiber.join(holder)
+      expect(yield* recorded("held-row")).toBe(2n)
+    }))
+
+  it.effect("first use waiting for another transaction's table creation fails at statementTimeout", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      const fence = yield* Fence.make({ table: "fences_created_slowly", statementTimeout: Duration.millis(BOUND_MS) })
+      const created = yield* Deferred.make<void>()
+      const resume = yield* Deferred.make<void>()
+      // A first check in a transaction creates the table there and keeps the creation lock until it ends.
+      const creator = yield* Effect.fork(
+        sql.withTransaction(
+          Effect.zipRight(fence.check("slow", token(1)), Effect.zipRight(Deferred.succeed(created, undefined), Deferred.await(resume)))
+        )
+      )
+      yield* Deferred.await(created)
+      const { elapsed, result } = yield* timed(fence.check("slow", token(2)))
+      expect(Either.isLeft(result) && result.left).toMatchObject({ _tag: "LockBackendError", operation: "fence-check" })
+      expect(elapsed).toBeLessThan(BOUND_MS + SLACK_MS)
+      yield* Deferred.succeed(resume, undefined)
+      yield* Fiber.join(creator)
+      yield* fence.check("slow", token(2))
+      expect(yield* recorded("slow", "fences_created_slowly")).toBe(2n)
+    }))
+
+  it.effect("a frozen server backend (SIGSTOP) fails a check within statementTimeout, on first use and after", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      for (const table of ["fences_on_frozen", Fence.DEFAULT_TABLE]) {
+        const fence = yield* Fence.make({ table, statementTimeout: Duration.millis(BOUND_MS) })
+        let checked: { readonly result: Either.Either<void, unknown>; readonly elapsed: number } | undefined
+        // The caller's transaction may end either way after the thaw (its statement was cancelled); the check's own outcome is what counts.
+        yield* Effect.either(sql.withTransaction(Effect.gen(function*() {
+          const [{ pid }] = yield* sql<{ pid: number }>`select pg_backend_pid() as pid`
+          stopped.add(pid)
+          process.kill(pid, "SIGSTOP")
+          checked = yield* timed(fence.check("frozen", token(1)))
+          thaw(pid)
+        })))
+        expect(checked).toBeDefined()
+        expect(Either.isLeft(checked!.result) && checked!.result.left).toMatchObject({ _tag: "LockBackendError", operation: "fence-check" })
+        expect(checked!.elapsed).toBeLessThan(BOUND_MS + SLACK_MS)
+      }
+    }))
+
+  it.effect("statementTimeout must be a positive, finite duration", () =>
+    Effect.gen(function*() {
+      for (const bad of [0, -1, Duration.infinity, "soon"] as const) {
+        const error = yield* Effect.flip(Fence.make({ statementTimeout: bad as Duration.DurationInput }))
+        expect(error).toMatchObject({ _tag: "LockBackendError", operation: "configure" })
+      }
+    }))
 })
