@@ -1,12 +1,13 @@
 import { afterAll, beforeAll, describe, expect, it } from "@effect/vitest"
-import { Context, Duration, Effect, Fiber, Layer } from "effect"
+import { Context, Effect, Fiber, Layer } from "effect"
 import { spawn } from "node:child_process"
 import * as Path from "node:path"
 import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import * as DistributedLock from "../src/DistributedLock.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
-import { useTestDatabase, withClient } from "./support/pg.js"
+import { waitUntil } from "./support/contract.js"
+import { advisoryLocks, useTestDatabase, withClient } from "./support/pg.js"
 
 // First, so that its afterAll (leak check, drop) runs after every worker and layer has stopped.
 const db = useTestDatabase("pg_advisory_process")
@@ -100,7 +101,12 @@ describe("PgAdvisory across OS processes", () => {
         Effect.map(Context.get(DistributedLock.DistributedLock))
       )
       const waiting = yield* Effect.fork(lock.acquire("crash-job", { timeout: "10 seconds" }))
-      yield* Effect.sleep(Duration.millis(100))
+      // The survivor's wait is queued at the server before the holder dies.
+      yield* waitUntil(
+        "live",
+        "the survivor's wait is queued in pg_locks",
+        Effect.promise(async () => (await advisoryLocks(db.url)).some((row) => !row.granted && row.application_name === "adv-proc-survivor"))
+      )
       const killedAt = Date.now()
       yield* Effect.promise(() => holder.kill())
       const lease = yield* Fiber.join(waiting)

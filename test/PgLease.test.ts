@@ -622,6 +622,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
 
   it.scoped("3,000 leases acquired 64 at a time on a default pool with ttl 3 s lose none, renewed 1,000 per statement", () =>
     Effect.gen(function*() {
+      const WINDOW_MS = 6_000
       const env = yield* poolOn(() => db.url, "pglease-3000")
       const counted = countingLane()
       const backend = yield* backendOn(env, { ttl: Duration.seconds(3) }, counted.wrap)
@@ -644,12 +645,13 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       )
       const acquiredIn = Date.now() - started
       const windowStart = calls.length
-      // Past two renewal periods (ttl/3 = 1 s) with every lease held: each lease is renewed in it.
-      yield* Effect.sleep(Duration.millis(2_500))
+      // Two ttls with every lease held (a hold, not a synchronisation): a lease whose renewals did
+      // not get through would be declared lost 2.4 s after its grant, well inside the window.
+      yield* Effect.sleep(Duration.millis(WINDOW_MS))
       const inWindow = calls.slice(windowStart)
       const lost = (yield* Effect.forEach(held, ({ lease }) => lease.isHeld)).filter((isHeld) => !isHeld).length
       console.log(
-        `PgLease 3,000 leases: acquired in ${acquiredIn} ms, lost ${lost}; over 2.5 s, ${inWindow.length} renewal ` +
+        `PgLease 3,000 leases: acquired in ${acquiredIn} ms, lost ${lost}; over ${WINDOW_MS} ms, ${inWindow.length} renewal ` +
           `statements renewed ${inWindow.reduce((n, c) => n + c.size, 0)} leases (largest ${Math.max(...inWindow.map((c) => c.size))})`
       )
       expect(lost).toBe(0)
@@ -663,7 +665,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         expect(index).toBeGreaterThanOrEqual(0)
         unmatched.splice(index, 1)
       }
-      expect(inWindow.reduce((n, c) => n + c.size, 0)).toBeGreaterThanOrEqual(3_000)
+      // Renewed every ttl/3 = 1 s: over two ttls each lease at least twice, however late the first.
+      expect(inWindow.reduce((n, c) => n + c.size, 0)).toBeGreaterThanOrEqual(2 * 3_000)
       yield* Effect.forEach(held, ({ scope }) => Scope.close(scope, Exit.void), { concurrency: 64, discard: true })
       expect(yield* Effect.provide(PgLease.holders(), env)).toEqual([])
     }), { timeout: 120_000 })

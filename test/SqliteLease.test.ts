@@ -301,6 +301,8 @@ describe("SqliteLease and a writer holding the database", () => {
       const maxLagMs = lag.max / 1e6
       console.log(`SqliteLease: acquire behind a 1.5 s write transaction took ${(performance.now() - started).toFixed(0)} ms; longest event-loop block ${maxLagMs.toFixed(1)} ms (busyTimeout 50 ms)`)
       expect(token > 0n).toBe(true)
+      // The acquire did try while the writer held the lock: a try blocks the event loop for about busyTimeout.
+      expect(maxLagMs).toBeGreaterThan(Duration.toMillis(busyTimeout) * 0.8)
       // The promise: one try blocks for busyTimeout at most, then the event loop runs (margin: a loaded machine).
       expect(maxLagMs).toBeLessThan(Duration.toMillis(busyTimeout) + 100)
     }), { timeout: 20_000 })
