@@ -7,7 +7,6 @@ import * as FencingToken from "effect-lock/FencingToken"
 import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
 import { monotonicMillis } from "effect-lock/internal/clock"
 import type * as Lane from "effect-lock/internal/pgLeaseLane"
-import * as Make from "effect-lock/internal/pgLeaseMake"
 import * as Wake from "effect-lock/internal/pgLeaseWake"
 import * as PgLease from "effect-lock/PgLease"
 import * as ChildProcess from "node:child_process"
@@ -19,9 +18,10 @@ import * as Readline from "node:readline"
 import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import pg from "pg"
-import { contractSuite, freshName, withYieldBudget } from "./support/contract.js"
+import { freshName, withYieldBudget } from "./support/contract.js"
 import { makeFaults, withFaults } from "./support/faults.js"
 import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { pgLeaseHelpers } from "./support/pgLease.js"
 import { startEmbedded } from "../tools/embeddedPostgres.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 
@@ -33,113 +33,7 @@ const TTL = Duration.seconds(1)
 
 // --- helpers ------------------------------------------------------------------------------------
 
-/** Polls `check` every 5 ms until it holds; dies naming `what` after `bound`. */
-function waitFor(what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) {
-  return Effect.gen(function*() {
-    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
-    while (!(yield* Effect.orDie(check))) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
-      yield* Effect.sleep(Duration.millis(5))
-    }
-  })
-}
-
-type Env = Context.Context<PgClient.PgClient | SqlClient.SqlClient>
-
-/** A pool of its own, like a separate process would have; closed with the enclosing scope. */
-const poolOn = (url: string | (() => string), applicationName?: string) =>
-  Layer.build(PgTest.layer(url, applicationName === undefined ? {} : { applicationName }))
-
-/** The same context without `PgClient`: a plain `SqlClient`, as another driver would give. */
-const sqlOnly = (env: Env): Context.Context<SqlClient.SqlClient> =>
-  Context.omit(PgClient.PgClient)(env) as Context.Context<SqlClient.SqlClient>
-
-/**
- * What every backend of this file is doing, read from wrappers around its lane and its acquire:
- * statements in flight, and for each lock name the acquires running and those in their wait
- * (a failed attempt behind them, subscribed to wake-ups). Tests wait on these instead of sleeping.
- */
-const probe = (() => {
-  let inFlight = 0
-  const active = new Map<string, number>()
-  const waiting = new Map<string, number>()
-  const waitsEntered = new Map<string, number>()
-  const bump = (map: Map<string, number>, name: string, by: number) => map.set(name, (map.get(name) ?? 0) + by)
-  const counted = <A, E, R>(self: Effect.Effect<A, E, R>) =>
-    Effect.acquireUseRelease(Effect.sync(() => inFlight++), () => self, () => Effect.sync(() => inFlight--))
-  const wrapLane = (lane: Lane.Lane): Lane.Lane => ({
-    ...lane,
-    run: (operation, name, text, params, bound) => counted(lane.run(operation, name, text, params, bound)),
-    renew: (text, params, bound) => counted(lane.renew(text, params, bound))
-  })
-  const wrapBackend = <G extends PgLease.PgLeaseGrant>(backend: LockBackend<G>): LockBackend<G> => ({
-    ...backend,
-    acquire: (request) =>
-      Effect.acquireUseRelease(
-        Effect.sync(() => bump(active, request.name, 1)),
-        () =>
-          backend.acquire({
-            ...request,
-            waitUntilDeadline: (step) =>
-              Effect.acquireUseRelease(
-                Effect.sync(() => {
-                  bump(waiting, request.name, 1)
-                  bump(waitsEntered, request.name, 1)
-                }),
-                () => request.waitUntilDeadline(step),
-                () => Effect.sync(() => bump(waiting, request.name, -1))
-              )
-          }),
-        () => Effect.sync(() => bump(active, request.name, -1))
-      )
-  })
-  /** Every acquire is in its wait (or done) and no statement is in flight. */
-  const quiet = () => inFlight === 0 && Array.from(active).every(([name, n]) => n === (waiting.get(name) ?? 0))
-  return {
-    wrapLane,
-    wrapBackend,
-    /**
-     * Every acquire is done or waiting and no statement is in flight, on three polls 5 ms apart:
-     * a fiber forked just before has had event-loop turns to reach its statement by then (with
-     * the yield budget of 12 it may need several).
-     */
-    settle: Effect.gen(function*() {
-      let quietPolls = 0
-      yield* waitFor(
-        "every acquire waiting or done, no statement in flight",
-        Effect.sync(() => (quietPolls = quiet() ? quietPolls + 1 : 0) >= 3),
-        Duration.seconds(5)
-      )
-    }),
-    /** Until `count` acquires of `name` are in their wait. */
-    waiting: (name: string, count = 1) =>
-      waitFor(`${count} waiter(s) of "${name}" in their wait`, Effect.sync(() => (waiting.get(name) ?? 0) >= count), Duration.seconds(5)),
-    /**
-     * Until the one waiter of `name` is in a wait after its look-again following its first
-     * attempt: from then on only a wake-up (or its long retry interval) makes it try again.
-     */
-    waitingLong: (name: string) =>
-      waitFor(
-        `the waiter of "${name}" in its long wait`,
-        Effect.sync(() => (waiting.get(name) ?? 0) >= 1 && (waitsEntered.get(name) ?? 0) >= 2),
-        Duration.seconds(5)
-      )
-  }
-})()
-
-/** A backend that sees exactly `env` (plus the caller's Scope), not the test's own context. */
-const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options, wrapLane?: (lane: Lane.Lane) => Lane.Lane) =>
-  Make.makeBackend({ ttl: TTL, pollInterval: Duration.millis(100), ...options }, (lane) => probe.wrapLane(wrapLane === undefined ? lane : wrapLane(lane))).pipe(
-    Effect.map(probe.wrapBackend),
-    Effect.mapInputContext((outer: Context.Context<Scope.Scope>) => Context.add(env, Scope.Scope, Context.get(outer, Scope.Scope)))
-  )
-
-/** One "process": a backend on `env` under a DistributedLock service. */
-const processOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options) =>
-  Effect.flatMap(backendOn(env, options), DistributedLock.make)
-
-const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<unknown> = []) =>
-  Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((r) => r.rows)))
+const { waitFor, poolOn, sqlOnly, probe, backendOn, processOn, query } = pgLeaseHelpers(db, TTL)
 
 interface Row {
   readonly owner: string | null
@@ -218,26 +112,6 @@ const stats = (values: ReadonlyArray<number>) => {
  * Leases of 2 s in the contract: a renewal then has over 900 ms (from ttl/3 to ttl - ttl/5) to get through,
  * which a 2-core machine loaded by other test files still gives it.
  */
-const CONTRACT_TTL = Duration.seconds(2)
-
-contractSuite("PgLease", {
-  clock: "live",
-  ttl: CONTRACT_TTL,
-  makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => backendOn(env, { ttl: CONTRACT_TTL })),
-  storeHolders: (name) =>
-    Effect.map(
-      query<{ n: number }>(
-        `select count(*)::int as n from ${PgLease.DEFAULT_TABLE} where name = $1 and owner is not null and expires_at > now()`,
-        [name]
-      ),
-      (rows) => rows[0]!.n
-    ),
-  advance: (duration) => Effect.sleep(duration),
-  settle: probe.settle,
-  maxNameBytes: PgLease.defaults.maxNameBytes,
-  minTtl: PgLease.defaults.minTtl
-})
-
 // --- the backend's own guarantees ---------------------------------------------------------------
 
 layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {

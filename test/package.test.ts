@@ -310,8 +310,6 @@ describe.concurrent("the packed package, installed into an empty ESM app", () =>
     expect(stdout).toContain("lease token 1")
   }, 4 * STEP_TIMEOUT_MS)
 
-  // Fails until PgAdvisory, internal/pgDriver, PgLease and internal/pgLeaseSql stop loading
-  // pg and @effect/sql when the root entry is imported (Fence already does).
   it("memory only (effect): no pg or @effect/sql installed, and the root entry's DistributedLock and MemoryBackend work", async () => {
     const app = makeApp("memory-only", { "main.js": MEMORY_MAIN })
     const added = await installAlongside(app, [pinned("effect")])

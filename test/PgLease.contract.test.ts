@@ -1,0 +1,33 @@
+/**
+ * PgLease runs the backend contract suite (twice: as scheduled, and with the runtime switching
+ * fibers every 12 ops) and its event-loop stall cases, against a real PostgreSQL.
+ */
+import { Duration, Effect } from "effect"
+import * as PgLease from "effect-lock/PgLease"
+import { contractSuite } from "./support/contract.js"
+import { useTestDatabase } from "./support/pg.js"
+import { pgLeaseHelpers } from "./support/pgLease.js"
+
+// First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
+const db = useTestDatabase("pglease_contract")
+
+const CONTRACT_TTL = Duration.seconds(2)
+const { backendOn, poolOn, probe, query } = pgLeaseHelpers(db, CONTRACT_TTL)
+
+contractSuite("PgLease", {
+  clock: "live",
+  ttl: CONTRACT_TTL,
+  makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => backendOn(env, { ttl: CONTRACT_TTL })),
+  storeHolders: (name) =>
+    Effect.map(
+      query<{ n: number }>(
+        `select count(*)::int as n from ${PgLease.DEFAULT_TABLE} where name = $1 and owner is not null and expires_at > now()`,
+        [name]
+      ),
+      (rows) => rows[0]!.n
+    ),
+  advance: (duration) => Effect.sleep(duration),
+  settle: probe.settle,
+  maxNameBytes: PgLease.defaults.maxNameBytes,
+  minTtl: PgLease.defaults.minTtl
+})
