@@ -5,16 +5,17 @@
  *
  * | key | meaning |
  * |---|---|
- * | `EFFECT_LOCK_BACKEND` | `memory`, `pg-advisory` or `pg-lease` (required) |
+ * | `EFFECT_LOCK_BACKEND` | `memory`, `pg-advisory`, `pg-lease` or `sqlite` (required) |
  * | `EFFECT_LOCK_DATABASE_URL`, else `DATABASE_URL` | the server, for the PostgreSQL backends |
+ * | `EFFECT_LOCK_SQLITE_FILE` | the database file the processes share, for `sqlite` |
  * | `EFFECT_LOCK_TTL` | default lease length (`30 seconds`, …), lease backends |
- * | `EFFECT_LOCK_TABLE` | PgLease's table |
+ * | `EFFECT_LOCK_TABLE` | PgLease's or SqliteLease's table |
  * | `EFFECT_LOCK_MAX_SESSIONS` | PgAdvisory's `maxSessions` |
  * | `EFFECT_LOCK_NAMESPACE` | PgAdvisory's key namespace |
  * | `EFFECT_LOCK_APPLICATION_NAME` | shown in `pg_stat_activity` |
  *
- * A missing or unknown backend, or a PostgreSQL backend without a URL, is a `ConfigError`
- * naming the key. Drivers are loaded only for the backend chosen.
+ * A missing or unknown backend, a PostgreSQL backend without a URL, or `sqlite` without a file,
+ * is a `ConfigError` naming the key. Drivers are loaded only for the backend chosen.
  *
  * @since 0.1.0
  */
@@ -30,6 +31,7 @@ import { LockBackendError, type UnsafeConnectionPooling } from "./LockError.js"
 import * as MemoryBackend from "./MemoryBackend.js"
 import * as PgAdvisory from "./PgAdvisory.js"
 import * as PgLease from "./PgLease.js"
+import * as SqliteLease from "./SqliteLease.js"
 
 /**
  * The backends `layer` can build.
@@ -37,7 +39,7 @@ import * as PgLease from "./PgLease.js"
  * @since 0.1.0
  * @category models
  */
-export type BackendKind = "memory" | "pg-advisory" | "pg-lease"
+export type BackendKind = "memory" | "pg-advisory" | "pg-lease" | "sqlite"
 
 /**
  * What `layer` reads, before it builds anything.
@@ -48,6 +50,7 @@ export type BackendKind = "memory" | "pg-advisory" | "pg-lease"
 export interface Settings {
   readonly backend: BackendKind
   readonly url: Option.Option<Redacted.Redacted<string>>
+  readonly sqliteFile: Option.Option<string>
   readonly ttl: Option.Option<Duration.Duration>
   readonly table: Option.Option<string>
   readonly maxSessions: Option.Option<number>
@@ -65,10 +68,11 @@ const optional = <A>(config: Config.Config<A>) => Config.option(config)
  * @category config
  */
 export const settings: Config.Config<Settings> = Config.all({
-  backend: Config.literal("memory", "pg-advisory", "pg-lease")("EFFECT_LOCK_BACKEND"),
+  backend: Config.literal("memory", "pg-advisory", "pg-lease", "sqlite")("EFFECT_LOCK_BACKEND"),
   url: optional(
     Config.orElse(Config.redacted("EFFECT_LOCK_DATABASE_URL"), () => Config.redacted("DATABASE_URL"))
   ),
+  sqliteFile: optional(Config.nonEmptyString("EFFECT_LOCK_SQLITE_FILE")),
   ttl: optional(Config.duration("EFFECT_LOCK_TTL")),
   table: optional(Config.nonEmptyString("EFFECT_LOCK_TABLE")),
   maxSessions: optional(Config.integer("EFFECT_LOCK_MAX_SESSIONS")),
@@ -81,6 +85,13 @@ const urlOf = (read: Settings): Effect.Effect<Redacted.Redacted<string>, ConfigE
   Option.match(read.url, {
     onSome: Effect.succeed,
     onNone: () => Config.redacted("EFFECT_LOCK_DATABASE_URL")
+  })
+
+/** The file `sqlite` needs; when absent, read again to fail with Effect's error naming the key. */
+const sqliteFileOf = (read: Settings): Effect.Effect<string, ConfigError.ConfigError> =>
+  Option.match(read.sqliteFile, {
+    onSome: Effect.succeed,
+    onNone: () => Config.nonEmptyString("EFFECT_LOCK_SQLITE_FILE")
   })
 
 const defined = <A>(option: Option.Option<A>): A | undefined => Option.getOrUndefined(option)
@@ -127,6 +138,15 @@ export const fromSettings = (
           return PgLease.layer({ ttl: defined(read.ttl), table: defined(read.table) }).pipe(Layer.provide(client))
         })
       )
+    case "sqlite":
+      // SqliteLease loads its driver only when the layer is built: nothing to load here.
+      return Layer.unwrapEffect(Effect.map(sqliteFileOf(read), (filename) =>
+        SqliteLease.layer({
+          filename,
+          ttl: defined(read.ttl),
+          table: defined(read.table),
+          applicationName: defined(read.applicationName)
+        })))
   }
 }
 

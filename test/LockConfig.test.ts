@@ -2,6 +2,10 @@ import { describe, expect, it } from "@effect/vitest"
 import { ConfigError, ConfigProvider, Effect, Exit, Layer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as LockConfig from "effect-lock/LockConfig"
+import Sqlite from "better-sqlite3"
+import * as Fs from "node:fs"
+import * as Os from "node:os"
+import * as Path from "node:path"
 import { useTestDatabase } from "./support/pg.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
@@ -51,6 +55,25 @@ describe("LockConfig.layer", () => {
       expect(used.backend).toBe("pg-lease")
     }))
 
+  it.live("EFFECT_LOCK_BACKEND=sqlite builds SqliteLease on EFFECT_LOCK_SQLITE_FILE", () =>
+    Effect.gen(function*() {
+      const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "effect-lock-config-"))
+      try {
+        const file = Path.join(dir, "locks.db")
+        const used = yield* lockWith({ EFFECT_LOCK_BACKEND: "sqlite", EFFECT_LOCK_SQLITE_FILE: file, EFFECT_LOCK_TABLE: "config_leases" })
+        expect(used.backend).toBe("sqlite-lease")
+        // The lease went to that file, in the table configured.
+        const db = new Sqlite(file, { readonly: true })
+        try {
+          expect(db.prepare("select name, token from config_leases").all()).toEqual([{ name: "config-chosen", token: Number(used.token) }])
+        } finally {
+          db.close()
+        }
+      } finally {
+        Fs.rmSync(dir, { recursive: true, force: true })
+      }
+    }))
+
   it.live("a missing backend is a ConfigError naming EFFECT_LOCK_BACKEND", () =>
     Effect.gen(function*() {
       const error = yield* failureOf({})
@@ -64,6 +87,16 @@ describe("LockConfig.layer", () => {
       expect(text).toContain("EFFECT_LOCK_BACKEND")
       expect(text).toContain("redis")
       expect(text).toContain("pg-lease")
+      expect(text).toContain("sqlite")
+    }))
+
+  it.live("sqlite without a file is a ConfigError naming EFFECT_LOCK_SQLITE_FILE; an empty one too", () =>
+    Effect.gen(function*() {
+      for (const file of [undefined, ""]) {
+        const error = yield* failureOf({ EFFECT_LOCK_BACKEND: "sqlite", ...(file === undefined ? {} : { EFFECT_LOCK_SQLITE_FILE: file }) })
+        expect(ConfigError.isConfigError(error)).toBe(true)
+        expect(String(error)).toContain("EFFECT_LOCK_SQLITE_FILE")
+      }
     }))
 
   it.live("a PostgreSQL backend without a URL is a ConfigError naming the URL key", () =>
