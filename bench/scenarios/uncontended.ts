@@ -236,11 +236,11 @@ export const pgLeaseSubject = (database: Database, concurrency: number, duration
     durationMs
   )
 
-const memorySubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> =>
+export const memorySubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> =>
   lockSubject(`memory-${concurrency}`, () => MemoryBackend.layer(), concurrency, durationMs)
 
 /** The in-process floor: one Effect semaphore per name, taken and given back in a scope. */
-const semaphoreSubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> => ({
+export const semaphoreSubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> => ({
   id: `semaphore-${concurrency}`,
   open: async () => {
     const semaphores = await Effect.runPromise(Effect.forEach(range(concurrency), () => Effect.makeSemaphore(1)))
