@@ -1,5 +1,5 @@
 /**
- * A scheduled job that runs on exactly one replica, with leader takeover: each replica calls
+ * A job that runs on one replica at a time, with leader takeover: each replica calls
  * `DistributedLock.singleton`; the one holding the lease runs the job, and when it goes away the
  * next one takes over within a lease's ttl. Two replicas run in this one process to show it.
  *

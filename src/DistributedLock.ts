@@ -483,7 +483,10 @@ class BodyFailed<E> {
 }
 
 /**
- * Keeps `effect` running on exactly one process of the cluster. Each process competes for the
+ * Keeps `effect` running on one process of the cluster at a time: the one holding the lock. A
+ * holder that loses the lock is interrupted as soon as it learns of the loss (a frozen process
+ * learns when it resumes), so fence what the effect writes with its lease's token if two
+ * holders must never overlap even then. Each process competes for the
  * lock (no timeout) and runs `effect` holding it. On loss the effect is interrupted and the
  * process competes again; when it succeeds the lock is released and the process competes again
  * after `restartAfter`; when it fails with `E`, the lock is released and `singleton` fails with
