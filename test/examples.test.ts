@@ -27,10 +27,10 @@ const parseLine = (line: string): LogLine | undefined => {
 }
 
 /** Runs an example against this file's database; returns its log lines (and fails on a non-zero exit). */
-const run = async (file: string): Promise<ReadonlyArray<LogLine>> => {
+const run = async (file: string, env: Readonly<Record<string, string>> = {}): Promise<ReadonlyArray<LogLine>> => {
   const { stdout, stderr } = await promisify(execFile)(process.execPath, ["--import", "tsx", `examples/${file}`], {
     cwd: root,
-    env: { ...process.env, DATABASE_URL: db.url },
+    env: { ...process.env, DATABASE_URL: db.url, ...env },
     timeout: 60_000
   })
   const lines = `${stdout}\n${stderr}`.split("\n").filter((line) => line.trim() !== "")
@@ -114,6 +114,23 @@ describe.concurrent("examples run against a real PostgreSQL", () => {
     expect(running).toHaveLength(6)
     expect(Math.max(...running)).toBe(2)
     expect(out.at(-1)).toBe("6 exports done, at most 2 at a time")
+  })
+
+  it("http-errors.ts: a busy lock answers 503 with a body naming the lock; once free, the endpoint runs", async () => {
+    const out = messages(await run("http-errors.ts"))
+    expect(out).toHaveLength(3)
+    const busy = /^while another replica builds: (\d+) (.*)$/.exec(out[0]!)
+    expect(busy?.[1]).toBe("503")
+    expect(JSON.parse(busy![2]!)).toEqual({ _tag: "LockTimeout", name: "report-build", waited: expect.any(Number), retryAfter: 1 })
+    expect(out.slice(1)).toEqual(["building the report", "once it is done: 204"])
+  })
+
+  it("config-chosen.ts: EFFECT_LOCK_BACKEND picks the backend; the same program locks on each", async () => {
+    expect(messages(await run("config-chosen.ts", { EFFECT_LOCK_BACKEND: "pg-lease" }))).toEqual([
+      "locking on pg-lease",
+      "migrating, once across replicas"
+    ])
+    expect(messages(await run("config-chosen.ts", { EFFECT_LOCK_BACKEND: "memory" }))[0]).toBe("locking on memory")
   })
 
   it("dedicated-lock-pool.ts: 200 locked bodies finish on a 4-connection work pool", async () => {
