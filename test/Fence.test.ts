@@ -1,12 +1,12 @@
 import { SqlClient } from "@effect/sql"
 import { describe, expect, it, layer } from "@effect/vitest"
-import { afterAll } from "vitest"
 import { Array as Arr, Deferred, Duration, Effect, Either, Fiber, Random, Schedule, Tracer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as Fence from "effect-lock/Fence"
 import * as FencingToken from "effect-lock/FencingToken"
 import { LockBackendError, StaleFencingToken } from "effect-lock/LockError"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
+import { stop, thaw } from "./support/freeze.js"
 import { PgTest, useTestDatabase } from "./support/pg.js"
 
 // First, so that their afterAll (leak check, drop) runs after every pool of this file is closed.
@@ -502,18 +502,6 @@ describe("Fence on a database without its table", () => {
     }).pipe(Effect.provide(PgTest.layer(freshForTransactions, POOL))))
 })
 
-/** Server processes this file stopped; continued after the file even if a test timed out. */
-const stopped = new Set<number>()
-const thaw = (pid: number) => {
-  stopped.delete(pid)
-  try {
-    process.kill(pid, "SIGCONT")
-  } catch {
-    // already gone
-  }
-}
-afterAll(() => stopped.forEach(thaw))
-
 /** The bound these tests give a check; the promise is the bound plus two event-loop turns. */
 const BOUND_MS = 500
 /** What a loaded 2-core machine may add to the bound (scheduling, the timer's own lateness). */
@@ -586,8 +574,7 @@ layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence bounds", (it
         // The caller's transaction may end either way after the thaw (its statement was cancelled); the check's own outcome is what counts.
         yield* Effect.either(sql.withTransaction(Effect.gen(function*() {
           const [{ pid }] = yield* sql<{ pid: number }>`select pg_backend_pid() as pid`
-          stopped.add(pid)
-          process.kill(pid, "SIGSTOP")
+          stop(pid)
           checked = yield* timed(fence.check("frozen", token(1)))
           thaw(pid)
         })))

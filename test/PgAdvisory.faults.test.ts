@@ -3,7 +3,7 @@
  * a killed or frozen wait session, a database restart. Real server, real stalls, real signals.
  */
 import { SqlClient } from "@effect/sql"
-import { afterAll, describe, expect, it } from "@effect/vitest"
+import { describe, expect, it } from "@effect/vitest"
 import { Cause, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Metric, Option, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import * as LockMetrics from "../src/LockMetrics.js"
@@ -11,6 +11,7 @@ import * as PgAdvisory from "../src/PgAdvisory.js"
 import { spawn } from "node:child_process"
 import * as Readline from "node:readline"
 import { startEmbedded } from "../tools/embeddedPostgres.js"
+import { frozen } from "./support/freeze.js"
 import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
@@ -94,32 +95,6 @@ const stalls = (durations: ReadonlyArray<number>): Effect.Effect<void> =>
     }
     next(0)
   })
-
-/** Server processes this file has stopped and not yet continued. */
-const stopped = new Set<number>()
-const thaw = (pid: number) => {
-  stopped.delete(pid)
-  try {
-    process.kill(pid, "SIGCONT")
-  } catch {
-    // already gone
-  }
-}
-// A test that times out may never close its scope: no server process stays stopped after this file.
-afterAll(() => stopped.forEach(thaw))
-process.once("exit", () => stopped.forEach(thaw))
-
-/** SIGSTOPs server processes for as long as the scope lasts; SIGCONT on close, whatever happened. */
-const frozen = (pids: ReadonlyArray<number>): Effect.Effect<void, never, Scope.Scope> =>
-  Effect.acquireRelease(
-    Effect.sync(() =>
-      pids.forEach((pid) => {
-        stopped.add(pid)
-        process.kill(pid, "SIGSTOP")
-      })
-    ),
-    () => Effect.sync(() => pids.forEach(thaw))
-  ).pipe(Effect.asVoid)
 
 const destroyedSessions = Effect.map(
   Metric.value(Metric.tagged(LockMetrics.destroyedSessions, "backend", "pg-advisory")),
