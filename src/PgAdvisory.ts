@@ -52,8 +52,8 @@ import { decodeDuration, validateMode, validateName } from "./internal/validate.
  *
  * The layer:
  * - `maxSessions`: most server connections the layer opens (default 4, at least 1). One carries
- *   every uncontended lock; the others are for waiting on contended ones. With 1, contended
- *   waits rely on release notifications.
+ *   every uncontended lock and every semaphore permit; the others are for waiting on contended
+ *   locks. With 1, contended waits rely on release notifications.
  * - `applicationName`: shown in `pg_stat_activity` so an operator can see who holds what
  *   (default `"effect-lock"`; an `application_name` in the URL is used when this is not given).
  * - `namespace`: mixed into every key, so two applications can use the same names apart.
@@ -120,7 +120,8 @@ export const makeBackend = (
  *
  * Semaphores here: permits are taken all or none in one statement with their fencing tokens;
  * a waiter is woken by a release notification (or, for a holder that crashed and notified
- * nobody, by a re-try about once a second); waiters are served in no particular order. The
+ * nobody, by a re-try about once a second); waiters are served in no particular order, and
+ * each release makes every waiter of the name try again. A limit is at most 65536. The
  * fencing table keeps each semaphore's limit (`permit_limit` column, added to an older table on
  * first use unless `createTables` is `false`; see `migration`). Needs PostgreSQL 12 or later.
  *

@@ -68,6 +68,11 @@ import type { Engine, Hint, Holder, PermitUse, ServerGrant, Session, Settled } f
 
 /** Default interval of a waiter's fallback re-try (jittered ±20%): for holders that crashed, which notify nobody. */
 export const PERMIT_FALLBACK_RETRY_MS = 1_000
+/**
+ * Largest limit this backend takes: an attempt may try every slot, one lock-table entry each
+ * (and PostgreSQL's lock table is shared by the whole server).
+ */
+export const MAX_PERMIT_LIMIT = 65_536
 /** Marker contention (another transaction's probe ending) is retried at once this many times, then waited out. */
 const MARKER_RETRIES = 3
 /** Names whose keys (and fencing rows) are remembered. */
@@ -484,6 +489,14 @@ export const makePermitBackend = (engine: Engine, deps: PermitDeps): SemaphoreBa
   const acquire = (request: PermitRequest): Effect.Effect<PermitResult<PermitGrant>, LockBackendError> =>
     Effect.gen(function*() {
       if (deps.unavailable !== undefined) return yield* backendError(request.name, new Error(deps.unavailable))
+      // Refused before any statement: an out-of-range parameter would fail the statement, and a
+      // failed attempt's session is destroyed with every lock on it.
+      if (request.limit > MAX_PERMIT_LIMIT) {
+        return yield* backendError(
+          request.name,
+          new RangeError(`PgAdvisory semaphores take a limit of at most ${MAX_PERMIT_LIMIT}, got ${request.limit}`)
+        )
+      }
       const keys = keysOf(request.name)
       const wait: WaitState = { registration: undefined, hints: undefined, register: false, markerRetries: 0 }
       return yield* Effect.gen(function*() {
