@@ -15,7 +15,7 @@ import * as optionsOf from "../src/internal/pgAdvisory/options.js"
 import { markerKeyOf, permitKeysOf, slotKeyOf } from "../src/internal/pgAdvisory/permits.js"
 import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
 import { yieldTimes } from "./support/faults.js"
-import { countSessions, HARNESS_APPLICATION_NAME, terminateBackends, useTestDatabase } from "./support/pg.js"
+import { countSessions, HARNESS_APPLICATION_NAME, terminateBackends, useTestDatabase, withClient } from "./support/pg.js"
 import { seededRandom, testSeed } from "./support/random.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
@@ -385,5 +385,33 @@ describe("DistributedSemaphore on PgAdvisory", () => {
       // The server dropped them with the session: another layer gets all three.
       const other = semaphoreOf(yield* node("sem-killed-other"))
       expect((yield* Effect.scoped(other.acquire("killed", { limit: 3, permits: 3, timeout: "5 seconds" }))).tokens).toEqual([3n, 4n, 5n])
+    }))
+
+  it.scopedLive("a fencing table from before semaphores gets their column; with createTables: false semaphores refuse, naming migration(), and locks still work", () =>
+    Effect.gen(function*() {
+      // The table as older versions made it: no permit_limit column.
+      const oldTable = (table: string) =>
+        Effect.promise(() =>
+          withClient(db.url, (client) =>
+            client.query(`create table ${table} (key bigint primary key, name text not null, token bigint not null)`)
+          )
+        )
+      yield* oldTable("fencing_upgraded")
+      const upgraded = yield* node("sem-upgraded", { fencingTable: "fencing_upgraded" })
+      expect((yield* Effect.scoped(semaphoreOf(upgraded).acquire("upgrade", { limit: 2 }))).tokens).toEqual([1n])
+      yield* oldTable("fencing_kept")
+      const kept = yield* node("sem-kept", { fencingTable: "fencing_kept", createTables: false })
+      const refused = yield* Effect.flip(Effect.scoped(semaphoreOf(kept).acquire("upgrade", { limit: 2 })))
+      expect(refused).toMatchObject({ _tag: "LockBackendError" })
+      expect(String((refused as { cause?: unknown }).cause)).toMatch(/permit_limit.*PgAdvisory\.migration\(\)/)
+      expect((yield* Effect.scoped(lockOf(kept).acquire("still-a-lock"))).token).toBe(1n)
+      // migration() upgrades it in place (and is idempotent); a layer built afterwards serves permits.
+      const migration = PgAdvisory.migration({ fencingTable: "fencing_kept" })
+      yield* Effect.promise(() => withClient(db.url, async (client) => {
+        await client.query(migration)
+        await client.query(migration)
+      }))
+      const migrated = yield* node("sem-migrated", { fencingTable: "fencing_kept", createTables: false })
+      expect((yield* Effect.scoped(semaphoreOf(migrated).acquire("upgrade", { limit: 2 }))).tokens).toEqual([1n])
     }))
 })
