@@ -121,9 +121,10 @@ export const makeBackend = (
  * Semaphores here: permits are taken all or none in one statement with their fencing tokens;
  * a waiter is woken by a release notification (or, for a holder that crashed and notified
  * nobody, by a re-try about once a second); waiters are served in no particular order, and
- * each release makes every waiter of the name try again. A limit is at most 65536. The
- * fencing table keeps each semaphore's limit (`permit_limit` column, added to an older table on
- * first use unless `createTables` is `false`; see `migration`). Needs PostgreSQL 12 or later.
+ * each release makes every waiter of the name try again. A limit is at most 1024 (each held
+ * permit is an entry of the server's shared lock table). The fencing table keeps each
+ * semaphore's limit (`permit_limit` column, added to an older table on first use unless
+ * `createTables` is `false`; see `migration`). Needs PostgreSQL 12 or later.
  *
  * @since 0.1.0
  * @category layers

@@ -165,19 +165,19 @@ describe("DistributedSemaphore on PgAdvisory", () => {
       expect(yield* Effect.promise(() => countSessions(db.url, app))).toBeLessThanOrEqual(2)
     }))
 
-  it.scopedLive("a limit above 65536 is refused before any statement: the session and its locks are untouched", () =>
+  it.scopedLive("a limit above 1024 is refused before any statement: the session and its locks are untouched", () =>
     Effect.gen(function*() {
       const app = "sem-huge"
       const services = yield* node(app)
       const lease = yield* lockOf(services).acquire("kept")
       const permits = yield* semaphoreOf(services).acquire("kept-permits", { limit: 2 })
-      const error = yield* Effect.flip(Effect.scoped(semaphoreOf(services).acquire("huge", { limit: 65_537 })))
+      const error = yield* Effect.flip(Effect.scoped(semaphoreOf(services).acquire("huge", { limit: 1_025 })))
       expect(error).toMatchObject({ _tag: "LockBackendError", name: "huge" })
-      expect(String((error as { cause?: unknown }).cause)).toMatch(/at most 65536/)
+      expect(String((error as { cause?: unknown }).cause)).toMatch(/at most 1024/)
       expect([yield* lease.isHeld, yield* permits.isHeld]).toEqual([true, true])
       // Same backend session, still holding the lock and the permit's slot and marker.
       expect((yield* locksOf(app)).length).toBe(3)
-      expect((yield* Effect.scoped(semaphoreOf(services).acquire("huge", { limit: 65_536 }))).limit).toBe(65_536)
+      expect((yield* Effect.scoped(semaphoreOf(services).acquire("huge", { limit: 1_024 }))).limit).toBe(1_024)
     }))
 
   for (const budget of [undefined, TIGHT_YIELD_BUDGET]) {

@@ -69,10 +69,11 @@ import type { Engine, Hint, Holder, PermitUse, ServerGrant, Session, Settled } f
 /** Default interval of a waiter's fallback re-try (jittered ±20%): for holders that crashed, which notify nobody. */
 export const PERMIT_FALLBACK_RETRY_MS = 1_000
 /**
- * Largest limit this backend takes: an attempt may try every slot, one lock-table entry each
- * (and PostgreSQL's lock table is shared by the whole server).
+ * Largest limit this backend takes: a busy attempt try-locks every slot while it holds the
+ * fencing row (about a microsecond each), and every held permit is an entry of PostgreSQL's lock
+ * table, which the whole server shares (`max_locks_per_transaction` × connections, 6,400 by default).
  */
-export const MAX_PERMIT_LIMIT = 65_536
+export const MAX_PERMIT_LIMIT = 1_024
 /** Marker contention (another transaction's probe ending) is retried at once this many times, then waited out. */
 const MARKER_RETRIES = 3
 /** Names whose keys (and fencing rows) are remembered. */
