@@ -58,7 +58,7 @@ import * as FencingToken from "../../FencingToken.js"
 import type { AcquireRequest, PermitGrant, PermitRequest, PermitResult, SemaphoreBackend } from "../../LockBackend.js"
 import { LockBackendError } from "../../LockError.js"
 import { monotonicMillis } from "../clock.js"
-import { makeLocalKeys } from "../localKeys.js"
+import { type LocalKeys, makeLocalKeys } from "../localKeys.js"
 import { advisoryKey } from "../lockKey.js"
 import * as driver from "../pgDriver.js"
 import { interestKeyOf } from "./grants.js"
@@ -178,378 +178,420 @@ export interface PermitDeps {
   readonly unavailable: string | undefined
 }
 
+/** The permit store of one engine: its records beside the engine's. */
+interface PermitStore {
+  readonly engine: Engine
+  readonly deps: PermitDeps
+  readonly attemptSql: string
+  readonly rowSql: string
+  readonly fallbackPause: Effect.Effect<unknown>
+  /** One attempt per semaphore name per process at a time, in arrival order (see the header). */
+  readonly gate: LocalKeys
+  readonly keys: Map<string, PermitKeys>
+  /** Semaphores whose fencing row is known to exist (rows are never deleted). */
+  readonly rows: Set<string>
+}
+
+const keysOf = (store: PermitStore, name: string): PermitKeys => {
+  let found = store.keys.get(name)
+  if (found === undefined) {
+    if (store.keys.size >= CACHE_SIZE) store.keys.clear()
+    found = permitKeysOf(name, store.engine.options.namespace)
+    store.keys.set(name, found)
+  }
+  return found
+}
+
+const backendError = (name: string, cause: unknown) => new LockBackendError({ operation: "acquire", name, cause })
+
+const failureOf = (settled: Settled) =>
+  settled._tag === "Failed" ? settled.failure.error : new Error(`the permit statement ended with ${settled._tag}`)
+
+/** Gives a grant of permits back; destroys the session when the release is not proven. */
+const release = (engine: Engine, hold: PermitHold): Effect.Effect<void> =>
+  Effect.suspend(() => {
+    const { holder, keys, slots } = hold
+    if (holder.state === "released") return Effect.void
+    holder.state = "released"
+    const grant = holder.grant
+    grant.holders.delete(holder)
+    grant.closed = true
+    const session = grant.session
+    // The permits died with their session; there is nothing left to unlock.
+    if (session.state !== "open") return Effect.void
+    // Recorded in the step that queues the unlocks: a later attempt on this session runs after them.
+    const use = session.permitUses.get(keys.keyText)
+    if (use !== undefined) {
+      use.markers -= 1
+      for (const slot of slots) use.slots.delete(slot)
+      forgetIfUnused(session, keys, use)
+    }
+    const sent = submitStatement(
+      session,
+      PERMIT_RELEASE_SQL,
+      [keys.slotBase.toString(), slots, markerKeyOf(keys, hold.limit).toString(), keys.interestKey, CHANNEL, keys.keyText],
+      engine.statementTimeoutMillis
+    )
+    return Effect.flatMap(sent.outcome, (settled) => {
+      const row = settled._tag === "Ok" ? settled.rows[0] : undefined
+      if (row?.unlocked !== slots.length || row.marker !== true || !driver.isIdle(session.client)) {
+        // Unproven: the session (and every other lock on it) is destroyed, never reused.
+        return kill(engine, session, "a release of permits was not proven")
+      }
+      return Effect.sync(() => {
+        session.grants.delete(grant)
+        // This process's waiters of the semaphore try again now (others were notified).
+        engine.hints.unsafeOffer({ _tag: "Released", keyText: keys.keyText })
+      })
+    })
+  }).pipe(Effect.uninterruptible)
+
+/** A registered waiter leaves without a grant: marker and interest go, proven or the session is destroyed. */
+const unregister = (engine: Engine, wait: WaitState, keys: PermitKeys): Effect.Effect<void> =>
+  Effect.suspend(() => {
+    const registration = wait.registration
+    wait.registration = undefined
+    if (registration === undefined || registration.session.state !== "open") return Effect.void
+    const session = registration.session
+    const use = session.permitUses.get(keys.keyText)
+    if (use !== undefined) {
+      use.markers -= 1
+      forgetIfUnused(session, keys, use)
+    }
+    const sent = submitStatement(
+      session,
+      PERMIT_UNREGISTER_SQL,
+      [markerKeyOf(keys, registration.limit).toString(), keys.interestKey],
+      engine.statementTimeoutMillis
+    )
+    return Effect.flatMap(sent.outcome, (settled) => {
+      const row = settled._tag === "Ok" ? settled.rows[0] : undefined
+      return row?.marker === true && row.interest === true && driver.isIdle(session.client)
+        ? Effect.void
+        : kill(engine, session, "a permit waiter's unregistration was not proven")
+    })
+  }).pipe(Effect.uninterruptible)
+
+/** Creates the fencing row of a semaphore on its first use by this process. */
+const ensureRow = (
+  store: PermitStore,
+  session: Session,
+  keys: PermitKeys,
+  name: string
+): Effect.Effect<Attempt, LockBackendError> =>
+  Effect.flatMap(
+    submitStatement(session, store.rowSql, [keys.keyText, name], store.engine.statementTimeoutMillis).outcome,
+    (settled): Effect.Effect<Attempt, LockBackendError> => {
+      if (settled._tag === "Ok") {
+        if (store.rows.size >= CACHE_SIZE) store.rows.clear()
+        store.rows.add(keys.keyText)
+        return Effect.succeed(Retry)
+      }
+      const moved = movedError(name, settled)
+      if (moved !== undefined) return Effect.fail(moved)
+      if (isFatal(settled)) return Effect.succeed(Retry)
+      const code = sqlCode(settled)
+      return code !== undefined && ROW_WAIT_CODES.has(code)
+        ? Effect.succeed(Retry)
+        : Effect.fail(backendError(name, failureOf(settled)))
+    }
+  )
+
+/** One attempt on its session, as `attemptOnce` sent it. */
+interface Sent {
+  readonly session: Session
+  readonly keys: PermitKeys
+  readonly request: PermitRequest
+  readonly wait: WaitState
+  /** The request was a registered waiter when the attempt was sent. */
+  readonly registered: boolean
+}
+
+/** A failed attempt: retried, refused, or — when it may have taken locks — its session destroyed. */
+const failedAttempt = (
+  engine: Engine,
+  sent: Sent,
+  settled: Exclude<Settled, { _tag: "Ok" }>
+): Effect.Effect<Attempt, LockBackendError> => {
+  const moved = movedError(sent.request.name, settled)
+  if (moved !== undefined) return Effect.fail(moved)
+  // No answer / connection lost: the session was destroyed, and what it held with it.
+  if (isFatal(settled)) return Effect.succeed(Retry)
+  const code = sqlCode(settled)
+  // The fencing row's lock wait is the statement's first step: nothing was locked yet.
+  if (code !== undefined && ROW_WAIT_CODES.has(code)) return Effect.succeed(Retry)
+  // Refused before it ran (a missing table or column, a privilege): nothing was locked either.
+  if (code !== undefined && code.startsWith("42")) return Effect.fail(backendError(sent.request.name, failureOf(settled)))
+  // Anything else may have come after some try-locks: the session is destroyed, never trusted.
+  return Effect.zipRight(
+    kill(engine, sent.session, "a permit attempt failed after it may have taken locks"),
+    Effect.fail(backendError(sent.request.name, failureOf(settled)))
+  )
+}
+
+/** Records a grant on its session, unless the session died with it; one synchronous step. */
+const recordGrant = (sent: Sent, row: Readonly<Record<string, unknown>>): Attempt => {
+  const { keys, registered, request, session, wait } = sent
+  if (session.state !== "open") return Retry
+  const counter = BigInt(String(row.token))
+  const slots = (row.taken as ReadonlyArray<number>).map(Number)
+  const use = useOf(session, keys, request.limit)
+  // A registered waiter's marker becomes its holder's; a fresh request took one of its own.
+  if (registered) wait.registration = undefined
+  else use.markers += 1
+  use.limit = request.limit
+  for (const slot of slots) use.slots.add(slot)
+  const first = counter - BigInt(request.permits) + 1n
+  const tokens = Array.from({ length: request.permits }, (_, i) => FencingToken.make(first + BigInt(i)))
+  const grant: ServerGrant = { key: keys.key, keyText: keys.keyText, mode: "shared", session, holders: new Set(), closed: false }
+  const holder: Holder = {
+    grant,
+    admission: { key: keys.keyText, mode: "shared" },
+    onLost: request.onLost,
+    state: "held",
+    handed: false
+  }
+  grant.holders.add(holder)
+  // In the same step as the liveness check: a session that dies from now on tells this holder.
+  session.grants.add(grant)
+  return { _tag: "Granted", hold: { holder, keys, limit: request.limit, slots }, tokens }
+}
+
+/** Records a registration on its session, unless the session died with it; one synchronous step. */
+const recordWaiting = (sent: Sent): Attempt => {
+  const { keys, request, session, wait } = sent
+  if (session.state !== "open") return Retry
+  const use = useOf(session, keys, request.limit)
+  use.markers += 1
+  use.limit = request.limit
+  wait.registration = { session, limit: request.limit }
+  return Waiting
+}
+
+/** What an attempt's answer comes to, recorded in one synchronous step with the session's bookkeeping. */
+const interpret = (store: PermitStore, sent: Sent, settled: Settled): Effect.Effect<Attempt, LockBackendError> => {
+  if (settled._tag !== "Ok") return failedAttempt(store.engine, sent, settled)
+  const row = settled.rows[0]
+  switch (row?.outcome) {
+    case "granted":
+      return Effect.sync(() => recordGrant(sent, row))
+    case "waiting":
+      return Effect.sync(() => recordWaiting(sent))
+    case "busy":
+      return Effect.succeed(Busy)
+    case "mismatch":
+      return Effect.succeed({ _tag: "LimitMismatch", current: Number(row.stored) })
+    case "retry":
+      return Effect.succeed(MarkerBusy)
+    case "missing":
+      return Effect.sync(() => {
+        store.rows.delete(sent.keys.keyText)
+        return Missing
+      })
+    default:
+      // `failed` (an unlock was refused) or an answer of unknown shape: the session's locks are unknown.
+      return Effect.as(kill(store.engine, sent.session, "undoing a permit attempt was not proven"), Retry)
+  }
+}
+
+/** The attempt was sent before an interruption could take it back: undo whatever it took. */
+const abandon = (store: PermitStore, sent: Sent, submitted: Submitted): Effect.Effect<void> =>
+  Effect.gen(function*() {
+    if (takeBack(submitted.job)) return
+    const attempt = yield* Effect.either(interpret(store, sent, yield* submitted.outcome))
+    // A grant never handed out is given back; a registration is withdrawn by the request's own exit.
+    if (attempt._tag === "Right" && attempt.right._tag === "Granted") yield* release(store.engine, attempt.right.hold)
+  })
+
+/**
+ * Sends the attempt, in one synchronous step with reading what the session holds for the name
+ * (exact then: see the module header), or refuses another limit than this session's own holders'.
+ */
+const send = (store: PermitStore, session: Session, keys: PermitKeys, request: PermitRequest, wait: WaitState) =>
+  Effect.sync(() => {
+    if (session.state !== "open") return Retry
+    // A registration on a dead session went with it.
+    if (wait.registration !== undefined && wait.registration.session.state !== "open") wait.registration = undefined
+    const use = session.permitUses.get(keys.keyText)
+    // The server cannot see this session's own marker (its locks never conflict with its own requests).
+    if (use !== undefined && use.markers > 0 && use.limit !== request.limit) {
+      return { _tag: "LimitMismatch", current: use.limit } as const
+    }
+    const registered = wait.registration?.session === session
+    const submitted = submitStatement(
+      session,
+      store.attemptSql,
+      [
+        keys.keyText,
+        request.limit,
+        request.permits,
+        keys.slotBase.toString(),
+        keys.markerBase.toString(),
+        keys.interestKey,
+        wait.register && !registered,
+        registered,
+        use === undefined ? [] : Array.from(use.slots)
+      ],
+      store.engine.statementTimeoutMillis
+    )
+    const sent: Sent = { session, keys, request, wait, registered }
+    return { _tag: "Sent", sent, submitted } as const
+  })
+
+/** One attempt, admitted through the name's gate, on the home session. */
+const attemptOnce = (
+  store: PermitStore,
+  request: PermitRequest,
+  keys: PermitKeys,
+  wait: WaitState
+): Effect.Effect<Attempt, LockBackendError> =>
+  Effect.gen(function*() {
+    const home = yield* store.deps.homeSession(request)
+    if (Option.isNone(home)) return TimedOut
+    if (!store.rows.has(keys.keyText)) return yield* ensureRow(store, home.value, keys, request.name)
+    const ready = yield* send(store, home.value, keys, request, wait)
+    if (ready._tag !== "Sent") return ready
+    const { sent, submitted } = ready
+    // Waiting for the statement's turn is interruptible and bounded by the deadline; a single
+    // attempt whose deadline already passed still gets its turn (the attempt is what was asked).
+    const now = yield* monotonicMillis
+    const passed = request.attempt === "once" && Option.isSome(request.deadline) && request.deadline.value <= now
+    const turn = passed ? Effect.asSome(request.interruptible(submitted.outcome)) : request.waitUntilDeadline(submitted.outcome)
+    const early = yield* Effect.onInterrupt(turn, () => abandon(store, sent, submitted))
+    if (Option.isNone(early) && takeBack(submitted.job)) return TimedOut
+    return yield* interpret(store, sent, Option.isSome(early) ? early.value : yield* submitted.outcome)
+  })
+
+/** One attempt through the gate: attempts of one name in this process go one at a time, in order. */
+const gated = (
+  store: PermitStore,
+  request: PermitRequest,
+  keys: PermitKeys,
+  wait: WaitState
+): Effect.Effect<Attempt, LockBackendError> =>
+  Effect.gen(function*() {
+    const now = yield* monotonicMillis
+    const passed = request.attempt === "once" && Option.isSome(request.deadline) && request.deadline.value <= now
+    const admission = yield* store.gate.admit(
+      keys.keyText,
+      "exclusive",
+      (signal) => passed ? Effect.asSome(request.interruptible(signal)) : request.waitUntilDeadline(signal)
+    )
+    if (Option.isNone(admission)) return TimedOut
+    return yield* attemptOnce(store, request, keys, wait).pipe(Effect.ensuring(store.gate.leave(admission.value, false)))
+  })
+
+/** Hands a grant to the core, unless its session died meanwhile; one synchronous step. */
+const hand = (
+  engine: Engine,
+  attempt: Extract<Attempt, { _tag: "Granted" }>
+): Effect.Effect<PermitResult<PermitGrant> | undefined> =>
+  Effect.sync(() => {
+    const { hold, tokens } = attempt
+    if (hold.holder.grant.closed || hold.holder.state !== "held") return undefined
+    hold.holder.handed = true
+    const grant = { token: tokens[0]!, tokens, validUntil: Option.none(), release: release(engine, hold) }
+    return { _tag: "Granted", grant } as const
+  })
+
+/** Waits for a release of the semaphore, or for the registration's session to die. */
+const nextHint = (hints: Queue.Dequeue<Hint>, keyText: string, wait: WaitState): Effect.Effect<void> =>
+  Effect.gen(function*() {
+    while (true) {
+      const hint = yield* hints.take
+      if (hint._tag === "Released" && hint.keyText === keyText) return
+      if (hint._tag === "Changed" && wait.registration?.session.state !== "open") return
+    }
+  })
+
+/** Attempts until granted, refused or out of time, waiting registered between attempts. */
+const acquire = (
+  store: PermitStore,
+  request: PermitRequest
+): Effect.Effect<PermitResult<PermitGrant>, LockBackendError> =>
+  Effect.gen(function*() {
+    const { deps, engine } = store
+    if (deps.unavailable !== undefined) return yield* backendError(request.name, new Error(deps.unavailable))
+    // Refused before any statement: an out-of-range parameter would fail the statement, and a
+    // failed attempt's session is destroyed with every lock on it.
+    if (request.limit > MAX_PERMIT_LIMIT) {
+      return yield* backendError(
+        request.name,
+        new RangeError(`PgAdvisory semaphores take a limit of at most ${MAX_PERMIT_LIMIT}, got ${request.limit}`)
+      )
+    }
+    const keys = keysOf(store, request.name)
+    const wait: WaitState = { registration: undefined, hints: undefined, register: false, markerRetries: 0 }
+    return yield* Effect.gen(function*() {
+      while (true) {
+        if (engine.closing) return yield* deps.shuttingDown(request.name)
+        const attempt = yield* gated(store, request, keys, wait)
+        switch (attempt._tag) {
+          case "Granted": {
+            const handed = yield* hand(engine, attempt)
+            if (handed !== undefined) return handed
+            continue
+          }
+          case "LimitMismatch":
+          case "TimedOut":
+            return attempt
+          case "Missing":
+          case "Retry":
+            continue
+          case "MarkerBusy":
+            // Another transaction's probe of the marker is ending: try again at once, a few times.
+            if (++wait.markerRetries <= MARKER_RETRIES) continue
+            break
+          case "Waiting":
+          case "Busy":
+            wait.markerRetries = 0
+        }
+        if (request.attempt === "once") return Busy
+        if (attempt._tag === "Busy" && wait.registration === undefined) {
+          // Subscribed first, then registered by the next attempt itself (interest taken before
+          // its tries): a release after this busy attempt, here or elsewhere, is not missed.
+          wait.hints ??= yield* PubSub.subscribe(engine.hints)
+          wait.register = true
+          continue
+        }
+        wait.hints ??= yield* PubSub.subscribe(engine.hints)
+        const wake = Effect.race(nextHint(wait.hints, keys.keyText, wait), store.fallbackPause)
+        const woke = yield* request.waitUntilDeadline(wake)
+        if (Option.isNone(woke)) return TimedOut
+      }
+    }).pipe(
+      // However the request ends, a registration it still has is withdrawn (the grant consumed its own).
+      Effect.ensuring(unregister(engine, wait, keys)),
+      Effect.scoped
+    )
+  })
+
 /** Builds the permit store of one engine; it shares the engine's sessions, hints and bounds. */
 export const makePermitBackend = (engine: Engine, deps: PermitDeps): SemaphoreBackend => {
   const table = engine.options.fencingTable
-  const attemptSql = permitAttemptSql(table)
-  const rowSql = permitRowSql(table)
-  const fallbackMillis = engine.options.permitRetryMillis ?? PERMIT_FALLBACK_RETRY_MS
-  // One interval, jittered: waiters of many processes woken together do not re-try in step.
-  const fallbackPause = Effect.repeat(Effect.void, {
-    schedule: Schedule.jittered(Schedule.spaced(Duration.millis(fallbackMillis))),
-    times: 1
-  })
-  /** One attempt per semaphore name per process at a time, in arrival order (see the header). */
-  const gate = makeLocalKeys()
-  const keyCache = new Map<string, PermitKeys>()
-  /** Semaphores whose fencing row is known to exist (rows are never deleted). */
-  const rows = new Set<string>()
-
-  const keysOf = (name: string): PermitKeys => {
-    let found = keyCache.get(name)
-    if (found === undefined) {
-      if (keyCache.size >= CACHE_SIZE) keyCache.clear()
-      found = permitKeysOf(name, engine.options.namespace)
-      keyCache.set(name, found)
-    }
-    return found
+  const store: PermitStore = {
+    engine,
+    deps,
+    attemptSql: permitAttemptSql(table),
+    rowSql: permitRowSql(table),
+    // One interval, jittered: waiters of many processes woken together do not re-try in step.
+    fallbackPause: Effect.repeat(Effect.void, {
+      schedule: Schedule.jittered(
+        Schedule.spaced(Duration.millis(engine.options.permitRetryMillis ?? PERMIT_FALLBACK_RETRY_MS))
+      ),
+      times: 1
+    }),
+    gate: makeLocalKeys(),
+    keys: new Map(),
+    rows: new Set()
   }
-
-  const backendError = (name: string, cause: unknown) => new LockBackendError({ operation: "acquire", name, cause })
-  const failureOf = (settled: Settled) =>
-    settled._tag === "Failed" ? settled.failure.error : new Error(`the permit statement ended with ${settled._tag}`)
-
-  /** Gives a grant of permits back; destroys the session when the release is not proven. */
-  const release = (hold: PermitHold): Effect.Effect<void> =>
-    Effect.suspend(() => {
-      const { holder, keys, slots } = hold
-      if (holder.state === "released") return Effect.void
-      holder.state = "released"
-      const grant = holder.grant
-      grant.holders.delete(holder)
-      grant.closed = true
-      const session = grant.session
-      // The permits died with their session; there is nothing left to unlock.
-      if (session.state !== "open") return Effect.void
-      // Recorded in the step that queues the unlocks: a later attempt on this session runs after them.
-      const use = session.permitUses.get(keys.keyText)
-      if (use !== undefined) {
-        use.markers -= 1
-        for (const slot of slots) use.slots.delete(slot)
-        forgetIfUnused(session, keys, use)
-      }
-      const sent = submitStatement(
-        session,
-        PERMIT_RELEASE_SQL,
-        [
-          keys.slotBase.toString(),
-          slots,
-          markerKeyOf(keys, hold.limit).toString(),
-          keys.interestKey,
-          CHANNEL,
-          keys.keyText
-        ],
-        engine.statementTimeoutMillis
-      )
-      return Effect.flatMap(sent.outcome, (settled) => {
-        const row = settled._tag === "Ok" ? settled.rows[0] : undefined
-        if (row?.unlocked !== slots.length || row.marker !== true || !driver.isIdle(session.client)) {
-          // Unproven: the session (and every other lock on it) is destroyed, never reused.
-          return kill(engine, session, "a release of permits was not proven")
-        }
-        return Effect.sync(() => {
-          session.grants.delete(grant)
-          // This process's waiters of the semaphore try again now (others were notified).
-          engine.hints.unsafeOffer({ _tag: "Released", keyText: keys.keyText })
-        })
-      })
-    }).pipe(Effect.uninterruptible)
-
-  /** A registered waiter leaves without a grant: marker and interest go, proven or the session is destroyed. */
-  const unregister = (wait: WaitState, keys: PermitKeys): Effect.Effect<void> =>
-    Effect.suspend(() => {
-      const registration = wait.registration
-      wait.registration = undefined
-      if (registration === undefined || registration.session.state !== "open") return Effect.void
-      const session = registration.session
-      const use = session.permitUses.get(keys.keyText)
-      if (use !== undefined) {
-        use.markers -= 1
-        forgetIfUnused(session, keys, use)
-      }
-      const sent = submitStatement(
-        session,
-        PERMIT_UNREGISTER_SQL,
-        [markerKeyOf(keys, registration.limit).toString(), keys.interestKey],
-        engine.statementTimeoutMillis
-      )
-      return Effect.flatMap(sent.outcome, (settled) => {
-        const row = settled._tag === "Ok" ? settled.rows[0] : undefined
-        return row?.marker === true && row.interest === true && driver.isIdle(session.client)
-          ? Effect.void
-          : kill(engine, session, "a permit waiter's unregistration was not proven")
-      })
-    }).pipe(Effect.uninterruptible)
-
-  /** Creates the fencing row of a semaphore on its first use by this process. */
-  const ensureRow = (session: Session, keys: PermitKeys, name: string): Effect.Effect<Attempt, LockBackendError> =>
-    Effect.flatMap(
-      submitStatement(session, rowSql, [keys.keyText, name], engine.statementTimeoutMillis).outcome,
-      (settled): Effect.Effect<Attempt, LockBackendError> => {
-        if (settled._tag === "Ok") {
-          if (rows.size >= CACHE_SIZE) rows.clear()
-          rows.add(keys.keyText)
-          return Effect.succeed(Retry)
-        }
-        const moved = movedError(name, settled)
-        if (moved !== undefined) return Effect.fail(moved)
-        if (isFatal(settled)) return Effect.succeed(Retry)
-        const code = sqlCode(settled)
-        return code !== undefined && ROW_WAIT_CODES.has(code) ? Effect.succeed(Retry) : Effect.fail(backendError(name, failureOf(settled)))
-      }
-    )
-
-  /**
-   * What an attempt's answer comes to, recorded in one synchronous step with the session's
-   * bookkeeping (the session is checked alive in that same step: a grant on a dead session went
-   * with it).
-   */
-  const interpret = (
-    session: Session,
-    keys: PermitKeys,
-    request: PermitRequest,
-    wait: WaitState,
-    registered: boolean,
-    settled: Settled
-  ): Effect.Effect<Attempt, LockBackendError> => {
-    if (settled._tag !== "Ok") {
-      const moved = movedError(request.name, settled)
-      if (moved !== undefined) return Effect.fail(moved)
-      // No answer / connection lost: the session was destroyed, and what it held with it.
-      if (isFatal(settled)) return Effect.succeed(Retry)
-      const code = sqlCode(settled)
-      // The fencing row's lock wait is the statement's first step: nothing was locked yet.
-      if (code !== undefined && ROW_WAIT_CODES.has(code)) return Effect.succeed(Retry)
-      // Refused before it ran (a missing table or column, a privilege): nothing was locked either.
-      if (code !== undefined && code.startsWith("42")) return Effect.fail(backendError(request.name, failureOf(settled)))
-      // Anything else may have come after some try-locks: the session is destroyed, never trusted.
-      return Effect.zipRight(
-        kill(engine, session, "a permit attempt failed after it may have taken locks"),
-        Effect.fail(backendError(request.name, failureOf(settled)))
-      )
-    }
-    const row = settled.rows[0]
-    switch (row?.outcome) {
-      case "granted":
-        return Effect.sync((): Attempt => {
-          if (session.state !== "open") return Retry
-          const counter = BigInt(String(row.token))
-          const slots = (row.taken as ReadonlyArray<number>).map(Number)
-          const use = useOf(session, keys, request.limit)
-          // A registered waiter's marker becomes its holder's; a fresh request took one of its own.
-          if (registered) wait.registration = undefined
-          else use.markers += 1
-          use.limit = request.limit
-          for (const slot of slots) use.slots.add(slot)
-          const first = counter - BigInt(request.permits) + 1n
-          const tokens = Array.from({ length: request.permits }, (_, i) => FencingToken.make(first + BigInt(i)))
-          const grant: ServerGrant = { key: keys.key, keyText: keys.keyText, mode: "shared", session, holders: new Set(), closed: false }
-          const holder: Holder = {
-            grant,
-            admission: { key: keys.keyText, mode: "shared" },
-            onLost: request.onLost,
-            state: "held",
-            handed: false
-          }
-          grant.holders.add(holder)
-          // In the same step as the liveness check: a session that dies from now on tells this holder.
-          session.grants.add(grant)
-          return { _tag: "Granted", hold: { holder, keys, limit: request.limit, slots }, tokens }
-        })
-      case "waiting":
-        return Effect.sync((): Attempt => {
-          // The registration died with the session: register again on the next one.
-          if (session.state !== "open") return Retry
-          const use = useOf(session, keys, request.limit)
-          use.markers += 1
-          use.limit = request.limit
-          wait.registration = { session, limit: request.limit }
-          return Waiting
-        })
-      case "busy":
-        return Effect.succeed(Busy)
-      case "mismatch":
-        return Effect.succeed({ _tag: "LimitMismatch", current: Number(row.stored) })
-      case "retry":
-        return Effect.succeed(MarkerBusy)
-      case "missing":
-        return Effect.sync(() => {
-          rows.delete(keys.keyText)
-          return Missing
-        })
-      default:
-        // `failed` (an unlock was refused) or an answer of unknown shape: the session's locks are unknown.
-        return Effect.as(kill(engine, session, "undoing a permit attempt was not proven"), Retry)
-    }
-  }
-
-  /** The attempt was sent before an interruption could take it back: undo whatever it took. */
-  const abandon = (
-    session: Session,
-    keys: PermitKeys,
-    request: PermitRequest,
-    wait: WaitState,
-    registered: boolean,
-    sent: Submitted
-  ): Effect.Effect<void> =>
-    Effect.gen(function*() {
-      if (takeBack(sent.job)) return
-      const settled = yield* sent.outcome
-      const attempt = yield* Effect.either(interpret(session, keys, request, wait, registered, settled))
-      // A grant never handed out is given back; a registration is withdrawn by the request's own exit.
-      if (attempt._tag === "Right" && attempt.right._tag === "Granted") yield* release(attempt.right.hold)
-    })
-
-  /** One attempt, admitted through the name's gate, on the home session. */
-  const attemptOnce = (request: PermitRequest, keys: PermitKeys, wait: WaitState): Effect.Effect<Attempt, LockBackendError> =>
-    Effect.gen(function*() {
-      const home = yield* deps.homeSession(request)
-      if (Option.isNone(home)) return TimedOut
-      const session = home.value
-      if (!rows.has(keys.keyText)) return yield* ensureRow(session, keys, request.name)
-      // One synchronous step: read what the session holds for the name, and send the attempt.
-      const ready = yield* Effect.sync(() => {
-        if (session.state !== "open") return Retry
-        // A registration on a dead session went with it.
-        if (wait.registration !== undefined && wait.registration.session.state !== "open") wait.registration = undefined
-        const use = session.permitUses.get(keys.keyText)
-        // The server cannot see this session's own marker (its locks never conflict with its own requests).
-        if (use !== undefined && use.markers > 0 && use.limit !== request.limit) {
-          return { _tag: "LimitMismatch", current: use.limit } as const
-        }
-        const registered = wait.registration?.session === session
-        const sent = submitStatement(
-          session,
-          attemptSql,
-          [
-            keys.keyText,
-            request.limit,
-            request.permits,
-            keys.slotBase.toString(),
-            keys.markerBase.toString(),
-            keys.interestKey,
-            wait.register && !registered,
-            registered,
-            use === undefined ? [] : Array.from(use.slots)
-          ],
-          engine.statementTimeoutMillis
-        )
-        return { _tag: "Sent", sent, registered } as const
-      })
-      if (ready._tag !== "Sent") return ready
-      const { registered, sent } = ready
-      // Waiting for the statement's turn is interruptible and bounded by the deadline; a single
-      // attempt whose deadline already passed still gets its turn (the attempt is what was asked).
-      const now = yield* monotonicMillis
-      const passed = request.attempt === "once" && Option.isSome(request.deadline) && request.deadline.value <= now
-      const early = yield* (passed ? Effect.asSome(request.interruptible(sent.outcome)) : request.waitUntilDeadline(sent.outcome)).pipe(
-        Effect.onInterrupt(() => abandon(session, keys, request, wait, registered, sent))
-      )
-      if (Option.isNone(early) && takeBack(sent.job)) return TimedOut
-      const settled = Option.isSome(early) ? early.value : yield* sent.outcome
-      return yield* interpret(session, keys, request, wait, registered, settled)
-    })
-
-  /** One attempt through the gate: attempts of one name in this process go one at a time, in order. */
-  const gated = (request: PermitRequest, keys: PermitKeys, wait: WaitState): Effect.Effect<Attempt, LockBackendError> =>
-    Effect.gen(function*() {
-      const now = yield* monotonicMillis
-      const passed = Option.isSome(request.deadline) && request.deadline.value <= now
-      const admission = yield* gate.admit(
-        keys.keyText,
-        "exclusive",
-        (signal) =>
-          request.attempt === "once" && passed ? Effect.asSome(request.interruptible(signal)) : request.waitUntilDeadline(signal)
-      )
-      if (Option.isNone(admission)) return TimedOut
-      return yield* attemptOnce(request, keys, wait).pipe(Effect.ensuring(gate.leave(admission.value, false)))
-    })
-
-  /** Hands a grant to the core, unless its session died meanwhile; one synchronous step. */
-  const hand = (attempt: Extract<Attempt, { _tag: "Granted" }>): Effect.Effect<PermitResult<PermitGrant> | undefined> =>
-    Effect.sync(() => {
-      const { hold, tokens } = attempt
-      if (hold.holder.grant.closed || hold.holder.state !== "held") return undefined
-      hold.holder.handed = true
-      return {
-        _tag: "Granted",
-        grant: { token: tokens[0]!, tokens, validUntil: Option.none(), release: release(hold) }
-      } as const
-    })
-
-  /** Waits for a release of the semaphore, or for the registration's session to die. */
-  const nextHint = (hints: Queue.Dequeue<Hint>, keyText: string, wait: WaitState): Effect.Effect<void> =>
-    Effect.gen(function*() {
-      while (true) {
-        const hint = yield* hints.take
-        if (hint._tag === "Released" && hint.keyText === keyText) return
-        if (hint._tag === "Changed" && wait.registration?.session.state !== "open") return
-      }
-    })
-
-  const acquire = (request: PermitRequest): Effect.Effect<PermitResult<PermitGrant>, LockBackendError> =>
-    Effect.gen(function*() {
-      if (deps.unavailable !== undefined) return yield* backendError(request.name, new Error(deps.unavailable))
-      // Refused before any statement: an out-of-range parameter would fail the statement, and a
-      // failed attempt's session is destroyed with every lock on it.
-      if (request.limit > MAX_PERMIT_LIMIT) {
-        return yield* backendError(
-          request.name,
-          new RangeError(`PgAdvisory semaphores take a limit of at most ${MAX_PERMIT_LIMIT}, got ${request.limit}`)
-        )
-      }
-      const keys = keysOf(request.name)
-      const wait: WaitState = { registration: undefined, hints: undefined, register: false, markerRetries: 0 }
-      return yield* Effect.gen(function*() {
-        while (true) {
-          if (engine.closing) return yield* deps.shuttingDown(request.name)
-          const attempt = yield* gated(request, keys, wait)
-          switch (attempt._tag) {
-            case "Granted": {
-              const handed = yield* hand(attempt)
-              if (handed !== undefined) return handed
-              continue
-            }
-            case "LimitMismatch":
-            case "TimedOut":
-              return attempt
-            case "Missing":
-            case "Retry":
-              continue
-            case "MarkerBusy":
-              // Another transaction's probe of the marker is ending: try again at once, a few times.
-              if (++wait.markerRetries <= MARKER_RETRIES) continue
-              break
-            case "Waiting":
-            case "Busy":
-              wait.markerRetries = 0
-          }
-          if (request.attempt === "once") return Busy
-          if (attempt._tag === "Busy" && wait.registration === undefined) {
-            // Subscribed first, then registered by the next attempt itself (interest taken before
-            // its tries): a release after this busy attempt, here or elsewhere, is not missed.
-            wait.hints ??= yield* PubSub.subscribe(engine.hints)
-            wait.register = true
-            continue
-          }
-          wait.hints ??= yield* PubSub.subscribe(engine.hints)
-          const woke = yield* request.waitUntilDeadline(Effect.race(nextHint(wait.hints, keys.keyText, wait), fallbackPause))
-          if (Option.isNone(woke)) return TimedOut
-        }
-      }).pipe(
-        // However the request ends, a registration it still has is withdrawn (the grant consumed its own).
-        Effect.ensuring(unregister(wait, keys)),
-        Effect.scoped
-      )
-    })
-
   return {
     backend: BACKEND,
     maxNameBytes: 1024,
     defaultTtl: Duration.seconds(30),
     minTtl: Duration.seconds(1),
     renewBatchSize: 1,
-    acquire,
+    acquire: (request) => acquire(store, request),
     // Session locks need no renewal; the core never calls this for grants without validUntil.
     renew: () => Effect.succeed([])
   }

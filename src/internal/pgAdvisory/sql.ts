@@ -188,7 +188,8 @@ export const permitAttemptSql = (table: TableRef): string =>
   `), decide as materialized (` +
   `select c.token as counter, c.permit_limit as stored, case ` +
   `when c.token is null then null ` +
-  `when $8::boolean then case when c.permit_limit is distinct from $2::int and c.permit_limit is not null then 'mismatch' else 'held' end ` +
+  `when $8::boolean then case when c.permit_limit is distinct from $2::int and c.permit_limit is not null ` +
+  `then 'mismatch' else 'held' end ` +
   `when c.permit_limit is null or c.permit_limit = $2::int then ` +
   `case when pg_try_advisory_lock_shared($5::bigint # $2::bigint) then 'same' else 'retry' end ` +
   `when pg_try_advisory_xact_lock($5::bigint # c.permit_limit::bigint) then ` +
