@@ -4,7 +4,7 @@
  * something observable (a Deferred, a row of pg_locks), with a bound.
  */
 import { afterAll, describe, expect, it } from "@effect/vitest"
-import { Context, Deferred, Effect, Exit, Fiber, Layer, Option } from "effect"
+import { Context, Deferred, Effect, Exit, Fiber, Layer, Option, Schedule } from "effect"
 import type * as Scope from "effect/Scope"
 import pg from "pg"
 import * as DistributedLock from "../src/DistributedLock.js"
@@ -209,6 +209,50 @@ describe("DistributedSemaphore on PgAdvisory", () => {
         for (const app of apps) expect(yield* locksOf(app)).toEqual([])
       }))
   }
+
+  it.scopedLive("requests with two limits racing for one name across layers never make two semaphores of it", () =>
+    Effect.gen(function*() {
+      const apps = Array.from({ length: LAYERS }, (_, i) => `sem-race-${i}`)
+      const services = yield* Effect.forEach(apps, (app) => node(app))
+      let inside = 0
+      let insideLimit = 0
+      let violations = 0
+      let mismatches = 0
+      const grantedLimits = new Set<number>()
+      const body = (limit: number) =>
+        Effect.acquireUseRelease(
+          Effect.sync(() => {
+            if (inside > 0 && insideLimit !== limit) violations++
+            inside += 1
+            insideLimit = limit
+            grantedLimits.add(limit)
+            if (inside > limit) violations++
+          }),
+          () => Effect.sleep("2 millis"),
+          () => Effect.sync(() => (inside -= 1))
+        )
+      const worker = (i: number) => {
+        const limit = 2 + (i % 2)
+        const once = body(limit).pipe(
+          DistributedSemaphore.withPermits("raced", { limit }),
+          Effect.provideService(DistributedSemaphore.DistributedSemaphore, semaphoreOf(services[i % LAYERS]!)),
+          // In use with the other limit: count it and ask again a moment later (a retry's backoff),
+          // until this round is granted.
+          Effect.tapError((error) => Effect.sync(() => error._tag === "LimitMismatch" && mismatches++)),
+          Effect.retry({ while: (error) => error._tag === "LimitMismatch", schedule: Schedule.spaced("5 millis") })
+        )
+        return Effect.repeatN(once, ROUNDS - 1)
+      }
+      yield* Effect.forEach(Array.from({ length: LAYERS * FIBERS_PER_LAYER }, (_, i) => i), worker, {
+        concurrency: "unbounded",
+        discard: true
+      })
+      expect(violations).toBe(0)
+      // The check could fail: both limits were granted, and requests were refused for the other one.
+      expect([...grantedLimits].sort()).toEqual([2, 3])
+      expect(mismatches).toBeGreaterThan(0)
+      for (const app of apps) expect(yield* locksOf(app)).toEqual([])
+    }))
 
   it.scopedLive("each permit carries a fencing token, strictly increasing per name across grants, layers and limits", () =>
     Effect.gen(function*() {
