@@ -96,9 +96,10 @@ export interface PermitKeys {
 }
 
 /**
- * The keys of a semaphore name. A NUL separates our namespaces from the user's: lock names and
- * namespaces cannot make the same hash input (lock names hold no NUL), so semaphore keys are a
- * key space of their own, apart from lock keys, per user namespace.
+ * The keys of a semaphore name. A NUL separates our namespaces from the user's, so no lock name
+ * (lock names hold no NUL) in a namespace without a NUL makes the same hash input: semaphore keys
+ * are a key space of their own, apart from lock keys (up to the odds of a 64-bit hash collision;
+ * slot and marker keys lie within `limit` of their base), per user namespace.
  */
 export const permitKeysOf = (name: string, namespace: string): PermitKeys => {
   const key = advisoryKey(name, `${ROW_NAMESPACE}\u0000${namespace}`)
