@@ -27,9 +27,10 @@ import type * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as Redacted from "effect/Redacted"
 import type * as Scope from "effect/Scope"
-import * as DistributedLock from "./DistributedLock.js"
+import type * as DistributedLock from "./DistributedLock.js"
+import * as DistributedSemaphore from "./DistributedSemaphore.js"
 import type { LockMode } from "./Lease.js"
-import type { LockBackend } from "./LockBackend.js"
+import type { LockAndSemaphoreBackend } from "./LockBackend.js"
 import { type InvalidLockName, LockBackendError, LockTimeout, type UnsafeConnectionPooling } from "./LockError.js"
 import * as inspect from "./internal/inspectAdvisory.js"
 import { advisoryKey } from "./internal/lockKey.js"
@@ -51,8 +52,8 @@ import { decodeDuration, validateMode, validateName } from "./internal/validate.
  *
  * The layer:
  * - `maxSessions`: most server connections the layer opens (default 4, at least 1). One carries
- *   every uncontended lock; the others are for waiting on contended ones. With 1, contended
- *   waits rely on release notifications.
+ *   every uncontended lock and every semaphore permit; the others are for waiting on contended
+ *   locks. With 1, contended waits rely on release notifications.
  * - `applicationName`: shown in `pg_stat_activity` so an operator can see who holds what
  *   (default `"effect-lock"`; an `application_name` in the URL is used when this is not given).
  * - `namespace`: mixed into every key, so two applications can use the same names apart.
@@ -99,29 +100,41 @@ const MAX_NAME_BYTES = 1024
 const PgClientTag = Context.GenericTag<PgClient>("@effect/sql-pg/PgClient")
 
 /**
- * Builds the backend (the SPI) for wrapping or for `DistributedLock.make`. Fails with
+ * Builds the backend (the SPI) for wrapping or for `DistributedLock.make`; its `semaphore` is
+ * the permit store, for `DistributedSemaphore.make`, on the same sessions. Fails with
  * `UnsafeConnectionPooling` when the connection has no session affinity. Closing the scope
- * closes every session, so the server drops every lock still held.
+ * closes every session, so the server drops every lock and permit still held.
  *
  * @since 0.1.0
  * @category constructors
  */
 export const makeBackend = (
   settings: Options
-): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
+): Effect.Effect<LockAndSemaphoreBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
   Effect.flatMap(optionsOf.resolve(settings), internal.make)
 
 /**
- * `DistributedLock` on PostgreSQL session advisory locks, on sessions this layer owns. Needs
- * nothing else; fails to build with `UnsafeConnectionPooling` behind a transaction-mode pooler.
+ * `DistributedLock` and `DistributedSemaphore` on PostgreSQL session advisory locks, on the
+ * sessions this layer owns (at most `maxSessions` for both). Needs nothing else; fails to build
+ * with `UnsafeConnectionPooling` behind a transaction-mode pooler.
+ *
+ * Semaphores here: permits are taken all or none in one statement with their fencing tokens;
+ * a waiter is woken by a release notification (or, for a holder that crashed and notified
+ * nobody, by a re-try about once a second); waiters are served in no particular order, and
+ * each release makes every waiter of the name try again. A limit is at most 1024 (each held
+ * permit is an entry of the server's shared lock table). The fencing table keeps each
+ * semaphore's limit (`permit_limit` column, added to an older table on first use unless
+ * `createTables` is `false`; see `migration`). Needs PostgreSQL 12 or later.
  *
  * @since 0.1.0
  * @category layers
  */
 export const layer = (
   options: Options
-): Layer.Layer<DistributedLock.DistributedLock, UnsafeConnectionPooling | LockBackendError> =>
-  DistributedLock.layerBackend(makeBackend(options))
+): Layer.Layer<
+  DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore,
+  UnsafeConnectionPooling | LockBackendError
+> => DistributedSemaphore.layerBackend(makeBackend(options))
 
 /**
  * `layer` with its options read from configuration, e.g.
@@ -132,8 +145,10 @@ export const layer = (
  */
 export const layerConfig = (
   config: Config.Config.Wrap<Omit<Options, "password" | "ssl">>
-): Layer.Layer<DistributedLock.DistributedLock, ConfigError.ConfigError | UnsafeConnectionPooling | LockBackendError> =>
-  DistributedLock.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
+): Layer.Layer<
+  DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore,
+  ConfigError.ConfigError | UnsafeConnectionPooling | LockBackendError
+> => DistributedSemaphore.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
 
 /**
  * `layer` on the same server, database, credentials and TLS as the app's `PgClient`
@@ -145,14 +160,20 @@ export const layerConfig = (
  */
 export const layerFromPgClient = (
   settings?: Omit<Options, "url" | "host" | "port" | "database" | "user" | "password" | "ssl">
-): Layer.Layer<DistributedLock.DistributedLock, UnsafeConnectionPooling | LockBackendError, PgClient> =>
-  DistributedLock.layerBackend(
+): Layer.Layer<
+  DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore,
+  UnsafeConnectionPooling | LockBackendError,
+  PgClient
+> =>
+  DistributedSemaphore.layerBackend(
     Effect.flatMap(PgClientTag, (client) => makeBackend({ ...optionsOf.fromPgClientConfig(client.config), ...settings }))
   )
 
 /**
  * The fencing table's DDL, for roles that may not run DDL at run time (`createTables: false`):
- * run it once in your migrations. `fencingTable` as for `layer`; an invalid name throws.
+ * run it once in your migrations. Idempotent: it also adds the semaphores' `permit_limit`
+ * column to a fencing table made before semaphores. `fencingTable` as for `layer`; an invalid
+ * name throws.
  *
  * @since 0.1.0
  * @category layers
@@ -160,7 +181,7 @@ export const layerFromPgClient = (
 export const migration = (settings?: { readonly fencingTable?: string | undefined }): string => {
   const table = parseTable(settings?.fencingTable ?? optionsOf.DEFAULT_FENCING_TABLE)
   if (typeof table === "string") throw new RangeError(`fencingTable: ${table}`)
-  return `${internal.fencingTableSql(table)};`
+  return `${internal.fencingTableSql(table)};\n${internal.permitLimitColumnSql(table)};`
 }
 
 /**

@@ -7,6 +7,7 @@ import * as Option from "effect/Option"
 import type pg from "pg"
 import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as driver from "../pgDriver.js"
+import { advisoryKey } from "../lockKey.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, type TableRef } from "../sqlTable.js"
 import { within, withinOrFail } from "../stallSafe.js"
 import type { Engine, Settled } from "./state.js"
@@ -101,39 +102,76 @@ export const probeAffinity = (
   )
 }
 
-/** The fencing-token table: one counter per key, bumped in each grant's statement. */
+/**
+ * The fencing-token table: one counter per key, bumped in each grant's statement. Semaphores keep
+ * their limit beside their counter (`permit_limit`; null on lock rows).
+ */
 export const fencingTableSql = (table: TableRef): string =>
-  `CREATE TABLE IF NOT EXISTS ${table.sql} (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`
+  `CREATE TABLE IF NOT EXISTS ${table.sql} (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL, ` +
+  `permit_limit integer)`
+
+/** Adds the semaphores' column to a fencing table made before semaphores existed (idempotent). */
+export const permitLimitColumnSql = (table: TableRef): string =>
+  `ALTER TABLE ${table.sql} ADD COLUMN IF NOT EXISTS permit_limit integer`
+
+/** Whether the fencing table has the semaphores' column. Parameters: $1 the table's quoted name. */
+const PERMIT_COLUMN_SQL = "select exists (select 1 from pg_attribute where attrelid = to_regclass($1) " +
+  "and attname = 'permit_limit' and not attisdropped) as present, pg_backend_pid() as pid"
+
+type Run = (text: string, values?: ReadonlyArray<unknown>) => Effect.Effect<Settled>
 
 /**
  * Creates the fencing-token table if it is missing, in one bounded statement under a DDL lock
  * (see `ensureTableSql`), retried when it loses the catalog race to a creator that takes no lock.
  * A table that exists is never touched, so no CREATE right is needed then. With `createTables:
  * false` it only checks that the table is there.
+ *
+ * Then the semaphores' column: added to a table from before semaphores (under the same DDL lock)
+ * when tables may be created. Its absence never fails the layer — locks need no such column — but
+ * is returned as the reason semaphores cannot be used (`undefined` when they can).
  */
 export const ensureFencingTable = (
   engine: Engine,
-  statement: (text: string, values?: ReadonlyArray<unknown>) => Effect.Effect<Settled>
-): Effect.Effect<void, LockBackendError> =>
+  statement: Run
+): Effect.Effect<string | undefined, LockBackendError> =>
   Effect.gen(function*() {
     const table = engine.options.fencingTable
     const fail = (cause: unknown) => new LockBackendError({ operation: "create fencing table", cause })
     if (!engine.options.createTables) {
       const found = yield* statement("select to_regclass($1) is not null as present, pg_backend_pid() as pid", [table.sql])
-      if (found._tag === "Ok" && found.rows[0]?.present === true) return
-      return yield* fail(
-        found._tag === "Ok"
-          ? new Error(`the fencing table ${table.text} does not exist; create it with PgAdvisory.migration()`)
-          : found
-      )
-    }
-    const text = ensureTableSql(table, fencingTableSql(table), DDL_NAMESPACE)
-    for (let attempt = 1;; attempt++) {
-      const settled = yield* statement(text)
-      if (settled._tag === "Ok") return
-      const code = settled._tag === "Failed" && settled.failure._tag === "Sql" ? settled.failure.code : undefined
-      if (attempt >= CREATE_ATTEMPTS || code === undefined || !CATALOG_RACE.has(code)) {
-        return yield* fail(settled._tag === "Failed" ? settled.failure.error : new Error(`fencing table: ${settled._tag}`))
+      if (found._tag !== "Ok" || found.rows[0]?.present !== true) {
+        return yield* fail(
+          found._tag === "Ok"
+            ? new Error(`the fencing table ${table.text} does not exist; create it with PgAdvisory.migration()`)
+            : found
+        )
+      }
+    } else {
+      const text = ensureTableSql(table, fencingTableSql(table), DDL_NAMESPACE)
+      for (let attempt = 1;; attempt++) {
+        const settled = yield* statement(text)
+        if (settled._tag === "Ok") break
+        const code = settled._tag === "Failed" && settled.failure._tag === "Sql" ? settled.failure.code : undefined
+        if (attempt >= CREATE_ATTEMPTS || code === undefined || !CATALOG_RACE.has(code)) {
+          return yield* fail(settled._tag === "Failed" ? settled.failure.error : new Error(`fencing table: ${settled._tag}`))
+        }
       }
     }
-  }).pipe(Effect.asVoid)
+    return yield* ensurePermitColumn(engine, statement)
+  })
+
+const ensurePermitColumn = (engine: Engine, statement: Run): Effect.Effect<string | undefined> =>
+  Effect.gen(function*() {
+    const table = engine.options.fencingTable
+    const found = yield* statement(PERMIT_COLUMN_SQL, [table.sql])
+    if (found._tag === "Ok" && found.rows[0]?.present === true) return undefined
+    const missing = `the fencing table ${table.text} has no permit_limit column (it was made before semaphores); ` +
+      `add it with the statements of PgAdvisory.migration()`
+    if (!engine.options.createTables) return missing
+    // ADD COLUMN IF NOT EXISTS is idempotent; the DDL lock keeps concurrent layers from racing on the catalog.
+    const added = yield* statement(
+      `do $effect_lock$ begin perform pg_advisory_xact_lock(${advisoryKey(table.text, DDL_NAMESPACE)}); ` +
+        `${permitLimitColumnSql(table)}; end $effect_lock$`
+    )
+    return added._tag === "Ok" ? undefined : `${missing}: ${added._tag === "Failed" ? String(added.failure.error) : added._tag}`
+  })

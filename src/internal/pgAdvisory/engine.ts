@@ -46,6 +46,11 @@
  * afterwards, the session is destroyed and every other lease on it is told `connection-lost`.
  * A session that dies ('error'/'end' events, a statement or heartbeat without answer, an answer
  * from another backend) tells every lease on it — only leases handed to the core.
+ *
+ * Semaphores
+ * ----------
+ * `permits.ts` serves `DistributedSemaphore` on the same sessions: its statements run on the home
+ * session only and never block, so the rule above holds for them too.
  */
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
@@ -58,7 +63,7 @@ import * as PubSub from "effect/PubSub"
 import * as Queue from "effect/Queue"
 import * as Schedule from "effect/Schedule"
 import type * as Scope from "effect/Scope"
-import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "../../LockBackend.js"
+import type { AcquireRequest, AcquireResult, Grant, LockAndSemaphoreBackend } from "../../LockBackend.js"
 import { LockBackendError, type UnsafeConnectionPooling } from "../../LockError.js"
 import { makeLocalKeys, type Admission } from "../localKeys.js"
 import { advisoryKey } from "../lockKey.js"
@@ -67,13 +72,14 @@ import { ensureFencingTable } from "./bootstrap.js"
 import { Busy, interestKeyOf, joinShared, Retry, type Step, TimedOut, tryGrant } from "./grants.js"
 import { within, yieldToIO } from "../stallSafe.js"
 import { asBackendError, BACKEND, changed, isFreeWaitSession, killOverdue, markDead, open, statement, worker } from "./session.js"
+import { makePermitBackend } from "./permits.js"
 import { HEARTBEAT_SQL, INTEREST_SQL, UNINTEREST_SQL } from "./sql.js"
 import type { BackendOptions, Engine, Hint, Holder, Session } from "./state.js"
 import { blockingWait, nextHint } from "./wait.js"
 
 export { BACKEND } from "./session.js"
 export { CHANNEL } from "./sql.js"
-export { fencingTableSql } from "./bootstrap.js"
+export { fencingTableSql, permitLimitColumnSql } from "./bootstrap.js"
 export type { BackendOptions } from "./state.js"
 
 /** Bound on a statement that never waits for a lock (grant attempt, bump, unlock, cleanup). */
@@ -199,6 +205,21 @@ const fastPathSessionSlow = (engine: Engine, request: AcquireRequest): Effect.Ef
       if (best !== undefined) return Option.some(best)
       const done = opening ?? (yield* openHome(engine))
       const outcome = yield* request.waitUntilDeadline(Deferred.await(done))
+      if (Option.isNone(outcome)) return Option.none()
+    }
+  })
+
+/**
+ * The home session, for a statement that never blocks (permits run there only): opened if it is
+ * gone, the wait for it bounded by the deadline (`None` when the deadline passed first).
+ */
+const homeSession = (engine: Engine, request: AcquireRequest): Effect.Effect<Option.Option<Session>, LockBackendError> =>
+  Effect.gen(function*() {
+    while (true) {
+      if (engine.closing) return yield* shuttingDown(request.name)
+      const home = engine.sessions.find((session) => session.role === "home" && session.state === "open")
+      if (home !== undefined) return Option.some(home)
+      const outcome = yield* request.waitUntilDeadline(Deferred.await(yield* openHome(engine)))
       if (Option.isNone(outcome)) return Option.none()
     }
   })
@@ -331,11 +352,12 @@ const grantLoop = (
 /**
  * Builds the backend: connects the home session (refusing connections without session affinity),
  * creates the fencing table if needed, and starts the heartbeat and loss-report fibers. Closing
- * the scope closes every session (the server drops their locks).
+ * the scope closes every session (the server drops their locks). Its `semaphore` (`permits.ts`)
+ * shares the sessions.
  */
 export const make = (
   options: BackendOptions
-): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
+): Effect.Effect<LockAndSemaphoreBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
   Effect.flatMap(driver.load, (pg) => makeWith(options, pg))
 
 /**
@@ -345,7 +367,7 @@ export const make = (
 export const makeWith = (
   options: BackendOptions,
   pg: driver.Driver
-): Effect.Effect<LockBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
+): Effect.Effect<LockAndSemaphoreBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     const engine: Engine = {
       options,
@@ -412,7 +434,7 @@ export const makeWith = (
 
     const home = yield* open(engine, "home")
     yield* adopt(engine, home)
-    yield* ensureFencingTable(engine, (text, values) => statement(engine, home, text, values))
+    const permitsUnavailable = yield* ensureFencingTable(engine, (text, values) => statement(engine, home, text, values))
 
     // Hashing a name (SHA-256) costs more than the rest of an uncontended acquire's CPU work:
     // names are few and reused, so their keys are remembered (up to a bound).
@@ -457,6 +479,11 @@ export const makeWith = (
       defaultTtl: Duration.seconds(30),
       minTtl: Duration.seconds(1),
       renewBatchSize: 1,
+      semaphore: makePermitBackend(engine, {
+        homeSession: (request) => homeSession(engine, request),
+        shuttingDown,
+        unavailable: permitsUnavailable
+      }),
       acquire,
       // Session locks need no renewal; the core never calls this for grants without validUntil.
       renew: () => Effect.succeed([])

@@ -369,6 +369,7 @@ export const open = (
         pending: 0,
         claims: 0,
         grants: new Set(),
+        permitUses: new Map(),
         jobs: yield* Queue.unbounded<Job>(),
         inflight: undefined
       }

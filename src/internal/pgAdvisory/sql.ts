@@ -128,3 +128,120 @@ export const UNLOCK_ALL_SQL = "select pg_advisory_unlock_all(), pg_backend_pid()
 
 /** A heartbeat: proves the session answers, and that it is still the same backend. */
 export const HEARTBEAT_SQL = "select pg_backend_pid() as pid"
+
+// ------------------------------------------------------------------------------------ permits
+//
+// Semaphores (`permits.ts`). Keys of one semaphore name, all in a key space of their own
+// (`permits.ts`' namespaces): the fencing row's key (also the notification payload and the base
+// of the interest key), slot `i` = slotBase # i for i < limit (one session lock per permit), and
+// the limit marker of limit `L` = markerBase # L, held shared by every holder and waiter of the
+// name with limit `L` (`#` is bigint XOR, so the statement can derive a marker from a stored limit).
+//
+// Every statement below runs on a session that never blocks (the home session) and waits for
+// nothing but the semaphore's fencing row, which other attempts hold for one statement at most.
+
+/**
+ * Makes sure a semaphore's fencing row exists (token 0, no limit yet): an attempt locks the row
+ * with `FOR UPDATE`, which finds nothing to lock on a name's first use. Parameters: $1 key, $2 name.
+ */
+export const permitRowSql = (table: TableRef): string =>
+  `with created as (insert into ${table.sql} (key, name, token) values ($1::bigint, $2::text, 0) ` +
+  `on conflict (key) do nothing returning 1) ` +
+  `select (select count(*) from created)::int as created, pg_backend_pid() as pid`
+
+/**
+ * One permit attempt, in one statement and one commit, all or none. Steps, each a MATERIALIZED
+ * CTE fed by the one before so that none is reordered, inlined or skipped:
+ *
+ * 1. `cur`: locks the semaphore's fencing row (`FOR UPDATE`). Every attempt on the name, in any
+ *    process, serializes here, so the limit check and a change of limit below are race-free.
+ * 2. `decide`: the limit. A registered waiter already holds its marker (`held`). Otherwise, with
+ *    the stored limit equal to ours (or none yet), the request takes its marker shared (`same`).
+ *    With another stored limit it tries the *stored* limit's marker exclusively for this
+ *    transaction: success proves that no session holds it — no holder, no waiter uses the stored
+ *    limit — and none can take it meanwhile (that needs this row lock), so the name is free and
+ *    the request takes it over with its own limit (`takeover`, its marker shared; the row gets the
+ *    new limit below). Failure: the name is in use with the stored limit (`mismatch`). A marker
+ *    found held exclusively is another transaction's probe about to end (`retry`).
+ *    (PostgreSQL never lets a session's own locks conflict with its own requests: the caller
+ *    refuses another limit itself while this session holds a marker of the name.)
+ * 3. `reg`: a request that registers as a waiter takes the interest key shared *before* it tries
+ *    the slots, so a release either frees a slot before those tries or sees the interest and
+ *    notifies (see `releaseSql`).
+ * 4. `slots`: try-locks free slots in order until it has `permits` of them (LIMIT stops the scan),
+ *    skipping the slots this session already holds for other requests of this process (a session
+ *    is granted its own lock again: without the skip one slot would count twice).
+ * 5. `fin`: granted when all `permits` were taken; otherwise every slot taken here is unlocked
+ *    again in this same statement, and the marker too unless the request now waits registered.
+ *    `failed` when an unlock was refused (the caller then destroys the session).
+ * 6. `bumped`: on a grant the counter goes up by `permits` (tokens counter-permits+1 .. counter),
+ *    and the row keeps the limit in use.
+ *
+ * Outcomes: granted | waiting (registered: marker and interest held) | busy | mismatch | retry |
+ * missing (no fencing row) | failed. Parameters: $1 key, $2 limit, $3 permits, $4 slot base,
+ * $5 marker base, $6 interest key, $7 register as a waiter if busy, $8 already registered,
+ * $9 slots this session holds for the name (int[]). Needs PostgreSQL 12+ (MATERIALIZED).
+ */
+export const permitAttemptSql = (table: TableRef): string =>
+  `with cur as materialized (` +
+  `select f.token, f.permit_limit from ${table.sql} f where f.key = $1::bigint for update` +
+  `), decide as materialized (` +
+  `select c.token as counter, c.permit_limit as stored, case ` +
+  `when c.token is null then null ` +
+  `when $8::boolean then case when c.permit_limit is distinct from $2::int and c.permit_limit is not null ` +
+  `then 'mismatch' else 'held' end ` +
+  `when c.permit_limit is null or c.permit_limit = $2::int then ` +
+  `case when pg_try_advisory_lock_shared($5::bigint # $2::bigint) then 'same' else 'retry' end ` +
+  `when pg_try_advisory_xact_lock($5::bigint # c.permit_limit::bigint) then ` +
+  `case when pg_try_advisory_lock_shared($5::bigint # $2::bigint) then 'takeover' else 'retry' end ` +
+  `else 'mismatch' end as verdict ` +
+  `from (values (1)) as one(x) left join cur c on true` +
+  `), reg as materialized (` +
+  `select d.counter, d.stored, d.verdict, case when d.verdict in ('same', 'takeover') and $7::boolean ` +
+  `then pg_try_advisory_lock_shared($6::bigint) end as interested from decide d` +
+  `), slots as materialized (` +
+  `select g.i from reg r, ` +
+  `generate_series(0, case when r.verdict in ('same', 'takeover', 'held') then $2::int - 1 else -1 end) as g(i) ` +
+  `where case when g.i = any($9::int[]) then false else pg_try_advisory_lock($4::bigint # g.i::bigint) end ` +
+  `limit $3::int` +
+  `), tally as materialized (` +
+  `select r.counter, r.stored, r.verdict, r.interested, (select count(*) from slots)::int as n, ` +
+  `(select coalesce(array_agg(s.i), '{}') from slots s) as taken from reg r` +
+  `), fin as materialized (` +
+  `select t.counter, t.stored, t.verdict, t.interested, t.n, t.taken, case ` +
+  `when t.verdict is null then 'missing' ` +
+  `when t.verdict in ('mismatch', 'retry') then t.verdict ` +
+  `when t.n = $3::int then case when ($8::boolean or coalesce(t.interested, false)) ` +
+  `and not pg_advisory_unlock_shared($6::bigint) then 'failed' else 'granted' end ` +
+  `when (select count(*) from slots s where pg_advisory_unlock($4::bigint # s.i::bigint)) <> t.n then 'failed' ` +
+  `when $8::boolean then 'busy' ` +
+  `when t.interested then 'waiting' ` +
+  `when not pg_advisory_unlock_shared($5::bigint # $2::bigint) then 'failed' ` +
+  `when t.interested is null then 'busy' ` +
+  `else 'retry' end as outcome from tally t` +
+  `), bumped as (` +
+  `update ${table.sql} f set token = f.token + case when (select outcome from fin) = 'granted' then $3::int else 0 end, ` +
+  `permit_limit = $2::int where f.key = $1::bigint and ((select outcome from fin) = 'granted' ` +
+  `or ((select outcome from fin) = 'waiting' and (select stored from fin) is distinct from $2::int)) ` +
+  `returning f.token` +
+  `) select fin.outcome, fin.stored, fin.taken, fin.interested, (select b.token::text from bumped b) as token, ` +
+  `pg_backend_pid() as pid from fin`
+
+/**
+ * Gives a grant of permits back: unlocks its slots, then its marker, then (as `releaseSql` does
+ * for a lock) notifies only when a waiter of another session registered interest. The unlocks
+ * run in a fenced subquery, before the interest check: a waiter that registered after that check
+ * tries the slots after they were freed.
+ *
+ * Parameters: $1 slot base, $2 slots (int[]), $3 marker key, $4 interest key, $5 channel, $6 payload.
+ */
+export const PERMIT_RELEASE_SQL =
+  `select x.unlocked, x.marker, case when pg_try_advisory_xact_lock($4::bigint) then null ` +
+  `else pg_notify($5::text, $6::text) end as notified, pg_backend_pid() as pid from (` +
+  `select (select count(*) from unnest($2::int[]) as u(i) where pg_advisory_unlock($1::bigint # u.i::bigint))::int ` +
+  `as unlocked, pg_advisory_unlock_shared($3::bigint) as marker offset 0) as x`
+
+/** A registered permit waiter leaves without a grant. Parameters: $1 marker key, $2 interest key. */
+export const PERMIT_UNREGISTER_SQL =
+  "select pg_advisory_unlock_shared($1::bigint) as marker, pg_advisory_unlock_shared($2::bigint) as interest, " +
+  "pg_backend_pid() as pid"

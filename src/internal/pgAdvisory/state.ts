@@ -26,6 +26,12 @@ export interface BackendOptions {
   readonly createTables: boolean
   readonly heartbeatIntervalMillis: number
   readonly heartbeatTimeoutMillis: number
+  /**
+   * Interval of a permit waiter's fallback re-try (jittered ±20%), for releases that send no
+   * notification (a crashed holder). Not a public option: tests stretch it to prove that
+   * wake-ups come from notifications. Default `permits.ts`' `PERMIT_FALLBACK_RETRY_MS`.
+   */
+  readonly permitRetryMillis?: number | undefined
 }
 
 /** What the server said to one statement. */
@@ -84,6 +90,13 @@ export interface Session {
    */
   claims: number
   readonly grants: Set<ServerGrant>
+  /**
+   * What this session holds for each semaphore (by the semaphore's key, in decimal) on behalf of
+   * this process's permit holders and waiters (see `permits.ts`). Changed in the same synchronous
+   * step as submitting the statement that changes it at the server, so that, statements of a
+   * session running in order, it always describes the server's state when the next statement runs.
+   */
+  readonly permitUses: Map<string, PermitUse>
   readonly jobs: Queue.Queue<Job>
   /**
    * The statement on the wire: when it was sent (monotonic Clock ms) and its bound. The engine's
@@ -104,9 +117,24 @@ export interface ServerGrant {
   closed: boolean
 }
 
+/** One semaphore's locks on one session, held for this process (see `Session.permitUses`). */
+export interface PermitUse {
+  /** The limit of this process's holders and waiters of the semaphore on the session. */
+  limit: number
+  /** Holds of the limit marker (session locks count): one per holder and one per registered waiter. */
+  markers: number
+  /** Slots held, each by one holder. */
+  readonly slots: Set<number>
+}
+
 /** One lease handed to the core. Shared holders of one key may share a ServerGrant. */
 export interface Holder {
   readonly grant: ServerGrant
+  /**
+   * The key's admission in `Engine.local`, given back on release. Permit holders carry their
+   * semaphore's key here but hold no admission (their per-name gate is given back after each
+   * attempt); their release never reads it.
+   */
   readonly admission: Admission
   readonly onLost: (reason: LostReason) => Effect.Effect<void>
   state: "held" | "lost" | "released"
