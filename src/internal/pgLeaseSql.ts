@@ -26,19 +26,28 @@ export { parseTable, type TableRef }
 
 /** The queue table's name: the lease table's with this suffix, in the same schema. */
 const QUEUE_SUFFIX = "_queue"
+/**
+ * The semaphore table's name (`DistributedSemaphore`, see `pgLeasePermitSql`): the lease table's
+ * with this suffix, in the same schema. Shorter than the queue's, so it adds no length limit.
+ */
+const SEM_SUFFIX = "_sem"
 
-/** Both tables of one lease table name. */
+/** The tables of one lease table name. */
 export interface Tables {
   readonly leases: TableRef
   readonly queue: TableRef
+  /** One row per semaphore name: its limit, token counter, holders and waiters. */
+  readonly sem: TableRef
 }
 
-/** Both tables from a validated lease table (whose name leaves room for the suffix). */
+/** The tables from a validated lease table (whose name leaves room for the suffixes). */
 export const tablesOf = (table: Tables | TableRef): Tables => {
   if ("leases" in table) return table
   const queue = parseTable(`${table.text}${QUEUE_SUFFIX}`)
   if (typeof queue === "string") throw new TypeError(`PgLease: ${queue}`)
-  return { leases: table, queue }
+  const sem = parseTable(`${table.text}${SEM_SUFFIX}`)
+  if (typeof sem === "string") throw new TypeError(`PgLease: ${sem}`)
+  return { leases: table, queue, sem }
 }
 
 /** The tables for a user-given name, or why it is refused. */
@@ -49,7 +58,9 @@ export const parseTables = (input: string): Tables | string => {
     return `"${leases.relname}" is longer than ${MAX_IDENTIFIER_BYTES - QUEUE_SUFFIX.length} bytes (its queue table adds "${QUEUE_SUFFIX}")`
   }
   const queue = parseTable(`${leases.text}${QUEUE_SUFFIX}`)
-  return typeof queue === "string" ? queue : { leases, queue }
+  if (typeof queue === "string") return queue
+  const sem = parseTable(`${leases.text}${SEM_SUFFIX}`)
+  return typeof sem === "string" ? sem : { leases, queue, sem }
 }
 
 /** Checks a NOTIFY channel name: non-empty, at most 63 bytes (longer names fail in pg_notify). */
@@ -71,7 +82,7 @@ const ms = (param: string) => `${param}::bigint * interval '1 millisecond'`
  */
 export const createTable = (table: Tables | TableRef): string => createTableSql(tablesOf(table))
 
-const createTableSql = ({ leases, queue }: Tables): string =>
+const createTableSql = ({ leases, queue, sem }: Tables): string =>
   `create table if not exists ${leases.sql} (
   name text primary key,
   owner uuid,
@@ -101,7 +112,15 @@ create table if not exists ${queue.sql} (
   holder_host text,
   holder_pid integer
 );
-create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq)`
+create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq);
+create table if not exists ${sem.sql} (
+  name text primary key,
+  permit_limit integer not null,
+  token bigint not null,
+  holders jsonb not null default '[]',
+  waiters jsonb not null default '[]',
+  revoked bigint not null default 0
+)`
 
 /**
  * First-use creation as ONE statement (so it also runs behind a transaction pooler): an up-to-date
@@ -115,7 +134,7 @@ const ensureTableText = (tables: Tables): string =>
   // The identifiers were validated (no quotes), so they are safe inside string literals.
   `do $effect_lock$
 begin
-  if to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null
+  if to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null or to_regclass('${tables.sem.sql}') is null
     or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.leases.sql}') and attname = 'shared_since' and not attisdropped) then
     perform pg_advisory_xact_lock(${advisoryKey(tables.leases.text, "effect-lock/PgLease/ddl")});
     ${createTableSql(tables).replace(/;\n/g, ";\n    ")};
