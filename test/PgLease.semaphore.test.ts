@@ -248,6 +248,31 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease semaphores", (it
       for (const name of names) expect(yield* stateOf(name)).toEqual({ held: 2, waiting: [] })
     }))
 
+  it.scoped("the semaphore table is made apart from the lock tables: locks work without it, migration() makes it", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      // The lock tables as an older migration made them: no semaphore table.
+      const table = "pglease_sem_upgrade"
+      yield* query(PgLease.migration(table))
+      yield* query(`drop table ${table}_sem`)
+      const backend = yield* backendOn(env, { table, createTable: false })
+      const lock = yield* DistributedLock.make(backend)
+      const semaphore = yield* DistributedSemaphore.make(backend.semaphore)
+      expect((yield* Effect.scoped(lock.acquire("upgraded"))).token).toBe(1n)
+      const missing = yield* Effect.flip(Effect.scoped(semaphore.acquire("upgraded", { limit: 1 })))
+      expect(missing).toMatchObject({ _tag: "LockBackendError", operation: "acquire" })
+      yield* query(PgLease.migration(table))
+      expect((yield* Effect.scoped(semaphore.acquire("upgraded", { limit: 1 }))).tokens).toEqual([1n])
+      // With createTable, a semaphore's first use creates its table (and only it).
+      const fresh = "pglease_sem_first_use"
+      const created = yield* Effect.flatMap(backendOn(env, { table: fresh }), (b) => DistributedSemaphore.make(b.semaphore))
+      expect((yield* Effect.scoped(created.acquire("first", { limit: 2, permits: 2 }))).tokens).toEqual([1n, 2n])
+      const tables = yield* query<{ name: string }>(
+        "select relname as name from pg_class where relname like 'pglease_sem_first_use%' and relkind = 'r' order by relname"
+      )
+      expect(tables.map((t) => t.name)).toEqual([`${fresh}_sem`])
+    }))
+
   it.scoped("the leak check sees a live semaphore holder or place", () =>
     Effect.gen(function*() {
       yield* query("create table leakcheck_sem (name text primary key, holders jsonb not null, waiters jsonb not null)")

@@ -21,7 +21,7 @@
  *   `{ token: string | null, current: number | null, wait: number | null }` — the first token
  *   granted, else the limit the name is in use with when it is not the request's, else the ms
  *   until something could change; `release` and `renew` as for locks (renew's `$3` carries each
- *   grant's first token).
+ *   grant's first token); `ensureTable` creates the semaphore table on its first use.
  * Expiry is the database's clock only; a statement never runs inside the caller's transaction.
  */
 import * as Exit from "effect/Exit"
@@ -104,7 +104,9 @@ export const make = (
     const acquire = acquirer(settings, hub, attempt, giveBack, lockKey)
 
     const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect.permits, hub)
-    const permitAttempt = Permits.attempt(settings, { lane, giveBack: permitGiveBack, ready, scope, text: dialect.permits.acquire })
+    // Created apart from the lock tables: locks never wait for (or need the privilege to create) it.
+    const permitReady = yield* tableReadiness(lane, settings, { ensureTable: dialect.permits.ensureTable, retryCreate: dialect.retryCreate })
+    const permitAttempt = Permits.attempt(settings, { lane, giveBack: permitGiveBack, ready: permitReady, scope, text: dialect.permits.acquire })
 
     return {
       backend: dialect.backend,
@@ -201,8 +203,12 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
 const isBusy = (result: { readonly _tag: string }): result is Attempt.Busy => result._tag === "Busy"
 const isGranted = (result: { readonly _tag: string }): boolean => result._tag === "Granted"
 
-/** Creates the table once per backend, on first use; a failure is retried by the next acquire. */
-const tableReadiness = (lane: Lane, settings: Settings, dialect: Dialect): Effect.Effect<Effect.Effect<void, LockBackendError>> =>
+/** Creates the tables once per backend, on first use; a failure is retried by the next acquire. */
+const tableReadiness = (
+  lane: Lane,
+  settings: Settings,
+  dialect: Pick<Dialect, "ensureTable" | "retryCreate">
+): Effect.Effect<Effect.Effect<void, LockBackendError>> =>
   Effect.gen(function*() {
     let ready = !settings.createTable
     const lock = yield* Effect.makeSemaphore(1)

@@ -20,6 +20,8 @@ import type { GiveBackDialect } from "./leaseGiveBack.js"
 export interface PermitDialect extends GiveBackDialect {
   readonly acquire: string
   readonly renew: string
+  /** Creates the semaphore table if needed (idempotent statements, run in order, on first use). */
+  readonly ensureTable: ReadonlyArray<string>
 }
 
 /** Permits held by this process: one entry of the semaphore's row. */

@@ -42,6 +42,7 @@ export const dialect = (tables: Sql.Tables, channel: string): Engine.Dialect => 
     acquire: PermitSql.acquire(tables),
     release: PermitSql.release(tables),
     renew: PermitSql.renew(tables),
+    ensureTable: [Sql.ensureSemTable(tables)],
     releaseParams: (name, owner, waiter) => [name, owner, waiter, channel],
     // As for locks: the release statement notifies the heads itself.
     wokenBy: () => []

@@ -115,6 +115,7 @@ export const acquire = ({ sem }: Tables): string =>
 ), u as (
   insert into ${sem.sql} as p (name, permit_limit, token, holders, waiters)
   select $1::text, $4::integer, $5::integer, jsonb_build_array(${holder("1")}), '[]'::jsonb
+  -- The snapshot only says whether to write: a stale one skips a write, and what made it stale notifies or is seen by the retry.
   where not exists (select 1 from s) or (select ${writes("d")} from s, lateral ${decide("s")} d)
   on conflict (name) do update set (permit_limit, token, holders, waiters) = (
     -- Decided on p, the newest row version (locked): never on the snapshot.
@@ -174,6 +175,7 @@ export const release = ({ sem }: Tables): string =>
   `with u as (
   update ${sem.sql} as p set (holders, waiters) = (
     select
+      -- Owner-scoped: only this acquisition's own entry (and place) goes; a taken-over holder's release frees nobody else's.
       coalesce((select jsonb_agg(x.e order by x.i) from jsonb_array_elements(p.holders) with ordinality as x(e, i)
         where ${live("x.e")} and x.e->>'owner' is distinct from $2::text), '[]'::jsonb),
       coalesce((select jsonb_agg(x.e order by x.i) from jsonb_array_elements(p.waiters) with ordinality as x(e, i)
@@ -185,6 +187,7 @@ export const release = ({ sem }: Tables): string =>
   returning p.permit_limit, p.holders, p.waiters
 )
 select (select count(*) from u) as released,
+  -- Whom to wake is read from the row this statement wrote (still locked): exact, never a stale snapshot.
   (select count(pg_notify($4::text, '${WAITER_PREFIX}' || h.place)) from u, lateral ${heads("u")} h) as woken`
 
 /**
@@ -239,6 +242,7 @@ order by i.idx`
  */
 export const revoke = ({ sem }: Tables): string =>
   `with u as (
+  -- Every token handed out so far is revoked: a holder's renewal says so rather than "expired".
   update ${sem.sql} as p set holders = '[]'::jsonb, revoked = p.token, waiters = ${liveArray("p.waiters")}
   where p.name = $1::text and exists (select 1 from jsonb_array_elements(p.holders) as x(e) where ${live("x.e")})
   returning p.permit_limit, p.holders, p.waiters

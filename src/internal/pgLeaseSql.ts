@@ -76,13 +76,19 @@ const quote = (identifier: string) => `"${identifier.replace(/"/g, "\"\"")}"`
 const ms = (param: string) => `${param}::bigint * interval '1 millisecond'`
 
 /**
- * The tables, idempotently (also upgrading a lease table made before shared mode and the queue).
- * Rows of the lease table are never deleted — a released row keeps its token — so tokens increase
- * forever per name; deleting one would restart its name at token 1, below tokens a `Fence` has seen.
+ * The tables, idempotently (also upgrading a lease table made before shared mode and the queue),
+ * the semaphore table included. Rows of the lease and semaphore tables are never deleted — a
+ * released row keeps its token — so tokens increase forever per name; deleting one would restart
+ * its name at token 1, below tokens a `Fence` has seen.
  */
-export const createTable = (table: Tables | TableRef): string => createTableSql(tablesOf(table))
+export const createTable = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return `${createTableSql(tables)};
+${createSemTableSql(tables)}`
+}
 
-const createTableSql = ({ leases, queue, sem }: Tables): string =>
+/** The lock tables: the lease table and its queue. */
+const createTableSql = ({ leases, queue }: Tables): string =>
   `create table if not exists ${leases.sql} (
   name text primary key,
   owner uuid,
@@ -112,8 +118,11 @@ create table if not exists ${queue.sql} (
   holder_host text,
   holder_pid integer
 );
-create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq);
-create table if not exists ${sem.sql} (
+create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq)`
+
+/** The semaphore table (`pgLeasePermitSql`): one row per semaphore name. */
+const createSemTableSql = ({ sem }: Tables): string =>
+  `create table if not exists ${sem.sql} (
   name text primary key,
   permit_limit integer not null,
   token bigint not null,
@@ -134,13 +143,30 @@ const ensureTableText = (tables: Tables): string =>
   // The identifiers were validated (no quotes), so they are safe inside string literals.
   `do $effect_lock$
 begin
-  if to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null or to_regclass('${tables.sem.sql}') is null
+  if to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null
     or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.leases.sql}') and attname = 'shared_since' and not attisdropped) then
     perform pg_advisory_xact_lock(${advisoryKey(tables.leases.text, "effect-lock/PgLease/ddl")});
     ${createTableSql(tables).replace(/;\n/g, ";\n    ")};
   end if;
 end
 $effect_lock$`
+
+/**
+ * First-use creation of the semaphore table, as `ensureTable` for the lock tables and under the
+ * same advisory lock; apart from it, so that locks never need the semaphore table (nor the
+ * privilege to create it, on a deployment whose lock tables predate it).
+ */
+export const ensureSemTable = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return `do $effect_lock$
+begin
+  if to_regclass('${tables.sem.sql}') is null then
+    perform pg_advisory_xact_lock(${advisoryKey(tables.leases.text, "effect-lock/PgLease/ddl")});
+    ${createSemTableSql(tables).replace(/\n/g, "\n    ")};
+  end if;
+end
+$effect_lock$`
+}
 
 /** How many of the oldest places a release looks at to find whom to wake. */
 const HEAD_CANDIDATES = 16

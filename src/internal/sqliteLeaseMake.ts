@@ -91,6 +91,8 @@ export const dialect = (tables: Sql.Tables): Engine.Dialect => ({
     acquire: PermitSql.acquire(tables),
     release: PermitSql.release(tables),
     renew: PermitSql.renew(tables),
+    // Created at build with the others (`createTable`).
+    ensureTable: [],
     releaseParams: (name, owner, waiter) => [name, owner, waiter],
     // The release answers the waiters now at the head; this process wakes its own.
     wokenBy: Wake.headsOf

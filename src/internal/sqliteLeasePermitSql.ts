@@ -80,6 +80,7 @@ export const acquire = ({ sem }: Tables): string =>
     (select json_group_array(json(e) order by i) from wl where place <> ?3) as others
   from n left join r on true
 ), d as (
+  -- Read under the write lock this statement took first: the newest row, unchanged until it commits.
   select d0.*, inuse and lim <> ${LIMIT} as mismatch,
     not (inuse and lim <> ${LIMIT}) and ahead + ${PERMITS} <= (case when inuse then lim else ${LIMIT} end) - held as fits
   from d0
@@ -101,6 +102,7 @@ select ?1,
   end,
   revoked
 from d
+-- A mismatch writes the row unchanged, only so that the statement returns it (and its limit).
 where mismatch or fits or (?11 and (mineat is null or mineexpires <= now + ${PLACE_TTL} / 2))
 on conflict (name) do update set permit_limit = excluded.permit_limit, token = excluded.token, holders = excluded.holders,
   waiters = excluded.waiters
@@ -123,6 +125,7 @@ returning
  */
 export const release = ({ sem }: Tables): string =>
   `update ${sem.sql} set
+  -- Owner-scoped: only this acquisition's own entry (and place) goes.
   holders = (select json_group_array(json(j.value) order by j.key) from json_each(${sem.sql}.holders) j
     where ${field("j.value", "expires")} > ${NOW} and ${field("j.value", "owner")} is not ?2),
   waiters = (select json_group_array(json(j.value) order by j.key) from json_each(${sem.sql}.waiters) j
@@ -196,7 +199,8 @@ end`
  * Parameters: ?1 name.
  */
 export const revoke = ({ sem }: Tables): string =>
-  `update ${sem.sql} set holders = '[]', revoked = token,
+  `-- Every token handed out so far is revoked: a holder's renewal says so rather than "expired".
+update ${sem.sql} set holders = '[]', revoked = token,
   waiters = (select json_group_array(json(j.value) order by j.key) from json_each(${sem.sql}.waiters) j
     where ${field("j.value", "expires")} > ${NOW})
 where name = ?1 and exists (select 1 from json_each(${sem.sql}.holders) j where ${field("j.value", "expires")} > ${NOW})
