@@ -72,7 +72,7 @@ export interface Dialect {
   readonly wokenBy: (rows: ReadonlyArray<object>) => ReadonlyArray<string>
   /** A failed table creation worth another attempt (a concurrent creator won a race). */
   readonly retryCreate: (error: LockBackendError) => boolean
-  /** The semaphores' statements, over tables `ensureTable` creates too. */
+  /** The semaphores' statements, and the creation of their table (apart from the lock tables'). */
   readonly permits: Permits.PermitDialect
 }
 
