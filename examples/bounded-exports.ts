@@ -1,13 +1,14 @@
 /**
  * At most two exports at a time across replicas: each replica takes a permit of the semaphore
- * "exports" (limit 2) around its export; a third waits until a permit is free. Three replicas
- * share one in-memory store here (in production: `DistributedSemaphore` from a database backend's
- * layer, one per process, once PgLease and PgAdvisory provide it).
+ * "exports" (limit 2) around its export; a third waits until a permit is free, and is woken by
+ * the release's notification. Three replicas run in this one process here, each with its own
+ * PgLease layer (in production: one per process); they share the semaphore table.
  *
- *   npx tsx examples/bounded-exports.ts
+ *   DATABASE_URL=postgres://… npx tsx examples/bounded-exports.ts
  */
-import { Effect } from "effect"
-import { DistributedSemaphore, MemoryBackend } from "effect-lock"
+import { PgClient } from "@effect/sql-pg"
+import { Config, Effect, Layer } from "effect"
+import { DistributedSemaphore, PgLease } from "effect-lock"
 
 let running = 0
 let most = 0
@@ -21,17 +22,18 @@ const exportReport = (replica: string, report: number) =>
     running--
   }).pipe(DistributedSemaphore.withPermits("exports", { limit: 2 }))
 
-const replica = (name: string, store: MemoryBackend.Store) =>
+// Each replica has its own layer; PgLease.layer provides DistributedSemaphore beside DistributedLock.
+const replica = (name: string) =>
   Effect.forEach([1, 2], (report) => exportReport(name, report), { concurrency: "unbounded" }).pipe(
-    Effect.provide(MemoryBackend.layer({ store }))
+    Effect.provide(PgLease.layer({ ttl: "5 seconds" }))
   )
 
 const program = Effect.gen(function*() {
-  const store = yield* MemoryBackend.makeStore
-  yield* Effect.all([replica("replica-a", store), replica("replica-b", store), replica("replica-c", store)], {
-    concurrency: "unbounded"
-  })
+  yield* Effect.all([replica("replica-a"), replica("replica-b"), replica("replica-c")], { concurrency: "unbounded" })
   yield* Effect.log(`6 exports done, at most ${most} at a time`)
 })
 
-Effect.runPromise(program)
+program.pipe(
+  Effect.provide(Layer.orDie(PgClient.layerConfig({ url: Config.redacted("DATABASE_URL") }))),
+  Effect.runPromise
+)

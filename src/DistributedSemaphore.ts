@@ -3,7 +3,7 @@
  * cluster-wide. Permits are scoped like locks (`acquire` inside a Scope, released when it
  * closes), renewed like leases, carry a fencing token each, and `withPermits` interrupts its body
  * the moment any of its permits is lost. Every backend layer provides this service beside
- * `DistributedLock` (today: `MemoryBackend.layer` and `PgAdvisory.layer`).
+ * `DistributedLock`: `MemoryBackend`, `PgAdvisory`, `PgLease` and `SqliteLease`.
  *
  * Semaphore names are a namespace of their own: the semaphore `"reports"` and the lock
  * `"reports"` do not exclude each other.

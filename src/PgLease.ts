@@ -33,6 +33,19 @@
  * loss. A shared holder that crashed keeps exclusive requests out until its lease runs out, as an
  * exclusive one would.
  *
+ * **Semaphores.** The layer provides `DistributedSemaphore` too (N permits per name), on the same
+ * connections, with the same statements' guarantees: one autocommit statement per operation,
+ * the server's `now()`, every statement bounded. Its table (`<table>_sem`, same schema, created
+ * with the others) has one row per semaphore name: its limit, its fencing counter (a token per
+ * permit; rows are never deleted), and its live holders and waiters (jsonb arrays). Every grant,
+ * renewal and release updates that one row, so they serialize on its row lock and each decides
+ * on the newest row: never more than `limit` permits are held, whatever the concurrency. Waiters
+ * are served in arrival order — a release wakes (NOTIFY, in its own statement) the waiters at the
+ * head whose permits now fit, and stops at the first that does not, so a big request is not
+ * starved by small ones — and a newcomer never takes permits a waiter ahead of it needs. A name in
+ * use (held or waited for) with another limit refuses a request with `LimitMismatch`. Semaphore
+ * names are their own namespace, apart from lock names.
+ *
  * **Connections.** With a `PgClient` in the context the backend opens connections of its own from
  * the `PgClient`'s settings (`pool: "own"`), so that neither the application's queries nor the
  * library's own acquires can delay a renewal: up to `connections` (default 4) for acquire, release
@@ -99,14 +112,18 @@ import * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
 import type { LockMode } from "./Lease.js"
 import type * as Scope from "effect/Scope"
-import * as DistributedLock from "./DistributedLock.js"
+import type * as DistributedLock from "./DistributedLock.js"
+import * as DistributedSemaphore from "./DistributedSemaphore.js"
 import * as FencingToken from "./FencingToken.js"
-import type { LockBackend } from "./LockBackend.js"
+import type { LockAndSemaphoreBackend } from "./LockBackend.js"
 import { LockBackendError } from "./LockError.js"
 import type * as Attempt from "./internal/leaseAttempt.js"
+import type * as Permits from "./internal/leasePermits.js"
+import * as PermitSql from "./internal/pgLeasePermitSql.js"
 import { MAX_NAME_BYTES, MIN_TTL } from "./internal/pgLeaseBackend.js"
 import { RENEW_CONNECTIONS } from "./internal/pgLeaseLane.js"
-import { type HolderRow, storedLease } from "./internal/leaseOptions.js"
+import type * as LeaseOptions from "./internal/leaseOptions.js"
+import { type HolderRow, type SemaphoreRow, storedLease, storedSemaphore } from "./internal/leaseOptions.js"
 import * as Make from "./internal/pgLeaseMake.js"
 import { RENEW_BATCH_SIZE } from "./internal/leaseRenew.js"
 import * as Sql from "./internal/pgLeaseSql.js"
@@ -156,6 +173,14 @@ export interface Options extends Make.Options {}
 export interface PgLeaseGrant extends Attempt.LeaseGrant {}
 
 /**
+ * Permits of a semaphore held by this process: one holder entry of the semaphore's row.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface PgLeasePermitGrant extends Permits.PermitLeaseGrant {}
+
+/**
  * The default table name.
  *
  * @since 0.1.0
@@ -164,8 +189,9 @@ export interface PgLeaseGrant extends Attempt.LeaseGrant {}
 export const DEFAULT_TABLE = Make.DEFAULT_TABLE
 
 /**
- * The SQL that creates the lease table, for applications that run their own migrations (then
- * pass `createTable: false`). Idempotent. Throws on an invalid identifier (a programming error).
+ * The SQL that creates the lease table, its queue table and the semaphore table, for
+ * applications that run their own migrations (then pass `createTable: false`; re-run it after an
+ * upgrade that adds a table). Idempotent. Throws on an invalid identifier (a programming error).
  *
  * Never delete rows of this table (no cleanup job, no `truncate`): a row carries its name's
  * fencing counter, and a deleted name starts again at token 1 — a stale token to every `Fence`.
@@ -180,16 +206,18 @@ export const migration = (table: string = DEFAULT_TABLE): string => {
 }
 
 /**
- * Builds the backend (the SPI), for `DistributedLock.make` or for tests that wrap it. The table
- * is created on the first acquire, not here, so an application can start while the database is
- * down. Fails only on invalid options.
+ * Builds the backend (the SPI), for `DistributedLock.make` (and its `semaphore` for
+ * `DistributedSemaphore.make`) or for tests that wrap it. The tables are created on the first
+ * acquire, not here, so an application can start while the database is down. Fails only on
+ * invalid options.
  *
  * @since 0.1.0
  * @category constructors
  */
 export const makeBackend = (
   options?: Options
-): Effect.Effect<LockBackend<PgLeaseGrant>, LockBackendError, SqlClient.SqlClient | Scope.Scope> => Make.makeBackend(options)
+): Effect.Effect<LockAndSemaphoreBackend<PgLeaseGrant, PgLeasePermitGrant>, LockBackendError, SqlClient.SqlClient | Scope.Scope> =>
+  Make.makeBackend(options)
 
 interface Statements {
   readonly run: <A extends object>(
@@ -209,7 +237,8 @@ const statements = (sql: SqlClient.SqlClient): Statements => ({
 })
 
 /**
- * A `DistributedLock` on lease rows, over the `SqlClient` in the context (for example
+ * A `DistributedLock` and a `DistributedSemaphore` on lease rows, sharing one backend (its
+ * connections, its listener), over the `SqlClient` in the context (for example
  * `PgClient.layer({ url })`; a `PgClient` also enables LISTEN wake-ups). Fails only on invalid
  * options.
  *
@@ -218,8 +247,8 @@ const statements = (sql: SqlClient.SqlClient): Statements => ({
  */
 export const layer = (
   options?: Options
-): Layer.Layer<DistributedLock.DistributedLock, LockBackendError, SqlClient.SqlClient> =>
-  DistributedLock.layerBackend(makeBackend(options))
+): Layer.Layer<DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore, LockBackendError, SqlClient.SqlClient> =>
+  DistributedSemaphore.layerBackend(makeBackend(options))
 
 /**
  * `layer` with its options read from configuration, e.g.
@@ -230,8 +259,11 @@ export const layer = (
  */
 export const layerConfig = (
   config: Config.Config.Wrap<Options>
-): Layer.Layer<DistributedLock.DistributedLock, LockBackendError | ConfigError.ConfigError, SqlClient.SqlClient> =>
-  DistributedLock.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
+): Layer.Layer<
+  DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore,
+  LockBackendError | ConfigError.ConfigError,
+  SqlClient.SqlClient
+> => DistributedSemaphore.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
 
 /**
  * A live lease as stored in the table.
@@ -321,6 +353,56 @@ export const revoke = (
       name,
       options?.channel ?? tables.leases.relname,
       Sql.RELEASED_PREFIX + name
+    ])
+    return rows[0]?.revoked === true
+  })
+
+/**
+ * A semaphore in use (held or waited for), as stored in the semaphore table: its limit, its live
+ * holders (permits, one fencing token per permit, times in server ms since the epoch, who) and
+ * its live waiters in queue order (permits asked, since when).
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface StoredSemaphore extends LeaseOptions.StoredSemaphore {}
+
+/**
+ * The semaphores in use right now across the cluster (all names, or one), read from the
+ * semaphore table with the caller's `SqlClient`: what an operator or a test inspects.
+ *
+ * @since 0.1.0
+ * @category inspection
+ */
+export const semaphores = (
+  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
+): Effect.Effect<ReadonlyArray<StoredSemaphore>, LockBackendError, SqlClient.SqlClient> =>
+  Effect.gen(function*() {
+    const tables = yield* Make.resolveTables(options?.table)
+    const { run } = statements(yield* Make.SqlClientTag)
+    const rows = yield* run<SemaphoreRow>("semaphores", options?.name, PermitSql.semaphores(tables), [options?.name ?? null])
+    return rows.map(storedSemaphore)
+  })
+
+/**
+ * Takes every permit of the semaphore `name` away from whoever holds them, and wakes the waiters
+ * that now fit. Holders learn at their next renewal (within ttl/3) and fail with
+ * `LockLost { reason: "revoked" }`; until then they may still be working, so revoke only what you
+ * know to be stuck. Returns whether a permit was held.
+ *
+ * @since 0.1.0
+ * @category combinators
+ */
+export const revokePermits = (
+  name: string,
+  options?: { readonly table?: string | undefined; readonly channel?: string | undefined }
+): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
+  Effect.gen(function*() {
+    const tables = yield* Make.resolveTables(options?.table)
+    const { run } = statements(yield* Make.SqlClientTag)
+    const rows = yield* run<{ revoked: boolean }>("revoke", name, PermitSql.revoke(tables), [
+      name,
+      options?.channel ?? tables.leases.relname
     ])
     return rows[0]?.revoked === true
   })

@@ -35,8 +35,8 @@
  * and its writes, and no transaction is ever left open across an await. An attempt that changes
  * nothing (a waiter keeping a fresh place) writes nothing.
  *
- * **Tables.** Those of `PgLease` (default `effect_lock_leases`, its queue `<table>_queue`), plus
- * `<table>_op` and its triggers; created when the layer is built (`createTable: false` when your
+ * **Tables.** Those of `PgLease` (default `effect_lock_leases`, its queue `<table>_queue`, its
+ * semaphores `<table>_sem`), plus `<table>_op` and its triggers; created when the layer is built (`createTable: false` when your
  * migrations run `migration()`). Times are integers, milliseconds since the epoch. Lease rows are
  * never deleted — a released row keeps its token — so tokens increase forever per name. The file
  * is put in WAL mode (persistent for the file), so readers never block the writer.
@@ -65,6 +65,14 @@
  * `pollInterval` (default 50 ms, jittered down to half of it): a handoff across processes takes
  * about half the interval on average. A waiter also retries when the holder's lease runs out.
  *
+ * **Semaphores.** The layer provides `DistributedSemaphore` too (N permits per name), on the same
+ * connection and with the same guarantees as `PgLease`'s: one row per semaphore name in
+ * `<table>_sem` holding its limit, fencing counter (a token per permit), live holders and waiters
+ * (JSON arrays); each operation is one statement under SQLite's write lock, so never more than
+ * `limit` permits are held; waiters are served in arrival order (a release wakes the waiters at
+ * the head that now fit: at once in the releasing process, by their poll elsewhere); a name in use
+ * with another limit refuses a request with `LimitMismatch`.
+ *
  * **Transactions.** Lock statements never run in the caller's transaction (they have their own
  * connection): a rollback of the application's transaction undoes neither a grant nor a release.
  * `holders`, `listHolders` and `revoke` are ordinary statements of the caller's `SqlClient`
@@ -83,17 +91,21 @@ import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
 import type * as Scope from "effect/Scope"
-import * as DistributedLock from "./DistributedLock.js"
+import type * as DistributedLock from "./DistributedLock.js"
+import * as DistributedSemaphore from "./DistributedSemaphore.js"
 import * as FencingToken from "./FencingToken.js"
 import type { LockMode } from "./Lease.js"
-import type { LockBackend } from "./LockBackend.js"
+import type { LockAndSemaphoreBackend } from "./LockBackend.js"
 import { LockBackendError } from "./LockError.js"
 import type * as Attempt from "./internal/leaseAttempt.js"
+import type * as LeaseOptions from "./internal/leaseOptions.js"
+import type * as Permits from "./internal/leasePermits.js"
 import { MAX_NAME_BYTES, MIN_TTL } from "./internal/leaseEngine.js"
 import { RENEW_BATCH_SIZE } from "./internal/leaseRenew.js"
-import { type HolderRow, storedLease } from "./internal/leaseOptions.js"
+import { type HolderRow, type SemaphoreRow, storedLease, storedSemaphore } from "./internal/leaseOptions.js"
 import { encode } from "./internal/sqliteLeaseLane.js"
 import * as Make from "./internal/sqliteLeaseMake.js"
+import * as PermitSql from "./internal/sqliteLeasePermitSql.js"
 import * as Sql from "./internal/sqliteLeaseSql.js"
 
 /**
@@ -125,6 +137,14 @@ export interface Options extends Make.Options {}
  * @category models
  */
 export interface SqliteLeaseGrant extends Attempt.LeaseGrant {}
+
+/**
+ * Permits of a semaphore held by this process: one holder entry of the semaphore's row.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface SqliteLeasePermitGrant extends Permits.PermitLeaseGrant {}
 
 /**
  * The default table name.
@@ -160,21 +180,38 @@ export const migration = (table: string = DEFAULT_TABLE): string => {
  * @category constructors
  */
 export const makeBackend: {
-  (options: Options & { readonly filename: string }): Effect.Effect<LockBackend<SqliteLeaseGrant>, LockBackendError, Scope.Scope>
-  (options?: Options): Effect.Effect<LockBackend<SqliteLeaseGrant>, LockBackendError, SqliteClient | Scope.Scope>
+  (options: Options & { readonly filename: string }): Effect.Effect<Backend, LockBackendError, Scope.Scope>
+  (options?: Options): Effect.Effect<Backend, LockBackendError, SqliteClient | Scope.Scope>
 } = (options?: Options) => Make.makeBackend(options)
 
 /**
- * A `DistributedLock` on lease rows in SQLite. With `filename` it needs nothing; without, it
- * takes the file of the `SqliteClient` in the context (e.g. `SqliteClient.layer({ filename })`).
+ * The backend `makeBackend` builds: a lock store whose `semaphore` is the permit store.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export type Backend = LockAndSemaphoreBackend<SqliteLeaseGrant, SqliteLeasePermitGrant>
+
+/**
+ * A `DistributedLock` and a `DistributedSemaphore` on lease rows in SQLite, sharing one backend
+ * (its connection). With `filename` it needs nothing; without, it takes the file of the
+ * `SqliteClient` in the context (e.g. `SqliteClient.layer({ filename })`).
  *
  * @since 0.1.0
  * @category layers
  */
 export const layer: {
-  (options: Options & { readonly filename: string }): Layer.Layer<DistributedLock.DistributedLock, LockBackendError>
-  (options?: Options): Layer.Layer<DistributedLock.DistributedLock, LockBackendError, SqliteClient>
-} = (options?: Options) => DistributedLock.layerBackend(Make.makeBackend(options))
+  (options: Options & { readonly filename: string }): Layer.Layer<Services, LockBackendError>
+  (options?: Options): Layer.Layer<Services, LockBackendError, SqliteClient>
+} = (options?: Options) => DistributedSemaphore.layerBackend(Make.makeBackend(options))
+
+/**
+ * The services the layers provide.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export type Services = DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore
 
 /**
  * `layer` with its options read from configuration, e.g.
@@ -186,8 +223,8 @@ export const layer: {
  */
 export const layerConfig = (
   config: Config.Config.Wrap<Options>
-): Layer.Layer<DistributedLock.DistributedLock, LockBackendError | ConfigError.ConfigError> =>
-  DistributedLock.layerBackend(Effect.flatMap(Config.unwrap(config), (options) => Make.makeBackend(options)))
+): Layer.Layer<Services, LockBackendError | ConfigError.ConfigError> =>
+  DistributedSemaphore.layerBackend(Effect.flatMap(Config.unwrap(config), (options) => Make.makeBackend(options)))
 
 /**
  * A live lease as stored in the table.
@@ -274,6 +311,51 @@ export const revoke = (
   Effect.gen(function*() {
     const tables = yield* Make.resolveTables(options?.table)
     const rows = yield* run<{ revoked: number | bigint }>("revoke", name, Sql.revoke(tables), [name])
+    return Number(rows[0]?.revoked ?? 0) === 1
+  })
+
+/**
+ * A semaphore in use (held or waited for), as stored in the semaphore table: its limit, its live
+ * holders (permits, one fencing token per permit, times in database ms since the epoch, who) and
+ * its live waiters in queue order (permits asked, since when).
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface StoredSemaphore extends LeaseOptions.StoredSemaphore {}
+
+/**
+ * The semaphores in use right now (all names, or one), read from the semaphore table with the
+ * caller's `SqlClient` (a `SqliteClient` on the same file).
+ *
+ * @since 0.1.0
+ * @category inspection
+ */
+export const semaphores = (
+  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
+): Effect.Effect<ReadonlyArray<StoredSemaphore>, LockBackendError, SqlClient.SqlClient> =>
+  Effect.gen(function*() {
+    const tables = yield* Make.resolveTables(options?.table)
+    const rows = yield* run<SemaphoreRow>("semaphores", options?.name, PermitSql.semaphores(tables), [options?.name ?? null])
+    return rows.map(storedSemaphore)
+  })
+
+/**
+ * Takes every permit of the semaphore `name` away from whoever holds them. Holders learn at their
+ * next renewal (within ttl/3) and fail with `LockLost { reason: "revoked" }`; until then they may
+ * still be working, so revoke only what you know to be stuck. Waiters take the permits at their
+ * next poll. Returns whether a permit was held.
+ *
+ * @since 0.1.0
+ * @category combinators
+ */
+export const revokePermits = (
+  name: string,
+  options?: { readonly table?: string | undefined }
+): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
+  Effect.gen(function*() {
+    const tables = yield* Make.resolveTables(options?.table)
+    const rows = yield* run<{ revoked: number | bigint }>("revoke", name, PermitSql.revoke(tables), [name])
     return Number(rows[0]?.revoked ?? 0) === 1
   })
 

@@ -17,7 +17,7 @@ import { useTestDatabase, withClient } from "./support/pg.js"
 const db = useTestDatabase("pg_advisory_semaphore_process")
 
 const repoRoot = fileURLToPath(new URL("..", import.meta.url))
-const WORKER = Path.join(repoRoot, "test/fixtures/semaphore-worker.ts")
+const WORKER = Path.join(repoRoot, "test/fixtures/advisory-semaphore-worker.ts")
 const WORKERS = 4
 const FIBERS = 2
 const ROUNDS = 8
@@ -31,7 +31,7 @@ interface Worker {
   readonly kill: () => Promise<void>
 }
 
-/** Starts test/fixtures/semaphore-worker.ts in its own Node process. */
+/** Starts test/fixtures/advisory-semaphore-worker.ts in its own Node process. */
 const startWorker = (applicationName: string): Worker => {
   const child = spawn(process.execPath, ["--import", "tsx", WORKER, db.url, applicationName], {
     cwd: repoRoot,

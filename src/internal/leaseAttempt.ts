@@ -30,15 +30,27 @@ export interface LeaseGrant extends Grant {
   readonly ttlMillis: number
 }
 
-export type Attempt =
-  | { readonly _tag: "Granted"; readonly grant: LeaseGrant }
-  /**
-   * Not granted. `wakeAt` (monotonic ms): when something could change without a notification
-   * (the holder's lease or a waiter's place ahead running out); undefined when unknown.
-   * `tookMillis`: how long the statement took, a measure of how long a concurrent one takes.
-   */
-  | { readonly _tag: "Busy"; readonly wakeAt: number | undefined; readonly tookMillis: number }
+/**
+ * What one attempt comes to: granted; not granted (`wakeAt`, monotonic ms: when something could
+ * change without a notification — the holder's lease or a waiter's place ahead running out —
+ * undefined when unknown; `tookMillis`: how long the statement took, a measure of how long a
+ * concurrent one takes); past the deadline; or an outcome `X` of the store's own that ends the
+ * request (a semaphore's `LimitMismatch`).
+ */
+export type Outcome<G, X = never> =
+  | { readonly _tag: "Granted"; readonly grant: G }
+  | Busy
   | { readonly _tag: "TimedOut" }
+  | X
+
+/** Not granted; see `Outcome`. */
+export interface Busy {
+  readonly _tag: "Busy"
+  readonly wakeAt: number | undefined
+  readonly tookMillis: number
+}
+
+export type Attempt = Outcome<LeaseGrant>
 
 /** How long a waiting place lasts unless its waiter keeps it (by retrying): a dead waiter loses it after this. */
 export const PLACE_TTL = Duration.seconds(5)
@@ -64,14 +76,37 @@ export interface AttemptDeps {
  * One attempt of `request` for its waiting place `waiter`. `first`: a zero timeout still gets its
  * one attempt, bounded by the statement bound; later attempts past the deadline are not sent.
  */
-export type AttemptFn = (request: AcquireRequest, waiter: string, first: boolean) => Effect.Effect<Attempt, LockBackendError>
+export type AttemptFn<Q extends AcquireRequest = AcquireRequest, G = LeaseGrant, X = never> = (
+  request: Q,
+  waiter: string,
+  first: boolean
+) => Effect.Effect<Outcome<G, X>, LockBackendError>
 
+/**
+ * The granting statement of one attempt: sends it for the grant's `owner` and the request's place
+ * `waiter`, and says what its answer means. It runs in a fiber of its own (see `attempting`).
+ */
+export type Statement<Q extends AcquireRequest, G, X> = (
+  request: Q,
+  owner: string,
+  waiter: string,
+  ttlMillis: number
+) => Effect.Effect<Exclude<Outcome<G, X>, { readonly _tag: "TimedOut" }>, LockBackendError>
+
+/** A not-granted answer: `wait` (ms, from the store) until something could change unannounced. */
+export const busy = (wait: number | null, sentAt: number): Effect.Effect<Busy> =>
+  Effect.map(monotonicMillis, (receivedAt) => ({
+    _tag: "Busy",
+    wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
+    tookMillis: receivedAt - sentAt
+  }))
+
+/** The lock's attempts: the dialect's acquire statement (see `leaseEngine` for its parameters). */
 export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn => {
   const text = deps.text
-  const statementMillis = Duration.toMillis(settings.statementTimeout)
   const placeMillis = Duration.toMillis(PLACE_TTL)
 
-  const statement = (request: AcquireRequest, owner: string, waiter: string, ttlMillis: number) =>
+  const statement: Statement<AcquireRequest, LeaseGrant, never> = (request, owner, waiter, ttlMillis) =>
     Effect.gen(function*() {
       yield* deps.ready
       const { rows, sentAt } = yield* deps.lane.run<{ token: string | null; wait: number | null }>(
@@ -109,15 +144,23 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn =>
         yield* deps.lane.prepareRenewals
         return { _tag: "Granted", grant } as const
       }
-      const receivedAt = yield* monotonicMillis
-      const wait = row?.wait ?? null
-      return {
-        _tag: "Busy",
-        wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
-        tookMillis: receivedAt - sentAt
-      } as const
+      return yield* busy(row?.wait ?? null, sentAt)
     })
 
+  return attempting(settings, deps, statement)
+}
+
+/**
+ * Attempts with `statement`, each in a fiber of its own in the backend's scope: the caller may
+ * stop waiting for it (interrupted, past its deadline) without its outcome being lost — whatever
+ * an attempt nobody reads may have taken (a grant, a waiting place) is given back by `giveBack`.
+ */
+export const attempting = <Q extends AcquireRequest, G, X>(
+  settings: AttemptSettings,
+  deps: Pick<AttemptDeps, "giveBack" | "scope">,
+  statement: Statement<Q, G, X>
+): AttemptFn<Q, G, X> => {
+  const statementMillis = Duration.toMillis(settings.statementTimeout)
   return (request, waiter, first) =>
     Effect.gen(function*() {
       // The deadline is on the monotonic timeline (the SPI's contract).

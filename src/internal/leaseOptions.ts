@@ -61,3 +61,51 @@ export const storedLease = (row: HolderRow): StoredLease => ({
   pid: numberOrNull(row.pid),
   waitingSince: numberOrNull(row.waiting)
 })
+
+/** A semaphore in use as stored in a semaphore table (documented on `PgLease.StoredSemaphore`). */
+export interface StoredSemaphore {
+  readonly name: string
+  readonly limit: number
+  readonly holders: ReadonlyArray<{
+    readonly permits: number
+    readonly tokens: ReadonlyArray<FencingToken.FencingToken>
+    readonly expiresAt: number
+    readonly acquiredAt: number
+    readonly application: string | null
+    readonly host: string | null
+    readonly pid: number | null
+  }>
+  readonly waiting: ReadonlyArray<{ readonly permits: number; readonly since: number }>
+}
+
+/** A row of a `semaphores` statement: the arrays as jsonb (PostgreSQL) or JSON text (SQLite). */
+export interface SemaphoreRow {
+  readonly name: string
+  readonly lim: number | bigint
+  readonly holders: string | ReadonlyArray<Readonly<Record<string, unknown>>>
+  readonly waiters: string | ReadonlyArray<Readonly<Record<string, unknown>>>
+}
+
+const entries = (value: SemaphoreRow["holders"]): ReadonlyArray<Readonly<Record<string, unknown>>> =>
+  typeof value === "string" ? JSON.parse(value) : value
+
+const textOrNull = (value: unknown): string | null => (typeof value === "string" ? value : null)
+
+export const storedSemaphore = (row: SemaphoreRow): StoredSemaphore => ({
+  name: row.name,
+  limit: Number(row.lim),
+  holders: entries(row.holders).map((holder) => {
+    const permits = Number(holder["permits"])
+    const first = BigInt(String(holder["token"]))
+    return {
+      permits,
+      tokens: Array.from({ length: permits }, (_, i) => FencingToken.make(first + BigInt(i))),
+      expiresAt: Number(holder["expires"]),
+      acquiredAt: Number(holder["acquired"]),
+      application: textOrNull(holder["application"]),
+      host: textOrNull(holder["host"]),
+      pid: holder["pid"] === null || holder["pid"] === undefined ? null : Number(holder["pid"])
+    }
+  }),
+  waiting: entries(row.waiters).map((waiter) => ({ permits: Number(waiter["permits"]), since: Number(waiter["since"]) }))
+})

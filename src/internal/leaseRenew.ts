@@ -12,12 +12,12 @@ import type { Lane } from "./leaseLane.js"
 /** Renewals per statement: big enough that 10,000 leases renew in 10 statements, small enough to stay fast. */
 export const RENEW_BATCH_SIZE = 1000
 
-/** What renewal needs of a grant. */
+/** What renewal needs of a grant (a semaphore's permits have no mode). */
 export interface Renewable {
   readonly name: string
   readonly owner: string
   readonly token: bigint
-  readonly mode: LockMode
+  readonly mode?: LockMode | undefined
   readonly ttlMillis: number
 }
 
@@ -29,7 +29,7 @@ export const make = (lane: Lane, text: string, bound: Duration.Duration) =>
         grants.map((g) => g.owner),
         grants.map((g) => g.token.toString()),
         grants.map((g) => g.ttlMillis),
-        grants.map((g) => g.mode)
+        grants.map((g) => g.mode ?? null)
       ], bound)
       if (rows.length !== grants.length) {
         return yield* new LockBackendError({

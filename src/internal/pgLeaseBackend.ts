@@ -1,15 +1,18 @@
 /**
- * PgLease's dialect of the lease engine: the statements of `pgLeaseSql`, first-use creation that
+ * PgLease's dialect of the lease engine: the statements of `pgLeaseSql` (locks) and
+ * `pgLeasePermitSql` (semaphores), first-use creation that
  * retries a lost catalog race, and wake-ups through LISTEN/NOTIFY (`pgLeaseWake`) when the lane
  * can listen — a release notifies the waiters at the head from its own statement, so the
  * releasing process hears them like every other.
  */
 import * as Effect from "effect/Effect"
 import type * as Scope from "effect/Scope"
-import type { LockBackend } from "../LockBackend.js"
+import type { LockAndSemaphoreBackend } from "../LockBackend.js"
 import type { LeaseGrant } from "./leaseAttempt.js"
+import type { PermitLeaseGrant } from "./leasePermits.js"
 import * as Engine from "./leaseEngine.js"
 import type { Lane } from "./leaseLane.js"
+import * as PermitSql from "./pgLeasePermitSql.js"
 import * as Sql from "./pgLeaseSql.js"
 import * as Wake from "./pgLeaseWake.js"
 import { sqlStateOf } from "./sqlState.js"
@@ -34,14 +37,26 @@ export const dialect = (tables: Sql.Tables, channel: string): Engine.Dialect => 
   releaseParams: (name, owner, waiter) => [name, owner, waiter, channel],
   // The release statement notifies the heads itself; they hear it through LISTEN, this process too.
   wokenBy: () => [],
-  retryCreate: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? "")
+  retryCreate: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? ""),
+  permits: {
+    acquire: PermitSql.acquire(tables),
+    release: PermitSql.release(tables),
+    renew: PermitSql.renew(tables),
+    ensureTable: [Sql.ensureSemTable(tables)],
+    releaseParams: (name, owner, waiter) => [name, owner, waiter, channel],
+    // As for locks: the release statement notifies the heads itself.
+    wokenBy: () => []
+  }
 })
 
 /**
  * Builds the backend on `lane`. The table is created on the first acquire, not here, so an
  * application can start while the database is down.
  */
-export const make = (lane: Lane, settings: Settings): Effect.Effect<LockBackend<LeaseGrant>, never, Scope.Scope> =>
+export const make = (
+  lane: Lane,
+  settings: Settings
+): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, never, Scope.Scope> =>
   Effect.gen(function*() {
     const scope = yield* Effect.scope
     const hub = settings.listen === "never" || lane.listen === undefined ? undefined : yield* Wake.make({

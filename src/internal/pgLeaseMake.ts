@@ -11,9 +11,10 @@ import { identity } from "effect/Function"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import * as Os from "node:os"
-import type { LockBackend } from "../LockBackend.js"
+import type { LockAndSemaphoreBackend } from "../LockBackend.js"
 import { LockBackendError } from "../LockError.js"
 import type { LeaseGrant } from "./leaseAttempt.js"
+import type { PermitLeaseGrant } from "./leasePermits.js"
 import * as LeaseOptions from "./leaseOptions.js"
 import * as Backend from "./pgLeaseBackend.js"
 import * as Lane from "./pgLeaseLane.js"
@@ -59,7 +60,7 @@ const duration = LeaseOptions.durationOption(configError)
 export const makeBackend = (
   options?: Options,
   wrapLane: (lane: Lane.Lane) => Lane.Lane = identity
-): Effect.Effect<LockBackend<LeaseGrant>, LockBackendError, SqlClient | Scope.Scope> =>
+): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, LockBackendError, SqlClient | Scope.Scope> =>
   Effect.gen(function*() {
     const tables = yield* resolveTables(options?.table)
     const channel = options?.channel ?? tables.leases.relname

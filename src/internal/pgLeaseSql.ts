@@ -26,19 +26,28 @@ export { parseTable, type TableRef }
 
 /** The queue table's name: the lease table's with this suffix, in the same schema. */
 const QUEUE_SUFFIX = "_queue"
+/**
+ * The semaphore table's name (`DistributedSemaphore`, see `pgLeasePermitSql`): the lease table's
+ * with this suffix, in the same schema. Shorter than the queue's, so it adds no length limit.
+ */
+const SEM_SUFFIX = "_sem"
 
-/** Both tables of one lease table name. */
+/** The tables of one lease table name. */
 export interface Tables {
   readonly leases: TableRef
   readonly queue: TableRef
+  /** One row per semaphore name: its limit, token counter, holders and waiters. */
+  readonly sem: TableRef
 }
 
-/** Both tables from a validated lease table (whose name leaves room for the suffix). */
+/** The tables from a validated lease table (whose name leaves room for the suffixes). */
 export const tablesOf = (table: Tables | TableRef): Tables => {
   if ("leases" in table) return table
   const queue = parseTable(`${table.text}${QUEUE_SUFFIX}`)
   if (typeof queue === "string") throw new TypeError(`PgLease: ${queue}`)
-  return { leases: table, queue }
+  const sem = parseTable(`${table.text}${SEM_SUFFIX}`)
+  if (typeof sem === "string") throw new TypeError(`PgLease: ${sem}`)
+  return { leases: table, queue, sem }
 }
 
 /** The tables for a user-given name, or why it is refused. */
@@ -49,7 +58,9 @@ export const parseTables = (input: string): Tables | string => {
     return `"${leases.relname}" is longer than ${MAX_IDENTIFIER_BYTES - QUEUE_SUFFIX.length} bytes (its queue table adds "${QUEUE_SUFFIX}")`
   }
   const queue = parseTable(`${leases.text}${QUEUE_SUFFIX}`)
-  return typeof queue === "string" ? queue : { leases, queue }
+  if (typeof queue === "string") return queue
+  const sem = parseTable(`${leases.text}${SEM_SUFFIX}`)
+  return typeof sem === "string" ? sem : { leases, queue, sem }
 }
 
 /** Checks a NOTIFY channel name: non-empty, at most 63 bytes (longer names fail in pg_notify). */
@@ -65,12 +76,18 @@ const quote = (identifier: string) => `"${identifier.replace(/"/g, "\"\"")}"`
 const ms = (param: string) => `${param}::bigint * interval '1 millisecond'`
 
 /**
- * The tables, idempotently (also upgrading a lease table made before shared mode and the queue).
- * Rows of the lease table are never deleted — a released row keeps its token — so tokens increase
- * forever per name; deleting one would restart its name at token 1, below tokens a `Fence` has seen.
+ * The tables, idempotently (also upgrading a lease table made before shared mode and the queue),
+ * the semaphore table included. Rows of the lease and semaphore tables are never deleted — a
+ * released row keeps its token — so tokens increase forever per name; deleting one would restart
+ * its name at token 1, below tokens a `Fence` has seen.
  */
-export const createTable = (table: Tables | TableRef): string => createTableSql(tablesOf(table))
+export const createTable = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return `${createTableSql(tables)};
+${createSemTableSql(tables)}`
+}
 
+/** The lock tables: the lease table and its queue. */
 const createTableSql = ({ leases, queue }: Tables): string =>
   `create table if not exists ${leases.sql} (
   name text primary key,
@@ -103,6 +120,17 @@ create table if not exists ${queue.sql} (
 );
 create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq)`
 
+/** The semaphore table (`pgLeasePermitSql`): one row per semaphore name. */
+const createSemTableSql = ({ sem }: Tables): string =>
+  `create table if not exists ${sem.sql} (
+  name text primary key,
+  permit_limit integer not null,
+  token bigint not null,
+  holders jsonb not null default '[]',
+  waiters jsonb not null default '[]',
+  revoked bigint not null default 0
+)`
+
 /**
  * First-use creation as ONE statement (so it also runs behind a transaction pooler): an up-to-date
  * schema costs three catalog lookups and needs no privilege; otherwise creators serialize on a
@@ -122,6 +150,23 @@ begin
   end if;
 end
 $effect_lock$`
+
+/**
+ * First-use creation of the semaphore table, as `ensureTable` for the lock tables and under the
+ * same advisory lock; apart from it, so that locks never need the semaphore table (nor the
+ * privilege to create it, on a deployment whose lock tables predate it).
+ */
+export const ensureSemTable = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return `do $effect_lock$
+begin
+  if to_regclass('${tables.sem.sql}') is null then
+    perform pg_advisory_xact_lock(${advisoryKey(tables.leases.text, "effect-lock/PgLease/ddl")});
+    ${createSemTableSql(tables).replace(/\n/g, "\n    ")};
+  end if;
+end
+$effect_lock$`
+}
 
 /** How many of the oldest places a release looks at to find whom to wake. */
 const HEAD_CANDIDATES = 16

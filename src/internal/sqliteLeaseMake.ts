@@ -11,13 +11,15 @@ import { identity } from "effect/Function"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import * as Os from "node:os"
-import type { LockBackend } from "../LockBackend.js"
+import type { LockAndSemaphoreBackend } from "../LockBackend.js"
 import { LockBackendError } from "../LockError.js"
 import type { LeaseGrant } from "./leaseAttempt.js"
+import type { PermitLeaseGrant } from "./leasePermits.js"
 import * as Engine from "./leaseEngine.js"
 import type { Lane } from "./leaseLane.js"
 import * as LeaseOptions from "./leaseOptions.js"
 import * as Lanes from "./sqliteLeaseLane.js"
+import * as PermitSql from "./sqliteLeasePermitSql.js"
 import * as Sql from "./sqliteLeaseSql.js"
 import * as Wake from "./sqliteLeaseWake.js"
 
@@ -84,13 +86,23 @@ export const dialect = (tables: Sql.Tables): Engine.Dialect => ({
   releaseParams: (name, owner, waiter) => [name, owner, waiter],
   wokenBy: Wake.headsOf,
   // Creation statements serialize on the write lock and are idempotent; the lane retries a busy database.
-  retryCreate: () => false
+  retryCreate: () => false,
+  permits: {
+    acquire: PermitSql.acquire(tables),
+    release: PermitSql.release(tables),
+    renew: PermitSql.renew(tables),
+    // Created at build with the others (`createTable`).
+    ensureTable: [],
+    releaseParams: (name, owner, waiter) => [name, owner, waiter],
+    // The release answers the waiters now at the head; this process wakes its own.
+    wokenBy: Wake.headsOf
+  }
 })
 
 export const makeBackend = (
   options?: Options,
   wrapLane: (lane: Lane) => Lane = identity
-): Effect.Effect<LockBackend<LeaseGrant>, LockBackendError, Scope.Scope> =>
+): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     const tables = yield* resolveTables(options?.table)
     const statementTimeout = yield* duration(options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, "statementTimeout")

@@ -24,6 +24,7 @@
  * Parameters are numbered (`?1` …), in the engine's order; arrays arrive as JSON text and
  * booleans as 0/1 (the lane encodes them).
  */
+import * as Permits from "./sqliteLeasePermitSql.js"
 import { parseTable, type TableRef } from "./sqlTable.js"
 
 /** The tables of one lease table name (plain identifiers: SQLite's `schema.` means an attached file). */
@@ -32,12 +33,15 @@ export interface Tables {
   readonly queue: TableRef
   /** The operations table: always empty between statements. */
   readonly op: TableRef
+  /** One row per semaphore name (`DistributedSemaphore`, see `sqliteLeasePermitSql`). */
+  readonly sem: TableRef
   /** Prefix of the triggers' and index's names. */
   readonly prefix: string
 }
 
 const QUEUE_SUFFIX = "_queue"
 const OP_SUFFIX = "_op"
+const SEM_SUFFIX = "_sem"
 /** Bumped when a trigger's text changes: a new version's triggers are created beside, the old dropped. */
 const TRIGGER_VERSION = "v1"
 
@@ -50,9 +54,11 @@ export const parseTables = (input: string): Tables | string => {
   if (typeof leases === "string") return leases
   const queue = parseTable(`${leases.text}${QUEUE_SUFFIX}`)
   const op = parseTable(`${leases.text}${OP_SUFFIX}`)
+  const sem = parseTable(`${leases.text}${SEM_SUFFIX}`)
   if (typeof queue === "string") return queue
   if (typeof op === "string") return op
-  return { leases, queue, op, prefix: leases.relname }
+  if (typeof sem === "string") return sem
+  return { leases, queue, op, sem, prefix: leases.relname }
 }
 
 const quote = (identifier: string) => `"${identifier}"`
@@ -70,7 +76,7 @@ const NEVER = "9223372036854775807"
  * tokens a `Fence` has seen.
  */
 export const createTable = (tables: Tables): ReadonlyArray<string> => {
-  const { leases, queue, op } = tables
+  const { leases, queue, op, sem } = tables
   return [
     `create table if not exists ${leases.sql} (
   name text not null primary key,
@@ -121,7 +127,16 @@ export const createTable = (tables: Tables): ReadonlyArray<string> => {
     acquireTrigger(tables),
     releaseTrigger(tables),
     renewTrigger(tables),
-    revokeTrigger(tables)
+    revokeTrigger(tables),
+    `create table if not exists ${sem.sql} (
+  name text not null primary key,
+  permit_limit integer not null,
+  token integer not null,
+  holders text not null default '[]',
+  waiters text not null default '[]',
+  revoked integer not null default 0
+)`,
+    Permits.renewTrigger(tables)
   ]
 }
 

@@ -3,7 +3,7 @@
  *
  * Every test file works in its own fresh database (`useTestDatabase`), so files running in
  * parallel never see each other's locks or rows, and `assertNoLeaks` can prove per file that no
- * advisory lock and no held lease row outlived the file's tests.
+ * advisory lock, no held lease row and no live semaphore holder or place outlived the file's tests.
  */
 import type { SqlClient, SqlError } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
@@ -149,18 +149,55 @@ const heldLeases = async (client: pg.Client, tables: ReadonlyArray<string>): Pro
   return held
 }
 
+/** Tables in user schemas that look like semaphore tables (`holders` and `waiters` jsonb columns: PgLease's `<table>_sem`). */
+const discoverSemaphoreTables = async (client: pg.Client): Promise<ReadonlyArray<string>> => {
+  const result = await client.query<{ table: string }>(
+    `select c.oid::regclass::text as table
+     from pg_class c
+     join pg_namespace n on n.oid = c.relnamespace
+     where c.relkind in ('r', 'p')
+       and n.nspname not in ('pg_catalog', 'information_schema') and n.nspname not like 'pg_toast%'
+       and exists (select 1 from pg_attribute a where a.attrelid = c.oid and a.attname = 'holders'
+         and a.atttypid = 'jsonb'::regtype and not a.attisdropped)
+       and exists (select 1 from pg_attribute a where a.attrelid = c.oid and a.attname = 'waiters'
+         and a.atttypid = 'jsonb'::regtype and not a.attisdropped)`
+  )
+  return result.rows.map((row) => row.table)
+}
+
+/** Live holder entries (permits held) and live waiting places of semaphore rows, by the server's clock. */
+const heldPermits = async (client: pg.Client, tables: ReadonlyArray<string>): Promise<ReadonlyArray<string>> => {
+  const held: Array<string> = []
+  for (const table of tables) {
+    const found = await client.query<{ rel: string | null }>("select to_regclass($1)::text as rel", [table])
+    const rel = found.rows[0]?.rel
+    if (rel === null || rel === undefined) continue
+    const rows = await client.query<{ name: string; kind: string; entry: unknown }>(
+      `select s.name, x.kind, x.entry from ${rel} s, lateral (
+         select 'holder' as kind, h as entry from jsonb_array_elements(s.holders) h
+         union all select 'waiter', w from jsonb_array_elements(s.waiters) w
+       ) x
+       where (x.entry->>'expires')::numeric > extract(epoch from now()) * 1000`
+    )
+    for (const row of rows.rows) held.push(`${rel}: semaphore ${JSON.stringify(row.name)} ${row.kind} ${JSON.stringify(row.entry)}`)
+  }
+  return held
+}
+
 /** Options of `assertNoLeaks`. */
 export interface AssertNoLeaksOptions {
   /** Lease tables to check; tables that do not exist are ignored. Default: every table with `owner` and `expires_at` columns. */
   readonly leaseTables?: ReadonlyArray<string>
+  /** Semaphore tables to check (live holders and places); default: every table with `holders` and `waiters` jsonb columns. */
+  readonly semaphoreTables?: ReadonlyArray<string>
   /** How long to keep re-checking before failing, for backends that are still exiting. Default 2000 ms. */
   readonly settleMs?: number
 }
 
 /**
- * Throws if the database at `url` still has an advisory lock (granted or awaited) or a held lease
- * row (owner set, not yet expired). Backends of sessions closed a moment ago may still be exiting,
- * so it re-checks for `settleMs` before failing.
+ * Throws if the database at `url` still has an advisory lock (granted or awaited), a held lease
+ * row (owner set, not yet expired), or a semaphore's live holder or waiting place. Backends of
+ * sessions closed a moment ago may still be exiting, so it re-checks for `settleMs` before failing.
  */
 export const assertNoLeaks = (url: string, options?: AssertNoLeaksOptions): Promise<void> =>
   withClient(url, async (client) => {
@@ -169,7 +206,8 @@ export const assertNoLeaks = (url: string, options?: AssertNoLeaksOptions): Prom
       const locks = await queryAdvisoryLocks(client)
       const tables = options?.leaseTables ?? (await discoverLeaseTables(client))
       const leases = await heldLeases(client, tables)
-      if (locks.length === 0 && leases.length === 0) return
+      const permits = await heldPermits(client, options?.semaphoreTables ?? (await discoverSemaphoreTables(client)))
+      if (locks.length === 0 && leases.length === 0 && permits.length === 0) return
       if (Date.now() >= deadline) {
         const database = (await client.query<{ db: string }>("select current_database() as db")).rows[0]?.db
         const lines = [
@@ -180,7 +218,8 @@ export const assertNoLeaks = (url: string, options?: AssertNoLeaksOptions): Prom
               `classid=${l.classid} objid=${l.objid} objsubid=${l.objsubid} granted=${l.granted} mode=${l.mode} ` +
               `state=${l.state} query=${JSON.stringify(l.query)}`
           ),
-          ...leases.map((lease) => `  held lease ${lease}`)
+          ...leases.map((lease) => `  held lease ${lease}`),
+          ...permits.map((entry) => `  live semaphore entry ${entry}`)
         ]
         throw new Error(lines.join("\n"))
       }

@@ -1,0 +1,30 @@
+/**
+ * The semaphore contract on the memory backend, under TestClock: the reference the lease
+ * backends' runs of the same suite are held to.
+ */
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as TestClock from "effect/TestClock"
+import * as MemoryBackend from "effect-lock/MemoryBackend"
+import { semaphoreContractSuite } from "./support/semaphoreContract.js"
+
+const store = Effect.runSync(MemoryBackend.makeStore)
+
+semaphoreContractSuite("MemoryBackend", {
+  clock: "test",
+  ttl: Duration.seconds(3),
+  makeBackend: Effect.map(MemoryBackend.makeBackend({ store }), (backend) => backend.semaphore),
+  state: (name) =>
+    Effect.map(MemoryBackend.semaphores(store), (all) => {
+      const semaphore = all.find((s) => s.name === name)
+      return {
+        held: (semaphore?.holders ?? []).reduce((sum, holder) => sum + holder.permits, 0),
+        waiting: semaphore?.waiting ?? []
+      }
+    }),
+  revoke: (name) => MemoryBackend.revokePermits(store, name),
+  advance: (duration) => TestClock.adjust(duration),
+  rounds: 25,
+  // On the TestClock no time passes while a give-back is awaited.
+  giveBackBound: Duration.zero
+})

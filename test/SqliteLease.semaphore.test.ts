@@ -1,0 +1,132 @@
+/**
+ * DistributedSemaphore on SqliteLease, on a real database file: the semaphore contract (each
+ * backend built here is one "process" with its own connection and wake-up hub, as a separate OS
+ * process would have; waiters of other processes poll), then what only this backend promises:
+ * both services from one layer, and a waiter of the releasing process woken at once.
+ */
+import * as SqliteClient from "@effect/sql-sqlite-node/SqliteClient"
+import { describe, expect, it } from "@effect/vitest"
+import { Context, Duration, Effect, Exit, Fiber, Layer, Option, Scope } from "effect"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
+import type { SemaphoreBackend } from "effect-lock/LockBackend"
+import type { Lane } from "effect-lock/internal/leaseLane"
+import * as Make from "effect-lock/internal/sqliteLeaseMake"
+import * as SqliteLease from "effect-lock/SqliteLease"
+import { useSqliteFile } from "./fixtures/sqlite-db.js"
+import { freshName } from "./support/contract.js"
+import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
+
+const file = useSqliteFile("sqlite-sem")
+/** As PgLease's: renewals every ~670 ms leave room for a loaded machine. */
+const CONTRACT_TTL = Duration.seconds(2)
+const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
+
+/** The semaphore `name` as the file has it, by the database's clock: live permits held, live places in order. */
+const stateOf = (name: string): StoreState => {
+  const exists = file.query<{ n: number }>("select count(*) as n from sqlite_schema where type = 'table' and name = 'effect_lock_leases_sem'")
+  if (Number(exists[0]?.n ?? 0) === 0) return { held: 0, waiting: [] }
+  const [row] = file.query<{ held: number; waiting: string }>(
+    `select
+       coalesce((select sum(json_extract(j.value, '$.permits')) from json_each(s.holders) j
+         where json_extract(j.value, '$.expires') > ${NOW}), 0) as held,
+       (select json_group_array(json_extract(j.value, '$.permits')) from json_each(s.waiters) j
+         where json_extract(j.value, '$.expires') > ${NOW}) as waiting
+     from effect_lock_leases_sem s where s.name = ?1`,
+    name
+  )
+  return row === undefined ? { held: 0, waiting: [] } : { held: Number(row.held), waiting: (JSON.parse(row.waiting) as Array<number>).map(Number) }
+}
+
+/** Polls `check` every 5 ms until it holds; dies naming `what` after `bound`. */
+const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) =>
+  Effect.gen(function*() {
+    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
+    while (!(yield* Effect.orDie(check))) {
+      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
+      yield* Effect.sleep(Duration.millis(5))
+    }
+  })
+
+/** Statements of the contract's processes running (or pausing between busy retries) right now. */
+let inFlight = 0
+const counted = (lane: Lane): Lane => {
+  const count = <A, E, R>(self: Effect.Effect<A, E, R>) =>
+    Effect.acquireUseRelease(Effect.sync(() => inFlight++), () => self, () => Effect.sync(() => inFlight--))
+  return {
+    ...lane,
+    run: (operation, name, text, params, bound) => count(lane.run(operation, name, text, params, bound)),
+    renew: (text, params, bound) => count(lane.renew(text, params, bound))
+  }
+}
+
+/** How often each permit request of a name entered a wait (a failed attempt behind it). */
+const waits = new Map<string, number>()
+const watched = <P extends SqliteLease.SqliteLeasePermitGrant>(store: SemaphoreBackend<P>): SemaphoreBackend<P> => ({
+  ...store,
+  acquire: (request) =>
+    store.acquire({
+      ...request,
+      waitUntilDeadline: (step) =>
+        Effect.zipRight(Effect.sync(() => waits.set(request.name, (waits.get(request.name) ?? 0) + 1)), request.waitUntilDeadline(step))
+    })
+})
+
+semaphoreContractSuite("SqliteLease", {
+  clock: "live",
+  ttl: CONTRACT_TTL,
+  makeBackend: Effect.suspend(() =>
+    Effect.map(
+      Make.makeBackend({ filename: file.path, ttl: CONTRACT_TTL, pollInterval: Duration.millis(20) }, counted),
+      (backend) => backend.semaphore
+    )
+  ),
+  state: (name) => Effect.sync(() => stateOf(name)),
+  revoke: (name) => Effect.asVoid(SqliteLease.revokePermits(name).pipe(Effect.provide(SqliteClient.layer({ filename: file.path })))),
+  advance: (duration) => Effect.sleep(duration),
+  rounds: 6,
+  // A place lasts 5 s and the interruption tests' permits 60 s: a give-back within 2.5 s is one.
+  giveBackBound: Duration.millis(2_500),
+  quiet: Effect.sync(() => inFlight === 0)
+})
+
+describe("SqliteLease semaphores", () => {
+  it.scopedLive("SqliteLease.layer provides both services from one backend; a semaphore and a lock of one name are apart", () =>
+    Effect.gen(function*() {
+      const services = yield* Layer.build(SqliteLease.layer({ filename: file.path, ttl: CONTRACT_TTL }))
+      const lock = Context.get(services, DistributedLock.DistributedLock)
+      const semaphore = Context.get(services, DistributedSemaphore.DistributedSemaphore)
+      expect([lock.backend, semaphore.backend]).toEqual(["sqlite-lease", "sqlite-lease"])
+      const name = freshName("same-name")
+      const lease = yield* lock.acquire(name)
+      const permits = yield* semaphore.acquire(name, { limit: 2, permits: 2 })
+      expect(lease.token).toBe(1n)
+      expect(permits.tokens).toEqual([1n, 2n])
+      expect(yield* Effect.scoped(lock.tryAcquire(name))).toEqual(Option.none())
+      expect(yield* Effect.scoped(semaphore.tryAcquire(name, { limit: 2 }))).toEqual(Option.none())
+      const stored = yield* SqliteLease.semaphores({ name }).pipe(Effect.provide(SqliteClient.layer({ filename: file.path })))
+      expect(stored).toMatchObject([{ name, limit: 2, holders: [{ permits: 2, tokens: [1n, 2n] }], waiting: [] }])
+      // The migration creates the semaphore table with the others.
+      expect(SqliteLease.migration()).toContain(`"effect_lock_leases_sem"`)
+    }))
+
+  it.scopedLive("a waiter in the releasing process is woken by the release at once, not by its poll", () =>
+    Effect.gen(function*() {
+      // A poll interval of 10 s: only the release's own wake-up (or the 1.5 s refresh of a place) makes it look again.
+      const backend = yield* Make.makeBackend({ filename: file.path, ttl: Duration.seconds(30), pollInterval: Duration.seconds(10) })
+      const service = yield* DistributedSemaphore.make(watched(backend.semaphore))
+      const latencies: Array<number> = []
+      for (let round = 0; round < 5; round++) {
+        const name = freshName("local-wake")
+        const holder = yield* Scope.make()
+        yield* Scope.extend(service.acquire(name, { limit: 3, permits: 3 }), holder)
+        const waiter = yield* Effect.fork(Effect.scoped(Effect.map(service.acquire(name, { limit: 3, permits: 2 }), () => performance.now())))
+        yield* waitFor("the waiter in its long wait", Effect.sync(() => (waits.get(name) ?? 0) >= 2 && stateOf(name).waiting.length === 1), Duration.seconds(5))
+        const releasedAt = performance.now()
+        yield* Scope.close(holder, Exit.void)
+        latencies.push((yield* Fiber.join(waiter)) - releasedAt)
+      }
+      console.log(`SqliteLease semaphore: same-process handoff ${latencies.map((l) => l.toFixed(1)).join(", ")} ms (poll interval 10 s)`)
+      for (const latency of latencies) expect(latency).toBeLessThan(300)
+    }), { timeout: 30_000 })
+})

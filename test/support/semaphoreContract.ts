@@ -1,0 +1,466 @@
+/**
+ * The guarantees every permit store keeps (`DistributedSemaphore` over a `SemaphoreBackend`),
+ * written once and run against each backend: the memory backend under TestClock, the lease
+ * backends on a real database with short real durations. Each `makeBackend` is one "process" of
+ * the cluster (its own store connection, registry and renewals); the store's own view of a
+ * semaphore (`state`) is read from the store, never from a process.
+ *
+ * Nothing here sleeps to synchronise: each step waits, with a bound, for what it needs to see
+ * (a waiter queued in the store, a holder holding, a renewal made).
+ */
+import { describe, expect, it } from "@effect/vitest"
+import * as Clock from "effect/Clock"
+import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import * as Scope from "effect/Scope"
+import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
+import type { PermitRequest, SemaphoreBackend } from "effect-lock/LockBackend"
+import { LockBackendError } from "effect-lock/LockError"
+import { freshName, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
+import { yieldTimes } from "./faults.js"
+import { seededRandom, testSeed } from "./random.js"
+
+/** A semaphore as the store has it right now: live permits held, and the permits each live waiter asks for, in queue order. */
+export interface StoreState {
+  readonly held: number
+  readonly waiting: ReadonlyArray<number>
+}
+
+export interface SemaphoreTarget {
+  /** Runs tests on the TestClock (`scoped`) or on real time (`scopedLive`). */
+  readonly clock: "test" | "live"
+  /** Lease length of the permits (at least the backend's floor). */
+  readonly ttl: Duration.Duration
+  /** Builds the permit store of one "process"; each call is a separate process of the cluster. */
+  // biome-ignore: each backend has its own grant type; the suite only passes grants back to it.
+  readonly makeBackend: Effect.Effect<SemaphoreBackend<any>, unknown, Scope.Scope>
+  /** The semaphore `name` as the store has it (not as a process knows it). */
+  readonly state: (name: string) => Effect.Effect<StoreState, unknown>
+  /** Takes every permit of `name` away in the store: holders learn it (`revoked`) from the store. */
+  readonly revoke: (name: string) => Effect.Effect<void, unknown>
+  /** Lets time pass: TestClock.adjust, or a real sleep. */
+  readonly advance: (duration: Duration.Duration) => Effect.Effect<void>
+  /** Permit requests per fiber in the exclusion test (each a grant and a release). */
+  readonly rounds: number
+  /**
+   * Longest a give-back may take to show in the store (a timed-out waiter's place, an interrupted
+   * attempt's permits): well under the place's and the permits' own expiry, so that expiry cannot
+   * explain it.
+   */
+  readonly giveBackBound: Duration.Duration
+  /**
+   * No store operation in flight in any process `makeBackend` built (for stores whose
+   * operations take time: statements on the wire). An acquire interrupted at the wrong moment
+   * leaves a statement that may still grant, and its give-back follows it: a check that nothing
+   * is left waits for this too, and a test never ends (closing its processes) before it.
+   * Absent: always quiet (an in-process store).
+   */
+  readonly quiet?: Effect.Effect<boolean> | undefined
+}
+
+/** What a test can make a wrapped store do, and what it saw. */
+interface Faults {
+  failRenew: boolean
+  hangRenew: boolean
+  renewCalls: number
+}
+
+const makeFaults = (): Faults => ({ failRenew: false, hangRenew: false, renewCalls: 0 })
+
+/** Every token the stores granted, by semaphore name, in the order the grants came back. */
+const granted = new Map<string, Array<bigint>>()
+
+/** The store with renewals that fail or hang on demand (a real store cannot do that on demand), recording its grants' tokens. */
+// biome-ignore: the grant type is the store's own.
+const withFaults = (backend: SemaphoreBackend<any>, faults: Faults): SemaphoreBackend<any> => ({
+  ...backend,
+  acquire: (request) =>
+    Effect.tap(backend.acquire(request), (result) =>
+      Effect.sync(() => {
+        if (result._tag !== "Granted") return
+        let tokens = granted.get(request.name)
+        if (tokens === undefined) granted.set(request.name, tokens = [])
+        tokens.push(...result.grant.tokens)
+      })),
+  renew: (grants) =>
+    Effect.gen(function*() {
+      faults.renewCalls++
+      if (faults.hangRenew) return yield* Effect.never
+      if (faults.failRenew) return yield* new LockBackendError({ operation: "renew", cause: new Error("injected: store unreachable") })
+      return yield* backend.renew(grants)
+    })
+})
+
+const LIMIT = 3
+const PROCESSES = 3
+const FIBERS_PER_PROCESS = 3
+/** A ttl the interruption tests' requests use: a grant left behind would outlive every bound here. */
+const LONG_TTL = Duration.seconds(60)
+
+export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) => {
+  const base = target.clock === "test" ? it.scoped : it.scopedLive
+  const live = target.clock === "live"
+  const ttlMillis = Duration.toMillis(target.ttl)
+
+  const node = (faults: Faults = makeFaults()) =>
+    Effect.flatMap(target.makeBackend, (backend) => DistributedSemaphore.make(withFaults(backend, faults)))
+  const until = <E, R>(what: string, condition: Effect.Effect<boolean, E, R>) => waitUntil(target.clock, what, condition)
+  const stateIs = (name: string, expected: StoreState) =>
+    until(
+      `"${name}" is ${JSON.stringify(expected)} in the store`,
+      Effect.map(target.state(name), (state) => JSON.stringify(state) === JSON.stringify(expected))
+    )
+  const waitingAre = (name: string, permits: ReadonlyArray<number>) =>
+    until(
+      `"${name}" has waiters ${JSON.stringify(permits)} in the store`,
+      Effect.map(target.state(name), (state) => JSON.stringify(state.waiting) === JSON.stringify(permits))
+    )
+  const heldIs = (name: string, held: number) =>
+    until(`"${name}" has ${held} permits held in the store`, Effect.map(target.state(name), (state) => state.held === held))
+  /** Until `condition` holds, failing if it took longer than `bound` of Clock time (0 on the TestClock). */
+  const within = <E, R>(what: string, bound: Duration.Duration, condition: Effect.Effect<boolean, E, R>) =>
+    Effect.gen(function*() {
+      const start = yield* Clock.currentTimeMillis
+      yield* until(what, condition)
+      const took = (yield* Clock.currentTimeMillis) - start
+      expect(took, `${what}: took ${took} ms`).toBeLessThanOrEqual(Duration.toMillis(bound))
+    })
+  /**
+   * Nothing of `name` is left in the store and no operation is in flight, on three looks in a row
+   * (a fiber forked just before has had turns to reach its statement by then).
+   */
+  const leftNothing = (name: string) => {
+    let streak = 0
+    return Effect.flatMap(target.quiet ?? Effect.succeed(true), (quiet) =>
+      Effect.map(target.state(name), (state) => {
+        streak = quiet && state.held === 0 && state.waiting.length === 0 ? streak + 1 : 0
+        return streak >= 3
+      }))
+  }
+  /** A pause for sweeps: `n` yields on the TestClock, `n % 6` ms on real time. */
+  const pause = (n: number) => (live ? Effect.sleep(Duration.millis(n % 6)) : yieldTimes(n))
+  const provide = (service: DistributedSemaphore.Service) => Effect.provideService(DistributedSemaphore.DistributedSemaphore, service)
+  /** Holds the permits in a scope of its own, closed by `release`. */
+  const hold = (service: DistributedSemaphore.Service, name: string, options: DistributedSemaphore.PermitOptions) =>
+    Effect.gen(function*() {
+      const scope = yield* Scope.make()
+      const permits = yield* Scope.extend(service.acquire(name, options), scope)
+      return { permits, release: Scope.close(scope, Exit.void) }
+    })
+
+  describe(`${label}: the semaphore contract`, () => {
+    for (const budget of [undefined, TIGHT_YIELD_BUDGET]) {
+      const suffix = budget === undefined ? "" : `, yielding every ${budget} ops`
+      base(`never more than limit permits held across ${PROCESSES} processes × ${FIBERS_PER_PROCESS} fibers${suffix}`, () =>
+        Effect.gen(function*() {
+          const seed = testSeed()
+          const random = seededRandom(seed)
+          const name = freshName("limit")
+          const services = yield* Effect.forEach(Array.from({ length: PROCESSES }), () => node())
+          let inside = 0
+          let most = 0
+          let violations = 0
+          const body = (permits: number) =>
+            Effect.acquireUseRelease(
+              Effect.sync(() => {
+                inside += permits
+                most = Math.max(most, inside)
+                if (inside > LIMIT) violations++
+              }),
+              // Steps inside, so other fibers (and on real time other grants) run while they are held.
+              () => Effect.zipRight(yieldTimes(3), live ? Effect.sleep(Duration.millis(2)) : Effect.void),
+              () => Effect.sync(() => (inside -= permits))
+            )
+          const plans = Array.from(
+            { length: PROCESSES * FIBERS_PER_PROCESS },
+            () => Array.from({ length: target.rounds }, () => 1 + Math.floor(random() * LIMIT))
+          )
+          const run = Effect.forEach(
+            plans,
+            (plan, i) =>
+              Effect.forEach(
+                plan,
+                (permits) => body(permits).pipe(DistributedSemaphore.withPermits(name, { limit: LIMIT, permits }), provide(services[i % PROCESSES]!)),
+                { discard: true }
+              ),
+            { concurrency: "unbounded", discard: true }
+          )
+          yield* budget === undefined ? run : withYieldBudget(budget)(run)
+          const context = `seed ${seed} (re-run with EFFECT_LOCK_TEST_SEED=${seed})`
+          expect(violations, context).toBe(0)
+          // The check could fail: every permit was in use at some moment.
+          expect(most, context).toBe(LIMIT)
+          // No token was handed out twice (two grants decided on the same state would share some).
+          const tokens = granted.get(name) ?? []
+          expect(tokens.length, context).toBeGreaterThanOrEqual(plans.flat().reduce((n, permits) => n + permits, 0))
+          expect(new Set(tokens).size, context).toBe(tokens.length)
+          yield* stateIs(name, { held: 0, waiting: [] })
+        }), 60_000)
+    }
+
+    base("each permit carries a fencing token: consecutive within a grant, strictly increasing per name across processes", () =>
+      Effect.gen(function*() {
+        const [a, b] = [yield* node(), yield* node()]
+        const name = freshName("tokens")
+        const first = yield* hold(a, name, { limit: 5, permits: 3 })
+        const second = yield* hold(b, name, { limit: 5, permits: 2 })
+        expect(first.permits.tokens).toEqual([1n, 2n, 3n])
+        expect(second.permits.tokens).toEqual([4n, 5n])
+        expect([first.permits.permits, first.permits.limit, second.permits.permits, second.permits.limit]).toEqual([3, 5, 2, 5])
+        yield* first.release
+        yield* second.release
+        let last = 5n
+        for (let i = 0; i < 4; i++) {
+          const permits = 1 + (i % 3)
+          const tokens = yield* Effect.scoped(Effect.map((i % 2 === 0 ? b : a).acquire(name, { limit: 5, permits }), (p) => p.tokens))
+          expect(tokens).toHaveLength(permits)
+          expect(tokens[0]! > last).toBe(true)
+          for (let k = 1; k < tokens.length; k++) expect(tokens[k]).toBe(tokens[k - 1]! + 1n)
+          last = tokens[tokens.length - 1]!
+        }
+        // Another name counts on its own.
+        expect((yield* Effect.scoped(a.acquire(freshName("tokens-other"), { limit: 1 }))).tokens).toEqual([1n])
+      }))
+
+    base("a name held with one limit refuses another with LimitMismatch; a free name takes any limit", () =>
+      Effect.gen(function*() {
+        const [a, b] = [yield* node(), yield* node()]
+        const name = freshName("mismatch")
+        const held = yield* hold(a, name, { limit: 3 })
+        yield* heldIs(name, 1)
+        const error = yield* Effect.flip(Effect.scoped(b.acquire(name, { limit: 4 })))
+        expect(error).toBeInstanceOf(DistributedSemaphore.LimitMismatch)
+        expect(error).toMatchObject({ _tag: "LimitMismatch", name, limit: 4, current: 3 })
+        expect(yield* Effect.flip(Effect.scoped(b.tryAcquire(name, { limit: 2 })))).toMatchObject({ _tag: "LimitMismatch", current: 3 })
+        // The same limit is fine.
+        expect((yield* Effect.scoped(b.acquire(name, { limit: 3, permits: 2 }))).tokens).toHaveLength(2)
+        yield* held.release
+        yield* stateIs(name, { held: 0, waiting: [] })
+        const fresh = yield* Effect.scoped(b.acquire(name, { limit: 4, permits: 4 }))
+        expect(fresh.limit).toBe(4)
+      }))
+
+    base("a waiter alone keeps the limit: with no holder left, another limit is refused until it leaves", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const store = yield* target.makeBackend
+        const name = freshName("waiter-limit")
+        const holder = yield* hold(a, name, { limit: 1 })
+        // A waiter that never looks again: it keeps its place in the store without retrying.
+        const request: PermitRequest = {
+          name,
+          mode: "shared",
+          attempt: "wait",
+          ttl: target.ttl,
+          deadline: Option.none(),
+          interruptible: (step) => step,
+          waitUntilDeadline: () => Effect.never,
+          onLost: () => Effect.void,
+          limit: 1,
+          permits: 1
+        }
+        const frozen = yield* Effect.fork(store.acquire(request))
+        yield* waitingAre(name, [1])
+        yield* holder.release
+        yield* stateIs(name, { held: 0, waiting: [1] })
+        expect(yield* Effect.flip(Effect.scoped(a.acquire(name, { limit: 2, timeout: 0 })))).toMatchObject({
+          _tag: "LimitMismatch",
+          current: 1
+        })
+        expect(yield* Effect.flip(Effect.scoped(a.tryAcquire(name, { limit: 3 })))).toMatchObject({ _tag: "LimitMismatch", current: 1 })
+        // Leaving gives the place up: the name is free for any limit.
+        yield* Fiber.interrupt(frozen)
+        yield* stateIs(name, { held: 0, waiting: [] })
+        expect((yield* Effect.scoped(a.acquire(name, { limit: 2 }))).limit).toBe(2)
+      }))
+
+    base("releasing 2 of 3 permits wakes the waiters that fit, in order; the next waits for its 3", () =>
+      Effect.gen(function*() {
+        const [a, b, c] = [yield* node(), yield* node(), yield* node()]
+        const name = freshName("wake")
+        const two = yield* hold(a, name, { limit: 3, permits: 2 })
+        const one = yield* hold(a, name, { limit: 3 })
+        const granted: Array<string> = []
+        const wait = (service: DistributedSemaphore.Service, who: string, permits: number) =>
+          Effect.fork(
+            Effect.scoped(
+              Effect.zipRight(Effect.tap(service.acquire(name, { limit: 3, permits }), () => Effect.sync(() => granted.push(who))), Effect.never)
+            )
+          )
+        const w1 = yield* wait(b, "w1", 1)
+        yield* waitingAre(name, [1])
+        const w2 = yield* wait(c, "w2", 1)
+        yield* waitingAre(name, [1, 1])
+        const w3 = yield* wait(b, "w3", 3)
+        yield* waitingAre(name, [1, 1, 3])
+        yield* two.release
+        yield* until("w1 and w2 hold", Effect.sync(() => granted.length === 2))
+        expect([...granted].sort()).toEqual(["w1", "w2"])
+        yield* stateIs(name, { held: 3, waiting: [3] })
+        // w3 needs every permit: it is served once the three single holders are gone.
+        yield* one.release
+        yield* Fiber.interrupt(w1)
+        yield* stateIs(name, { held: 1, waiting: [3] })
+        expect(granted).toHaveLength(2)
+        yield* Fiber.interrupt(w2)
+        yield* until("w3 holds", Effect.sync(() => granted.length === 3))
+        yield* stateIs(name, { held: 3, waiting: [] })
+        yield* Fiber.interrupt(w3)
+        yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
+    base("waiters are served in order: a big request is not overtaken by smaller ones behind it, nor by a newcomer", () =>
+      Effect.gen(function*() {
+        const [a, b] = [yield* node(), yield* node()]
+        const name = freshName("fifo")
+        const holder = yield* hold(a, name, { limit: 3, permits: 2 })
+        const big = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name, { limit: 3, permits: 2 }), (p) => p.tokens)))
+        yield* waitingAre(name, [2])
+        // One permit is free, but taking it would overtake the waiter ahead: a newcomer waits.
+        expect(yield* Effect.scoped(a.tryAcquire(name, { limit: 3 }))).toEqual(Option.none())
+        expect(yield* Effect.scoped(b.tryAcquire(name, { limit: 3 }))).toEqual(Option.none())
+        const small = yield* Effect.fork(Effect.scoped(Effect.map(a.acquire(name, { limit: 3 }), (p) => p.tokens)))
+        // Queued behind the big one, with a permit free: it does not take it.
+        yield* waitingAre(name, [2, 1])
+        expect(yield* target.state(name)).toEqual({ held: 2, waiting: [2, 1] })
+        expect(yield* Fiber.poll(small)).toEqual(Option.none())
+        yield* holder.release
+        // Both fit once the holder is gone (they may then take their permits in either order).
+        const [bigTokens, smallTokens] = [yield* Fiber.join(big), yield* Fiber.join(small)]
+        expect([bigTokens.length, smallTokens.length]).toEqual([2, 1])
+        yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
+    base("a timed-out wait fails with LockTimeout and gives its place up at once: the waiter behind it is served", () =>
+      Effect.gen(function*() {
+        const [a, b, c] = [yield* node(), yield* node(), yield* node()]
+        const name = freshName("timeout")
+        const holder = yield* hold(a, name, { limit: 2 })
+        const big = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 2, permits: 2, timeout: Duration.millis(500) })))
+        yield* waitingAre(name, [2])
+        const small = yield* Effect.fork(Effect.scoped(Effect.zipRight(c.acquire(name, { limit: 2 }), Effect.never)))
+        yield* waitingAre(name, [2, 1])
+        yield* target.advance(Duration.millis(600))
+        const error = yield* Effect.flip(Fiber.join(big))
+        expect(error).toMatchObject({ _tag: "LockTimeout", name })
+        // The place was given up, not left to expire: the single permit free goes to the waiter behind.
+        yield* within("the waiter behind is served", target.giveBackBound, Effect.map(target.state(name), (s) => s.held === 2 && s.waiting.length === 0))
+        yield* Fiber.interrupt(small)
+        yield* holder.release
+        yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
+    const interruptedWaits = (suffix: string, budget: number | undefined) =>
+      base(`an interrupted wait leaves no permit and no place behind, also when it is woken meanwhile${suffix}`, () => {
+        const body = Effect.gen(function*() {
+          const [a, b, c] = [yield* node(), yield* node(), yield* node()]
+          const name = freshName("interrupted")
+          const sweeps = live ? 12 : 60
+          for (let at = 0; at < sweeps; at++) {
+            const holder = yield* hold(a, name, { limit: 2, permits: 2 })
+            const first = yield* Effect.fork(Effect.scoped(Effect.zipRight(b.acquire(name, { limit: 2, permits: 2, ttl: LONG_TTL }), Effect.never)))
+            yield* waitingAre(name, [2])
+            const second = yield* Effect.fork(Effect.scoped(c.acquire(name, { limit: 2, ttl: LONG_TTL })))
+            yield* waitingAre(name, [2, 1])
+            // The release wakes `first`; it is interrupted a sweep later — before, while or after it takes its permits.
+            yield* Effect.fork(holder.release)
+            yield* pause(at)
+            yield* Fiber.interrupt(first)
+            // Whatever happened to `first`, its permits reach `second`, and nothing stays behind.
+            yield* within(
+              `the second waiter is served (interrupted after ${at})`,
+              target.giveBackBound,
+              Effect.map(Fiber.poll(second), Option.isSome)
+            )
+            expect((yield* Fiber.join(second)).permits).toBe(1)
+            yield* within(`nothing is left (interrupted after ${at})`, target.giveBackBound, leftNothing(name))
+          }
+          // Uncontended: interrupted at any point of its grant, an acquire leaves nothing.
+          for (let at = 0; at < sweeps; at++) {
+            const free = freshName("interrupted-free")
+            const taker = yield* Effect.fork(Effect.scoped(Effect.zipRight(a.acquire(free, { limit: 2, ttl: LONG_TTL }), Effect.never)))
+            yield* pause(at)
+            yield* Fiber.interrupt(taker)
+            yield* within(`nothing is left of "${free}"`, target.giveBackBound, leftNothing(free))
+          }
+        })
+        return budget === undefined ? body : withYieldBudget(budget)(body)
+      }, 60_000)
+    interruptedWaits("", undefined)
+    interruptedWaits(`, yielding every ${TIGHT_YIELD_BUDGET} ops`, TIGHT_YIELD_BUDGET)
+
+    base("permits taken away in the store interrupt the withPermits body with LockLost carrying the first token", () =>
+      Effect.gen(function*() {
+        const service = yield* node()
+        const name = freshName("lost")
+        const started = yield* Deferred.make<ReadonlyArray<bigint>>()
+        let finalized = false
+        const body = Effect.gen(function*() {
+          const permits = yield* Effect.scoped(DistributedSemaphore.acquire(freshName("lost-other"), { limit: 1 }))
+          yield* Deferred.succeed(started, permits.tokens)
+          yield* Effect.never
+        }).pipe(Effect.ensuring(Effect.sync(() => (finalized = true))))
+        const run = yield* Effect.fork(body.pipe(DistributedSemaphore.withPermits(name, { limit: 4, permits: 2, ttl: target.ttl }), provide(service)))
+        yield* Deferred.await(started)
+        yield* heldIs(name, 2)
+        yield* target.revoke(name)
+        // Lease stores tell at the next renewal (ttl/3).
+        yield* target.advance(Duration.millis(ttlMillis / 2))
+        const error = yield* Effect.flip(Fiber.join(run))
+        expect(error).toMatchObject({ _tag: "LockLost", name, reason: "revoked", token: 1n })
+        expect(finalized).toBe(true)
+      }))
+
+    base("renewal keeps permits far past their ttl: nobody else gets them meanwhile", () =>
+      Effect.gen(function*() {
+        const faults = makeFaults()
+        const [a, b] = [yield* node(faults), yield* node()]
+        const name = freshName("renewed")
+        const held = yield* a.acquire(name, { limit: 2, permits: 2, ttl: target.ttl })
+        for (let i = 0; i < 5; i++) {
+          const before = faults.renewCalls
+          yield* target.advance(Duration.millis(ttlMillis / 2))
+          yield* until("a renewal reached the store", Effect.sync(() => faults.renewCalls > before))
+        }
+        expect(yield* held.isHeld).toBe(true)
+        expect(yield* target.state(name)).toEqual({ held: 2, waiting: [] })
+        expect(yield* Effect.scoped(b.tryAcquire(name, { limit: 2 }))).toEqual(Option.none())
+      }))
+
+    base("a holder whose renewals fail is told (renewal-failed) before the store could let anyone else in", () =>
+      Effect.gen(function*() {
+        const faults = makeFaults()
+        const a = yield* node(faults)
+        const name = freshName("margin")
+        const held = yield* a.acquire(name, { limit: 1, ttl: target.ttl })
+        faults.failRenew = true
+        const heldWhenTold = yield* Effect.fork(Effect.zipRight(Effect.flip(held.lost), Effect.map(target.state(name), (s) => s.held)))
+        yield* target.advance(Duration.millis(ttlMillis * 0.9))
+        // When the holder learned of the loss the store still held its permit: it was told first.
+        expect(yield* Fiber.join(heldWhenTold)).toBe(1)
+        expect(yield* Effect.flip(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
+      }))
+
+    base("a holder taken over after its permits expired can neither renew nor release the new holder's", () =>
+      Effect.gen(function*() {
+        const faults = makeFaults()
+        const [a, b, c] = [yield* node(faults), yield* node(), yield* node()]
+        const name = freshName("takeover")
+        faults.hangRenew = true
+        const stale = yield* hold(a, name, { limit: 1, ttl: target.ttl })
+        const takeover = yield* Effect.fork(b.acquire(name, { limit: 1, ttl: target.ttl }))
+        yield* target.advance(Duration.millis(ttlMillis * 1.5))
+        const fresh = yield* Fiber.join(takeover)
+        expect(fresh.tokens[0]! > stale.permits.tokens[0]!).toBe(true)
+        // The stale holder's scope closes: its release must not touch the new holder's permit.
+        yield* stale.release
+        expect(yield* fresh.isHeld).toBe(true)
+        expect(yield* target.state(name)).toEqual({ held: 1, waiting: [] })
+        expect(yield* Effect.scoped(c.tryAcquire(name, { limit: 1 }))).toEqual(Option.none())
+      }))
+  })
+}
