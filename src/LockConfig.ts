@@ -27,6 +27,7 @@ import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import type * as Redacted from "effect/Redacted"
 import type * as DistributedLock from "./DistributedLock.js"
+import type * as DistributedSemaphore from "./DistributedSemaphore.js"
 import { LockBackendError, type UnsafeConnectionPooling } from "./LockError.js"
 import * as MemoryBackend from "./MemoryBackend.js"
 import * as PgAdvisory from "./PgAdvisory.js"
@@ -104,7 +105,10 @@ const defined = <A>(option: Option.Option<A>): A | undefined => Option.getOrUnde
  */
 export const fromSettings = (
   read: Settings
-): Layer.Layer<DistributedLock.DistributedLock, ConfigError.ConfigError | LockBackendError | UnsafeConnectionPooling> => {
+): Layer.Layer<
+  DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore,
+  ConfigError.ConfigError | LockBackendError | UnsafeConnectionPooling
+> => {
   switch (read.backend) {
     case "memory":
       return MemoryBackend.layer({ ttl: defined(read.ttl) })
@@ -151,12 +155,13 @@ export const fromSettings = (
 }
 
 /**
- * `DistributedLock` on the backend configuration names (see the module's table of keys).
+ * `DistributedLock` and `DistributedSemaphore` on the backend configuration names (see the
+ * module's table of keys).
  *
  * @since 0.1.0
  * @category layers
  */
 export const layer: Layer.Layer<
-  DistributedLock.DistributedLock,
+  DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore,
   ConfigError.ConfigError | LockBackendError | UnsafeConnectionPooling
 > = Layer.unwrapEffect(Effect.map(settings, fromSettings))
