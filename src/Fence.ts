@@ -56,7 +56,7 @@ import * as Option from "effect/Option"
 import * as FencingToken from "./FencingToken.js"
 import { LockBackendError, StaleFencingToken } from "./LockError.js"
 import { sqlStateOf } from "./internal/sqlState.js"
-import { withinOrFail } from "./internal/stallSafe.js"
+import { detachedWithin } from "./internal/stallSafe.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, parseTable, type TableRef } from "./internal/sqlTable.js"
 
 /**
@@ -177,12 +177,15 @@ const run = <A extends object>(
   params: ReadonlyArray<unknown> = []
 ): Effect.Effect<ReadonlyArray<A>, LockBackendError> => {
   const fail = (cause: unknown) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause })
-  return withinOrFail(
-    // Disconnected: at the bound the check fails at once; sql-pg's cancel of the statement (up to
-    // 5 s through the pool) goes on in the background instead of holding the caller.
-    Effect.disconnect(sql.unsafe<A>(text, params).withoutTransform.pipe(Effect.mapError(fail))),
-    Duration.millis(bound),
-    () => fail(new Error(`no answer from the database within ${bound} ms`))
+  // Detached: a check inside a write the caller made uninterruptible is never cut short by the
+  // caller's interruption, only by the bound; at the bound it fails at once, and sql-pg's cancel
+  // of the statement (up to 5 s through the pool) goes on in the background.
+  return Effect.flatMap(
+    detachedWithin(sql.unsafe<A>(text, params).withoutTransform.pipe(Effect.mapError(fail)), Duration.millis(bound)),
+    Option.match({
+      onNone: () => Effect.fail(fail(new Error(`no answer from the database within ${bound} ms`))),
+      onSome: Effect.succeed
+    })
   )
 }
 

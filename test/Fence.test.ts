@@ -263,6 +263,69 @@ layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence", (it) => {
       expect(late).toMatchObject({ _tag: "StaleFencingToken", presented: leaseA.token, current: leaseB.token })
     }))
 
+  it.scoped("a check in an uninterruptible part of a guarded body completes when the lease is lost meanwhile", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      yield* writesTable("sent_writes")
+      yield* Fence.ensureTable
+      const store = yield* MemoryBackend.makeStore
+      const service = yield* Effect.flatMap(MemoryBackend.makeBackend({ store }), DistributedLock.make)
+      // Another writer holds the resource's row, so the body's check waits at the server.
+      const checked = yield* Deferred.make<void>()
+      const resume = yield* Deferred.make<void>()
+      const other = yield* Effect.fork(
+        sql.withTransaction(
+          Effect.zipRight(Fence.check("sent", token(1)), Effect.zipRight(Deferred.succeed(checked, undefined), Deferred.await(resume)))
+        )
+      )
+      yield* Deferred.await(checked)
+      const body = yield* Effect.fork(
+        DistributedLock.withLock(
+          // A write already on its way, made uninterruptible by the caller: it must land or fail on its own.
+          Effect.uninterruptible(
+            Effect.flatMap(DistributedLock.inspect, ([held]) => fencedWrite("sent_writes", "sent", held!.token, "on its way"))
+          ),
+          "sent-job"
+        ).pipe(Effect.provideService(DistributedLock.DistributedLock, service))
+      )
+      yield* blockedChecks(1)
+      // The lease goes while the check waits: the guard asks the body to stop, the write finishes first.
+      yield* MemoryBackend.revoke(store, "sent-job")
+      yield* Deferred.succeed(resume, undefined)
+      yield* Fiber.join(other)
+      const exit = yield* Fiber.await(body)
+      expect(exit).toMatchObject({ _tag: "Failure" })
+      expect(yield* writesOf("sent_writes")).toEqual([{ token: expect.any(String), body: "on its way" }])
+    }))
+
+  it.scoped("a check started in an uninterruptible part of a guarded body after the lease was lost still runs", () =>
+    Effect.gen(function*() {
+      yield* writesTable("late_writes")
+      yield* Fence.ensureTable
+      const store = yield* MemoryBackend.makeStore
+      const service = yield* Effect.flatMap(MemoryBackend.makeBackend({ store }), DistributedLock.make)
+      const entered = yield* Deferred.make<void>()
+      const go = yield* Deferred.make<void>()
+      const body = yield* Effect.fork(
+        DistributedLock.withLock(
+          // The write is on its way (uninterruptible) when the lease goes; its check starts only afterwards.
+          Effect.uninterruptible(
+            Effect.flatMap(DistributedLock.inspect, ([held]) =>
+              Effect.zipRight(
+                Effect.zipRight(Deferred.succeed(entered, undefined), Deferred.await(go)),
+                fencedWrite("late_writes", "late", held!.token, "sent before the loss")
+              ))
+          ),
+          "late-job"
+        ).pipe(Effect.provideService(DistributedLock.DistributedLock, service))
+      )
+      yield* Deferred.await(entered)
+      yield* MemoryBackend.revoke(store, "late-job")
+      yield* Deferred.succeed(go, undefined)
+      expect(yield* Fiber.await(body)).toMatchObject({ _tag: "Failure" })
+      expect(yield* writesOf("late_writes")).toEqual([{ token: expect.any(String), body: "sent before the loss" }])
+    }))
+
   it.effect("concurrent transactions commit only in token order: a lower token never commits after a higher one", () =>
     seeded("token-order race", Effect.gen(function*() {
       const sql = yield* SqlClient.SqlClient

@@ -10,9 +10,24 @@
  * after long microtask chains, have run too), and only an answer still missing after that is a
  * timeout. The bound is then the duration plus two event-loop turns, never more.
  */
+import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import type * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as FiberRef from "effect/FiberRef"
 import * as Option from "effect/Option"
+
+/**
+ * True in the fibers `detachedWithin` runs its step and its timer in. A guarded body's stall
+ * watch leaves them alone: the body fiber waiting for them is itself checked when it resumes, and
+ * a helper stopped by the watch would end the step with an interruption — even where the caller
+ * made the step uninterruptible (a write already on its way, a `Fence.check` in it).
+ */
+export const boundHelper: FiberRef.FiberRef<boolean> = FiberRef.unsafeMake(false)
+
+/** Forks `self` as a daemon helper: the flag is set before it starts (the watch checks a fiber's very first run too). */
+const forkHelper = <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.locally(Effect.forkDaemon(self), boundHelper, true)
 
 /** One turn of the event loop through its poll phase: I/O already received is read before this ends. */
 const hop: Effect.Effect<void> = Effect.async<void>((resume) => {
@@ -75,3 +90,39 @@ export const withinOrFail = <A, E, R, E2>(
   duration: Duration.DurationInput,
   onTimeout: () => E2
 ): Effect.Effect<A, E | E2, R> => timeoutFail(Effect.interruptible(self), duration, onTimeout)
+
+/**
+ * `self` bounded by `duration`, run in fibers of its own rather than children of the caller: an
+ * interruption of the caller that the caller holds back (it is in an uninterruptible region, such
+ * as a fenced write already on its way) never reaches `self`, nor does a guarded body's stall
+ * watch; only the bound stops it (then interrupted in the background, the caller not waiting for
+ * it), or the caller's interruption where the caller is interruptible. `None` when the bound
+ * passed first (stall-safe, as `timeoutOption`).
+ */
+export const detachedWithin = <A, E, R>(
+  self: Effect.Effect<A, E, R>,
+  duration: Duration.DurationInput
+): Effect.Effect<Option.Option<A>, E, R> =>
+  Effect.uninterruptibleMask((restore) =>
+    Effect.gen(function*() {
+      const outcome = yield* Deferred.make<Option.Option<Exit.Exit<A, E>>>()
+      // Daemons, not children: Effect passes a fiber's interruption on to its children at once,
+      // even while the fiber itself holds it back in an uninterruptible region.
+      const step = yield* forkHelper(
+        Effect.flatMap(Effect.exit(Effect.interruptible(self)), (exit) => Deferred.succeed(outcome, Option.some(exit)))
+      )
+      const timer = yield* forkHelper(
+        Effect.zipRight(Effect.interruptible(sleepThenReadIO(duration)), Deferred.succeed(outcome, Option.none()))
+      )
+      const settled = yield* restore(Deferred.await(outcome)).pipe(
+        Effect.onInterrupt(() => Effect.zipRight(Fiber.interruptFork(step), Fiber.interruptFork(timer)))
+      )
+      yield* Fiber.interruptFork(timer)
+      if (Option.isNone(settled)) {
+        // Past the bound: stopped in the background (a sent statement is cancelled by its driver).
+        yield* Fiber.interruptFork(step)
+        return Option.none<A>()
+      }
+      return Option.some(yield* settled.value)
+    })
+  )

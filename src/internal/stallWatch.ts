@@ -6,6 +6,7 @@ import * as Supervisor from "effect/Supervisor"
 import type { Grant } from "../LockBackend.js"
 import { clockMillis } from "./clock.js"
 import { type Held, safetyDeadline } from "./held.js"
+import { boundHelper } from "./stallSafe.js"
 
 /**
  * Watches the fibers of a guarded body (the body and every fiber it forks): each time one of
@@ -39,6 +40,8 @@ export class StallWatch extends Supervisor.AbstractSupervisor<void> {
   override onResume<A, E>(fiber: Fiber.RuntimeFiber<A, E>): void {
     // The guard's own fiber carries the watch only while it forks the body; it is never stopped.
     if (!this.active || fiber.id() === this.interruptor) return
+    // A bound's own race fibers: their parent in the body is checked when the race ends.
+    if (fiber.getFiberRef(boundHelper)) return
     const held = this.held
     try {
       if (held.state === "held") {
