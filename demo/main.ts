@@ -37,6 +37,8 @@ if (!(seconds >= 8)) throw new Error("--seconds must be at least 8")
 const svgPath = Path.resolve(argument("--svg", fileURLToPath(new URL(`../.tmp/demo/timeline-${backend}.svg`, import.meta.url))))
 
 const WORKERS = 3
+/** How long after its sessions were killed a worker's failed round is put down to the kill. */
+const KILL_AFTERMATH_MS = 3000
 const TTL_MS = 2000
 const WORK_MS = 400
 /** How long a round's write is in flight: the freeze hits a holder in that window. */
@@ -157,6 +159,8 @@ const main = async () => {
     const lostBy: Array<string> = []
     const lostTokens = new Set<string>()
     let errors = 0
+    /** The last session kill: a round of that worker failing right after it is the kill's doing, not an error. */
+    let lastKill: { readonly worker: number; readonly at: number } | undefined
     let ready = 0
     const timeline = emptyTimeline(backend, WORKERS, TTL_MS, Date.now())
     /** Told of the next write that leaves a worker, when the freeze waits for one. */
@@ -221,6 +225,9 @@ const main = async () => {
             `${who} woke up and tried to write with token ${event.token}: REJECTED by the fence (current ${event.current})`
           )
         case "error":
+          if (lastKill?.worker === event.w && event.t >= lastKill.at && event.t - lastKill.at < KILL_AFTERMATH_MS) {
+            return say(`${who}'s round failed with its killed sessions: ${event.message.split("\n")[0]}`)
+          }
           errors++
           return say(`${who} error: ${event.message}`)
       }
@@ -262,6 +269,7 @@ const main = async () => {
     await sleep((seconds * 1000) / 3)
     if (pgStore !== undefined) {
       const victim = await currentHolder()
+      const killAt = Date.now()
       const killed = await query<{ n: number }>(
         pgStore.url,
         `select count(pg_terminate_backend(pid))::int as n from pg_stat_activity
@@ -269,6 +277,7 @@ const main = async () => {
         [applicationName(victim.worker)]
       )
       pendingDisruption = { cause: "session kill", at: Date.now(), from: victim.worker }
+      lastKill = { worker: victim.worker, at: killAt }
       timeline.kills.push({ worker: victim.worker, at: pendingDisruption.at, label: `session kill: worker ${victim.worker}'s ${killed[0]!.n} session(s)` })
       say(`>>> killing worker ${victim.worker}'s ${killed[0]!.n} database session(s) while it holds token ${victim.token}`)
     } else {

@@ -76,19 +76,26 @@ const round = Effect.gen(function*() {
         Effect.zipRight(emit({ e: "writing", token }), Effect.zipRight(Effect.sleep(send), fencedWrite(lease.token)))
       )
     })
-  ).pipe(Effect.either)
+  ).pipe(
+    // A write whose connection is killed under it dies in @effect/sql-pg (its COMMIT is orDie):
+    // the worker reports it and goes on competing, as for any other failed round.
+    Effect.catchAllDefect((defect) => Effect.fail({ _tag: "Defect" as const, message: String(defect) })),
+    Effect.either
+  )
   if (outcome._tag === "Left") {
     const error = outcome.left
+    if (error._tag === "LockLost") {
+      yield* emit({ e: "lost", token, reason: error.reason })
+      return
+    }
     if (error._tag === "StaleFencingToken") {
       yield* emit({ e: "stale-rejected", token, current: error.current.toString() })
-      // The watcher has already failed `lost` too; report why the lease went away.
-      const lost = yield* Effect.flip(lease.lost).pipe(Effect.timeout("2 seconds"), Effect.option)
-      if (lost._tag === "Some") yield* emit({ e: "lost", token, reason: lost.value.reason })
-    } else if (error._tag === "LockLost") {
-      yield* emit({ e: "lost", token, reason: error.reason })
     } else {
       yield* emit({ e: "error", message: error.message })
     }
+    // The round failed on its own; if the lease went away meanwhile (the watcher already knows), say why.
+    const lost = yield* Effect.flip(lease.lost).pipe(Effect.timeout("2 seconds"), Effect.option)
+    if (lost._tag === "Some") yield* emit({ e: "lost", token, reason: lost.value.reason })
   }
 }).pipe(Effect.scoped)
 
