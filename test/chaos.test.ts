@@ -201,7 +201,8 @@ const shortRun = async (backend: Backend) => {
   expect(result.check.rounds, context).toBeGreaterThan(7)
 }
 
-describe("npm run chaos, shortened", () => {
+// The two backends run side by side (each its own server and workers): the file takes one deck's time.
+describe.concurrent("npm run chaos, shortened", () => {
   for (const backend of ["pg-advisory", "pg-lease"] as const) {
     it(
       `${backend}: every fault kind from a seeded deck, no violation`,
