@@ -196,7 +196,7 @@ export const rawXactLibrary = (database: Database, concurrency: number, duration
   })
 }
 
-const pgClientLayer = (database: Database, maxConnections: number, applicationName: string) =>
+export const pgClientLayer = (database: Database, maxConnections: number, applicationName: string) =>
   PgClient.layer({ url: Redacted.make(database.url), maxConnections, applicationName })
 
 /** Cycles of `DistributedLock.acquire` + scope close over a lock layer. */
