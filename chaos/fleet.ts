@@ -7,6 +7,7 @@ import * as Fs from "node:fs"
 import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import { type Command, EXIT_LAYER_FAILED, type Stamped, WORKER_ENV, type WorkerConfig } from "./protocol.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 const WORKER_SCRIPT = fileURLToPath(new URL("./worker.ts", import.meta.url))
 const ROOT = fileURLToPath(new URL("..", import.meta.url))
@@ -106,7 +107,7 @@ export const makeFleet = (options: FleetOptions): Fleet => {
     const incarnation = incarnations.get(slot) ?? 0
     incarnations.set(slot, incarnation + 1)
     const config: WorkerConfig = { ...options.config, slot, incarnation }
-    const child = spawn(process.execPath, ["--import", "tsx", WORKER_SCRIPT], {
+    const child = spawn(process.execPath, [...nodeArgsFor(WORKER_SCRIPT)], {
       cwd: ROOT,
       env: { ...process.env, [WORKER_ENV]: JSON.stringify(config) },
       stdio: ["pipe", "pipe", "pipe"]

@@ -22,6 +22,7 @@ import pg from "pg"
 import { redactUrl, startPostgres, withClient } from "../tools/embeddedPostgres.js"
 import { applicationName, FENCE_RESOURCE, LOCK_NAME, type Stamped } from "./events.js"
 import { emptyTimeline, openHold, renderTimeline } from "./timeline.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 const argument = (flag: string, fallback: string) => {
   const index = process.argv.indexOf(flag)
@@ -234,7 +235,7 @@ const main = async () => {
     }
 
     const spawnWorker = (worker: number) => {
-      const child = spawn(process.execPath, ["--import", "tsx", fileURLToPath(new URL("./worker.ts", import.meta.url))], {
+      const child = spawn(process.execPath, [...nodeArgsFor(fileURLToPath(new URL("./worker.ts", import.meta.url)))], {
         env: {
           ...process.env,
           ...store.env,

@@ -8,6 +8,7 @@ import * as DistributedLock from "../src/DistributedLock.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { waitUntil } from "./support/contract.js"
 import { advisoryLocks, useTestDatabase, withClient } from "./support/pg.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 // First, so that its afterAll (leak check, drop) runs after every worker and layer has stopped.
 const db = useTestDatabase("pg_advisory_process")
@@ -27,7 +28,7 @@ interface Worker {
 
 /** Starts test/fixtures/advisory-worker.ts in its own Node process. */
 const startWorker = (applicationName: string): Worker => {
-  const child = spawn(process.execPath, ["--import", "tsx", WORKER, db.url, applicationName], {
+  const child = spawn(process.execPath, [...nodeArgsFor(WORKER), db.url, applicationName], {
     cwd: repoRoot,
     stdio: ["pipe", "pipe", "pipe"]
   })

@@ -12,6 +12,7 @@ import * as DistributedSemaphore from "../src/DistributedSemaphore.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { permitKeysOf } from "../src/internal/pgAdvisory/permits.js"
 import { useTestDatabase, withClient } from "./support/pg.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 // First, so that its afterAll (leak check, drop) runs after every worker and layer has stopped.
 const db = useTestDatabase("pg_advisory_semaphore_process")
@@ -33,7 +34,7 @@ interface Worker {
 
 /** Starts test/fixtures/advisory-semaphore-worker.ts in its own Node process. */
 const startWorker = (applicationName: string): Worker => {
-  const child = spawn(process.execPath, ["--import", "tsx", WORKER, db.url, applicationName], {
+  const child = spawn(process.execPath, [...nodeArgsFor(WORKER), db.url, applicationName], {
     cwd: repoRoot,
     stdio: ["pipe", "pipe", "pipe"]
   })

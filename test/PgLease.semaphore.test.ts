@@ -25,6 +25,7 @@ import { freshName } from "./support/contract.js"
 import { assertNoLeaks, PgTest, useTestDatabase } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 // First, so that its afterAll (no held permit, lease or advisory lock; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_sem")
@@ -409,7 +410,7 @@ interface Worker {
 function startWorker(url: string): Promise<Worker> {
   const child: ChildProcessWithoutNullStreams = spawn(
     process.execPath,
-    ["--import", "tsx", Path.join(repoRoot, "test/fixtures/lease-semaphore-worker.ts"), url],
+    [...nodeArgsFor(Path.join(repoRoot, "test/fixtures/lease-semaphore-worker.ts")), url],
     { cwd: repoRoot, stdio: ["pipe", "pipe", "pipe"] }
   )
   let stderr = ""

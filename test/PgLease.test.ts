@@ -24,6 +24,7 @@ import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
 import { pgLeaseHelpers } from "./support/pgLease.js"
 import { startEmbedded } from "../tools/embeddedPostgres.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 // First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease")
@@ -1243,7 +1244,7 @@ interface Worker {
 function startWorker(url: string): Promise<Worker> {
   const child: ChildProcessWithoutNullStreams = spawn(
     process.execPath,
-    ["--import", "tsx", Path.join(repoRoot, "test/fixtures/lease-worker.ts"), url],
+    [...nodeArgsFor(Path.join(repoRoot, "test/fixtures/lease-worker.ts")), url],
     { cwd: repoRoot, stdio: ["pipe", "pipe", "pipe"] }
   )
   let stderr = ""

@@ -12,6 +12,7 @@ import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import { useSqliteFile } from "./fixtures/sqlite-db.js"
 import { freshName } from "./support/contract.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 const file = useSqliteFile("sqlite-process")
 const repoRoot = fileURLToPath(new URL("..", import.meta.url))
@@ -28,7 +29,7 @@ interface Worker {
 function startWorker(filename: string): Promise<Worker> {
   const child: ChildProcessWithoutNullStreams = spawn(
     process.execPath,
-    ["--import", "tsx", Path.join(repoRoot, "test/fixtures/sqlite-worker.ts"), filename],
+    [...nodeArgsFor(Path.join(repoRoot, "test/fixtures/sqlite-worker.ts")), filename],
     { cwd: repoRoot, stdio: ["pipe", "pipe", "pipe"] }
   )
   let stderr = ""

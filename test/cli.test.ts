@@ -7,6 +7,8 @@ import { execFile } from "node:child_process"
 import { fileURLToPath } from "node:url"
 import { main, parseArgs } from "../src/internal/inspectCli.js"
 import { PgTest, useTestDatabase } from "./support/pg.js"
+import * as Path from "node:path"
+import { nodeArgsFor } from "../tools/children.js"
 
 // First, so that its afterAll (no advisory locks, no held leases; drop) runs after every layer is closed.
 const db = useTestDatabase("cli")
@@ -26,7 +28,7 @@ const cli = (args: ReadonlyArray<string>): Effect.Effect<Run> =>
     const { DATABASE_URL: _ignored, ...env } = process.env
     const child = execFile(
       process.execPath,
-      ["--import", "tsx", "src/bin/effect-lock.ts", ...args],
+      [...nodeArgsFor(Path.join(root, "src/bin/effect-lock.ts")), ...args],
       { cwd: root, env, timeout: 30_000 },
       (error, stdout, stderr) => {
         const code = error === null ? 0 : typeof error.code === "number" ? error.code : null

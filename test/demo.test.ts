@@ -6,6 +6,7 @@ import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
 import { promisify } from "node:util"
 import { adminUrl } from "./support/pg.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 const root = fileURLToPath(new URL("..", import.meta.url))
 
@@ -16,7 +17,7 @@ const demo = async (backend: "lease" | "advisory" | "sqlite") => {
   try {
     const { stdout } = await promisify(execFile)(
       process.execPath,
-      ["--import", "tsx", "demo/main.ts", "--backend", backend, "--seconds", "9", "--svg", svgPath],
+      [...nodeArgsFor(Path.join(root, "demo/main.ts")), "--backend", backend, "--seconds", "9", "--svg", svgPath],
       { cwd: root, env: { ...process.env, DATABASE_URL: adminUrl() }, timeout: 90_000 }
     )
     const svg = Fs.existsSync(svgPath) ? Fs.readFileSync(svgPath, "utf8") : undefined

@@ -7,6 +7,8 @@ import { execFile } from "node:child_process"
 import { fileURLToPath } from "node:url"
 import { promisify } from "node:util"
 import { useTestDatabase } from "./support/pg.js"
+import * as Path from "node:path"
+import { nodeArgsFor } from "../tools/children.js"
 
 const db = useTestDatabase("examples")
 const root = fileURLToPath(new URL("..", import.meta.url))
@@ -28,7 +30,7 @@ const parseLine = (line: string): LogLine | undefined => {
 
 /** Runs an example against this file's database; returns its log lines (and fails on a non-zero exit). */
 const run = async (file: string, env: Readonly<Record<string, string>> = {}): Promise<ReadonlyArray<LogLine>> => {
-  const { stdout, stderr } = await promisify(execFile)(process.execPath, ["--import", "tsx", `examples/${file}`], {
+  const { stdout, stderr } = await promisify(execFile)(process.execPath, [...nodeArgsFor(Path.join(root, "examples", file))], {
     cwd: root,
     env: { ...process.env, DATABASE_URL: db.url, ...env },
     timeout: 60_000

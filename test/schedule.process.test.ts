@@ -9,6 +9,7 @@ import * as Path from "node:path"
 import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import { useTestDatabase, withClient } from "./support/pg.js"
+import { nodeArgsFor } from "../tools/children.js"
 
 // First, so that its afterAll (leak check: no lease row left held) runs after the workers stopped.
 const db = useTestDatabase("schedule_process")
@@ -30,7 +31,7 @@ interface Worker {
 }
 
 const startWorker = ([name, behind]: readonly [string, number]): Worker => {
-  const child = spawn(process.execPath, ["--import", "tsx", WORKER, db.url, name, String(behind), AT_LEAST_FOR], {
+  const child = spawn(process.execPath, [...nodeArgsFor(WORKER), db.url, name, String(behind), AT_LEAST_FOR], {
     cwd: repoRoot,
     stdio: ["pipe", "pipe", "pipe"]
   })

@@ -7,6 +7,8 @@
  * Test files never share data: each creates its own database (see `test/support/pg.ts`).
  */
 import type { TestProject } from "vitest/node"
+import { fileURLToPath } from "node:url"
+import { buildChildren, CHILDREN_DIR_ENV } from "../../tools/children.js"
 import { redactUrl, startPostgres } from "../../tools/embeddedPostgres.js"
 
 declare module "vitest" {
@@ -21,6 +23,8 @@ export const ADMIN_URL_ENV = "EFFECT_LOCK_TEST_ADMIN_URL"
 
 export default async function setup(project: TestProject): Promise<() => Promise<void>> {
   const started = Date.now()
+  // The programs tests start as processes, bundled once: a child then starts without tsx's hooks.
+  process.env[CHILDREN_DIR_ENV] = await buildChildren(fileURLToPath(new URL("../..", import.meta.url)))
   const server = await startPostgres()
   if (server.embedded) {
     console.log(`[globalSetup] embedded PostgreSQL ready in ${Date.now() - started} ms at ${redactUrl(server.url)}`)

@@ -1,0 +1,72 @@
+/**
+ * Child processes of the repository's own TypeScript programs (test workers, the demo and its
+ * workers, chaos workers, examples, the CLI), started fast.
+ *
+ * Through `node --import tsx` every module a child loads passes tsx's loader hooks: about 2 s of
+ * CPU per child before it does anything, which over the ~90 children of `npm test` was a third of
+ * the suite's CPU time on 2 cores. So the test run bundles each program once (`buildChildren`,
+ * esbuild: the repository's own modules inlined, packages left to Node) and `nodeArgsFor` starts
+ * the bundle when there is one; elsewhere (`npm run demo`, `npm run chaos`) children still run
+ * through tsx from source.
+ */
+import * as Fs from "node:fs"
+import * as Path from "node:path"
+
+/** Where the bundles of this run are (set by the test setup, inherited by every child). */
+export const CHILDREN_DIR_ENV = "EFFECT_LOCK_CHILDREN_DIR"
+
+/** The programs the tests start as processes, relative to the repository root. */
+const ENTRY_GLOBS: ReadonlyArray<readonly [dir: string, keep: (file: string) => boolean]> = [
+  ["test/fixtures", (file) => file.endsWith(".ts")],
+  ["examples", (file) => file.endsWith(".ts") && !file.endsWith(".test.ts")],
+  ["demo", (file) => file === "main.ts" || file === "worker.ts"],
+  ["chaos", (file) => file === "worker.ts"],
+  ["src/bin", (file) => file.endsWith(".ts")]
+]
+
+const bundleOf = (dir: string, relative: string): string => Path.join(dir, relative.replace(/\.ts$/, ".mjs"))
+
+/**
+ * The node arguments that run `entry` (an absolute path to a `.ts` program of this repository):
+ * its bundle when this run built one, else the source through tsx. An entry computed inside a
+ * bundle (a program that starts another, like the demo) is looked up beside it.
+ */
+export const nodeArgsFor = (entry: string): ReadonlyArray<string> => {
+  const dir = process.env[CHILDREN_DIR_ENV]
+  if (dir !== undefined && dir !== "") {
+    const root = Path.resolve(dir, "..", "..")
+    const relative = entry.startsWith(dir + Path.sep) ? Path.relative(dir, entry) : Path.relative(root, entry)
+    const bundle = bundleOf(dir, relative)
+    if (Fs.existsSync(bundle)) return [bundle]
+  }
+  return ["--import", "tsx", entry]
+}
+
+/**
+ * Bundles every program of `ENTRY_GLOBS` under `<root>/.tmp/children` (same relative paths,
+ * `.mjs`), `effect-lock` imports resolved to `src/` as the tests resolve them. Returns the
+ * directory, to be put in `CHILDREN_DIR_ENV`.
+ */
+export const buildChildren = async (root: string): Promise<string> => {
+  const esbuild = await import("esbuild")
+  const outdir = Path.join(root, ".tmp", "children")
+  Fs.rmSync(outdir, { recursive: true, force: true })
+  const entryPoints = ENTRY_GLOBS.flatMap(([dir, keep]) =>
+    Fs.readdirSync(Path.join(root, dir)).filter(keep).map((file) => Path.join(root, dir, file))
+  )
+  await esbuild.build({
+    entryPoints,
+    outbase: root,
+    outdir,
+    outExtension: { ".js": ".mjs" },
+    bundle: true,
+    platform: "node",
+    format: "esm",
+    target: "node20",
+    // Packages stay imports that Node resolves from node_modules: one `effect` for everything.
+    packages: "external",
+    alias: { "effect-lock": Path.join(root, "src") },
+    logLevel: "warning"
+  })
+  return outdir
+}
