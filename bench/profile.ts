@@ -18,7 +18,7 @@ import * as Inspector from "node:inspector/promises"
 import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
 import { pgAdvisoryHandoff, pgLeaseHandoff, rawHandoff } from "./scenarios/handoff.js"
-import { memorySubject, pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease, semaphoreSubject } from "./scenarios/uncontended.js"
+import { memorySubject, pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease, rawXactLibrary, semaphoreSubject, xactSubject } from "./scenarios/uncontended.js"
 import { createDatabase, type Database, startPostgres } from "./lib/postgres.js"
 import type { Subject } from "./lib/rounds.js"
 
@@ -128,6 +128,7 @@ const grants = (result: unknown) => (result as { readonly grants: number }).gran
 const PAIRS: ReadonlyArray<Pair> = [
   { name: "pg-advisory", subject: (db, ms) => pgAdvisorySubject(db, 1, ms), floor: (db, ms) => rawAdvisoryFenced(db, 1, 1, ms), cycles: throughput },
   { name: "pg-lease", subject: (db, ms) => pgLeaseSubject(db, 1, ms), floor: (db, ms) => rawLease(db, 1, ms), cycles: throughput },
+  { name: "xact", subject: (db, ms) => xactSubject(db, 1, ms), floor: (db, ms) => rawXactLibrary(db, 1, ms), cycles: throughput },
   { name: "memory", subject: (_, ms) => memorySubject(1, ms), floor: (_, ms) => semaphoreSubject(1, ms), cycles: throughput },
   { name: "handoff-advisory", subject: (db, ms) => pgAdvisoryHandoff(db, ms, 8), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants },
   { name: "handoff-lease", subject: (db, ms) => pgLeaseHandoff(db, ms, true), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants }

@@ -151,7 +151,7 @@ export const rawAdvisoryFenced = (
   )
 }
 
-/** Raw pg: PgLease's acquire upsert and owner-scoped release (+ notify), same parameters. */
+/** Raw pg: PgLease's acquire upsert and owner-scoped release (+ notify), same parameters, prepared. */
 export const rawLease = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const names = workerNames("raw-lease", concurrency)
   const acquire = LeaseSql.acquire(RAW_LEASE_TABLE)
@@ -174,7 +174,9 @@ export const rawLease = (database: Database, concurrency: number, durationMs: nu
       ])
       if (granted.rows[0]?.token == null) throw new Error(`raw lease ${name} was not granted`)
       await query(release, [name, owner, null, RAW_LEASE_TABLE.relname])
-    }
+    },
+    // Prepared, as PgLease's own connections send them.
+    true
   )
 }
 
@@ -250,7 +252,7 @@ export const semaphoreSubject = (concurrency: number, durationMs: number): Subje
   }
 })
 
-const xactSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+export const xactSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const id = `pg-xact-${concurrency}`
   const names = workerNames(id, concurrency)
   return {
