@@ -36,7 +36,7 @@ import type { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
 import * as Attempt from "./leaseAttempt.js"
 import * as GiveBack from "./leaseGiveBack.js"
-import type { Lane } from "./leaseLane.js"
+import { type Lane, outsideTransaction } from "./leaseLane.js"
 import * as Permits from "./leasePermits.js"
 import * as Renew from "./leaseRenew.js"
 import type { WakeHub } from "./leaseWaiters.js"
@@ -72,6 +72,8 @@ export interface Dialect {
   readonly wokenBy: (rows: ReadonlyArray<object>) => ReadonlyArray<string>
   /** A failed table creation worth another attempt (a concurrent creator won a race). */
   readonly retryCreate: (error: LockBackendError) => boolean
+  /** Reads the database's wall clock: one row `{ now }`, milliseconds since the epoch. */
+  readonly now: string
   /** The semaphores' statements, and the creation of their table (apart from the lock tables'). */
   readonly permits: Permits.PermitDialect
 }
@@ -108,6 +110,11 @@ export const make = (
     const permitReady = yield* tableReadiness(lane, settings, { ensureTable: dialect.permits.ensureTable, retryCreate: dialect.retryCreate })
     const permitAttempt = Permits.attempt(settings, { lane, giveBack: permitGiveBack, ready: permitReady, scope, text: dialect.permits.acquire })
 
+    // The clock every replica shares: schedules compare occurrence times on it.
+    const now = Effect.map(
+      outsideTransaction(lane.run<{ now: number | string }>("now", undefined, dialect.now, [], settings.statementTimeout)),
+      ({ rows }) => Number(rows[0]?.now)
+    )
     return {
       backend: dialect.backend,
       maxNameBytes: MAX_NAME_BYTES,
@@ -116,6 +123,7 @@ export const make = (
       renewBatchSize: Renew.RENEW_BATCH_SIZE,
       acquire,
       renew,
+      now,
       semaphore: {
         backend: dialect.backend,
         maxNameBytes: MAX_NAME_BYTES,

@@ -38,6 +38,8 @@ export const dialect = (tables: Sql.Tables, channel: string): Engine.Dialect => 
   // The release statement notifies the heads itself; they hear it through LISTEN, this process too.
   wokenBy: () => [],
   retryCreate: (error) => CATALOG_RACE.has(sqlStateOf(error) ?? ""),
+  // clock_timestamp(), not now(): the time of the read, not of a transaction's start.
+  now: "select (extract(epoch from clock_timestamp()) * 1000)::float8 as now",
   permits: {
     acquire: PermitSql.acquire(tables),
     release: PermitSql.release(tables),

@@ -87,6 +87,7 @@ export const dialect = (tables: Sql.Tables): Engine.Dialect => ({
   wokenBy: Wake.headsOf,
   // Creation statements serialize on the write lock and are idempotent; the lane retries a busy database.
   retryCreate: () => false,
+  now: "select unixepoch('subsec') * 1000.0 as now",
   permits: {
     acquire: PermitSql.acquire(tables),
     release: PermitSql.release(tables),

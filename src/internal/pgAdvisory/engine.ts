@@ -73,7 +73,7 @@ import { Busy, interestKeyOf, joinShared, Retry, type Step, TimedOut, tryGrant }
 import { within, yieldToIO } from "../stallSafe.js"
 import { asBackendError, BACKEND, changed, isFreeWaitSession, killOverdue, markDead, open, statement, worker } from "./session.js"
 import { makePermitBackend } from "./permits.js"
-import { HEARTBEAT_SQL, INTEREST_SQL, UNINTEREST_SQL } from "./sql.js"
+import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, UNINTEREST_SQL } from "./sql.js"
 import type { BackendOptions, Engine, Hint, Holder, Session } from "./state.js"
 import { blockingWait, nextHint } from "./wait.js"
 
@@ -473,8 +473,22 @@ export const makeWith = (
         )
       })
 
+    // The clock every replica shares, read on an open session that is not waiting: schedules
+    // compare occurrence times on it.
+    const now = Effect.suspend(() => {
+      const session = engine.sessions.find((s) => s.state === "open" && !s.waiting)
+      if (session === undefined) {
+        return Effect.fail(new LockBackendError({ operation: "now", cause: new Error("no open lock session") }))
+      }
+      return Effect.flatMap(statement(engine, session, NOW_SQL), (settled) =>
+        settled._tag === "Ok" && settled.rows[0] !== undefined
+          ? Effect.succeed(Number(settled.rows[0]["now"]))
+          : Effect.fail(new LockBackendError({ operation: "now", cause: new Error(`reading the server's clock: ${settled._tag}`) })))
+    })
+
     return {
       backend: BACKEND,
+      now,
       maxNameBytes: 1024,
       defaultTtl: Duration.seconds(30),
       minTtl: Duration.seconds(1),

@@ -129,6 +129,9 @@ export const UNLOCK_ALL_SQL = "select pg_advisory_unlock_all(), pg_backend_pid()
 /** A heartbeat: proves the session answers, and that it is still the same backend. */
 export const HEARTBEAT_SQL = "select pg_backend_pid() as pid"
 
+/** The server's wall clock in ms since the epoch (the time of the read, not of a transaction's start). */
+export const NOW_SQL = "select (extract(epoch from clock_timestamp()) * 1000)::float8 as now, pg_backend_pid() as pid"
+
 // ------------------------------------------------------------------------------------ permits
 //
 // Semaphores (`permits.ts`). Keys of one semaphore name, all in a key space of their own
