@@ -1,69 +1,26 @@
 import { afterAll, beforeAll, describe, expect, it } from "@effect/vitest"
 import { Context, Effect, Fiber, Layer } from "effect"
-import { spawn } from "node:child_process"
-import * as Path from "node:path"
-import * as Readline from "node:readline"
-import { fileURLToPath } from "node:url"
 import * as DistributedLock from "../src/DistributedLock.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { waitUntil } from "./support/contract.js"
 import { advisoryLocks, useTestDatabase, withClient } from "./support/pg.js"
-import { nodeArgsFor } from "../tools/children.js"
+import { type LineWorker, startingWith, startLineWorker } from "./support/workers.js"
 
 // First, so that its afterAll (leak check, drop) runs after every worker and layer has stopped.
 const db = useTestDatabase("pg_advisory_process")
 
-const repoRoot = fileURLToPath(new URL("..", import.meta.url))
-const WORKER = Path.join(repoRoot, "test/fixtures/advisory-worker.ts")
 const WORKERS = 4
 const ITERATIONS = 50
 const GAP_MS = 2
 
-interface Worker {
-  /** Sends a command and resolves with the first later stdout line starting with `prefix`. */
-  readonly command: (line: string, prefix: string) => Promise<string>
-  readonly ready: Promise<string>
-  readonly kill: () => Promise<void>
-}
-
 /** Starts test/fixtures/advisory-worker.ts in its own Node process. */
-const startWorker = (applicationName: string): Worker => {
-  const child = spawn(process.execPath, [...nodeArgsFor(WORKER), db.url, applicationName], {
-    cwd: repoRoot,
-    stdio: ["pipe", "pipe", "pipe"]
-  })
-  let stderr = ""
-  child.stderr.on("data", (chunk: Buffer) => (stderr = (stderr + chunk.toString()).slice(-4_000)))
-  const waiters: Array<{ prefix: string; resolve: (line: string) => void }> = []
-  Readline.createInterface({ input: child.stdout }).on("line", (line) => {
-    const index = waiters.findIndex((w) => line.startsWith(w.prefix))
-    if (index >= 0) waiters.splice(index, 1)[0]!.resolve(line)
-  })
-  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)))
-  const expectLine = (prefix: string) =>
-    new Promise<string>((resolve, reject) => {
-      waiters.push({ prefix, resolve })
-      void exited.then((code) => reject(new Error(`worker exited (${code}) before "${prefix}":\n${stderr}`)))
-    })
-  return {
-    ready: expectLine("ready"),
-    command: (line, prefix) => {
-      const answered = expectLine(prefix)
-      child.stdin.write(`${line}\n`)
-      return answered
-    },
-    kill: async () => {
-      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
-      await exited
-    }
-  }
-}
+const startWorker = (applicationName: string): LineWorker => startLineWorker("test/fixtures/advisory-worker.ts", [db.url, applicationName])
 
 const counter = () =>
   withClient(db.url, async (client) => (await client.query<{ value: number }>("select value from adv_counter where id = 1")).rows[0]!.value)
 
 describe("PgAdvisory across OS processes", () => {
-  let workers: ReadonlyArray<Worker> = []
+  let workers: ReadonlyArray<LineWorker> = []
 
   // The workers start once (a Node process with tsx takes seconds on a busy machine) and run
   // every phase together, so that their critical sections overlap as much as they can.
@@ -80,7 +37,7 @@ describe("PgAdvisory across OS processes", () => {
   const incrementEverywhere = (mode: "lock" | "nolock") =>
     Effect.promise(async () => {
       await withClient(db.url, (client) => client.query("insert into adv_counter values (1, 0) on conflict (id) do update set value = 0"))
-      await Promise.all(workers.map((w) => w.command(`run ${mode} ${ITERATIONS} ${GAP_MS}`, "done")))
+      await Promise.all(workers.map((w) => w.command(`run ${mode} ${ITERATIONS} ${GAP_MS}`, startingWith("done"))))
       return counter()
     })
 
@@ -97,7 +54,7 @@ describe("PgAdvisory across OS processes", () => {
   it.scopedLive("a holder killed with SIGKILL frees the lock for another process within 2 s", () =>
     Effect.gen(function*() {
       const holder = workers[WORKERS - 1]!
-      const token = BigInt((yield* Effect.promise(() => holder.command("hold crash-job", "holding "))).split(" ")[1]!)
+      const token = BigInt((yield* Effect.promise(() => holder.command("hold crash-job", startingWith("holding ")))).split(" ")[1]!)
       const lock = yield* Layer.build(PgAdvisory.layer({ url: db.url, applicationName: "adv-proc-survivor" })).pipe(
         Effect.map(Context.get(DistributedLock.DistributedLock))
       )

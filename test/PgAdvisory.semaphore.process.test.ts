@@ -4,66 +4,23 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from "@effect/vitest"
 import { Context, Effect, Fiber, Layer } from "effect"
-import { spawn } from "node:child_process"
-import * as Path from "node:path"
-import * as Readline from "node:readline"
-import { fileURLToPath } from "node:url"
 import * as DistributedSemaphore from "../src/DistributedSemaphore.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { permitKeysOf } from "../src/internal/pgAdvisory/permits.js"
 import { useTestDatabase, withClient } from "./support/pg.js"
-import { nodeArgsFor } from "../tools/children.js"
+import { type LineWorker, startingWith, startLineWorker } from "./support/workers.js"
 
 // First, so that its afterAll (leak check, drop) runs after every worker and layer has stopped.
 const db = useTestDatabase("pg_advisory_semaphore_process")
 
-const repoRoot = fileURLToPath(new URL("..", import.meta.url))
-const WORKER = Path.join(repoRoot, "test/fixtures/advisory-semaphore-worker.ts")
 const WORKERS = 4
 const FIBERS = 2
 const ROUNDS = 8
 const HOLD_MS = 10
 const LIMIT = 3
 
-interface Worker {
-  /** Sends a command and resolves with the first later stdout line starting with `prefix`. */
-  readonly command: (line: string, prefix: string) => Promise<string>
-  readonly ready: Promise<string>
-  readonly kill: () => Promise<void>
-}
-
 /** Starts test/fixtures/advisory-semaphore-worker.ts in its own Node process. */
-const startWorker = (applicationName: string): Worker => {
-  const child = spawn(process.execPath, [...nodeArgsFor(WORKER), db.url, applicationName], {
-    cwd: repoRoot,
-    stdio: ["pipe", "pipe", "pipe"]
-  })
-  let stderr = ""
-  child.stderr.on("data", (chunk: Buffer) => (stderr = (stderr + chunk.toString()).slice(-4_000)))
-  const waiters: Array<{ prefix: string; resolve: (line: string) => void }> = []
-  Readline.createInterface({ input: child.stdout }).on("line", (line) => {
-    const index = waiters.findIndex((w) => line.startsWith(w.prefix))
-    if (index >= 0) waiters.splice(index, 1)[0]!.resolve(line)
-  })
-  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)))
-  const expectLine = (prefix: string) =>
-    new Promise<string>((resolve, reject) => {
-      waiters.push({ prefix, resolve })
-      void exited.then((code) => reject(new Error(`worker exited (${code}) before "${prefix}":\n${stderr}`)))
-    })
-  return {
-    ready: expectLine("ready"),
-    command: (line, prefix) => {
-      const answered = expectLine(prefix)
-      child.stdin.write(`${line}\n`)
-      return answered
-    },
-    kill: async () => {
-      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
-      await exited
-    }
-  }
-}
+const startWorker = (applicationName: string): LineWorker => startLineWorker("test/fixtures/advisory-semaphore-worker.ts", [db.url, applicationName])
 
 /**
  * Most permits ever inside at once in a run, from the server's stamps: +permits at `entered`,
@@ -81,7 +38,7 @@ const mostInside = (runId: string) =>
     )).rows[0]!)
 
 describe("DistributedSemaphore on PgAdvisory across OS processes", () => {
-  let workers: ReadonlyArray<Worker> = []
+  let workers: ReadonlyArray<LineWorker> = []
 
   // The workers start once (a Node process with tsx takes seconds on a busy machine) and run each
   // phase together, so that their holdings overlap as much as they can.
@@ -101,7 +58,7 @@ describe("DistributedSemaphore on PgAdvisory across OS processes", () => {
 
   const runEverywhere = (mode: "sem" | "nosem", runId: string) =>
     Effect.promise(async () => {
-      await Promise.all(workers.map((w) => w.command(`run ${mode} ${runId} ${LIMIT} ${FIBERS} ${ROUNDS} ${HOLD_MS}`, "done")))
+      await Promise.all(workers.map((w) => w.command(`run ${mode} ${runId} ${LIMIT} ${FIBERS} ${ROUNDS} ${HOLD_MS}`, startingWith("done"))))
       return mostInside(runId)
     })
 
@@ -132,7 +89,7 @@ describe("DistributedSemaphore on PgAdvisory across OS processes", () => {
   it.scopedLive("a holder killed with SIGKILL notifies nobody: a waiter in another process still gets its permits within 3 s", () =>
     Effect.gen(function*() {
       const holder = workers[WORKERS - 1]!
-      const token = BigInt((yield* Effect.promise(() => holder.command("hold crashed 2 2", "holding "))).split(" ")[1]!)
+      const token = BigInt((yield* Effect.promise(() => holder.command("hold crashed 2 2", startingWith("holding ")))).split(" ")[1]!)
       const semaphore = yield* Layer.build(PgAdvisory.layer({ url: db.url, applicationName: "sem-proc-survivor" })).pipe(
         Effect.map(Context.get(DistributedSemaphore.DistributedSemaphore))
       )

@@ -15,22 +15,17 @@ import type { SemaphoreBackend } from "effect-lock/LockBackend"
 import type * as Lane from "effect-lock/internal/pgLeaseLane"
 import * as Make from "effect-lock/internal/pgLeaseMake"
 import * as PgLease from "effect-lock/PgLease"
-import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process"
-import * as Path from "node:path"
-import * as Readline from "node:readline"
-import { fileURLToPath } from "node:url"
 import pg from "pg"
 import { afterAll } from "vitest"
 import { freshName } from "./support/contract.js"
 import { assertNoLeaks, PgTest, useTestDatabase } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
-import { nodeArgsFor } from "../tools/children.js"
+import { type LineWorker, startLineWorker } from "./support/workers.js"
 
 // First, so that its afterAll (no held permit, lease or advisory lock; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_sem")
 
-const repoRoot = fileURLToPath(new URL("..", import.meta.url))
 /** As the lock contract's: renewals get over 900 ms (ttl/3 to ttl − ttl/5) on a loaded 2-core machine. */
 const CONTRACT_TTL = Duration.seconds(2)
 const SEM_TABLE = `${PgLease.DEFAULT_TABLE}_sem`
@@ -305,12 +300,12 @@ describe("PgLease semaphores across processes", () => {
       )
       const workers = yield* Effect.acquireRelease(
         Effect.promise(() => Promise.all(Array.from({ length: 4 }, () => startWorker(db.url)))),
-        (all) => Effect.promise(() => Promise.all(all.map((w) => w.stop())))
+        (all) => Effect.promise(() => Promise.all(all.map((w) => w.kill())))
       )
       const phase = (mode: "sem" | "nosem", label: string) =>
         Effect.promise(async () => {
           const started = Date.now()
-          await Promise.all(workers.map((w) => w.run(`run ${mode} ${label} 2 8 ${LIMIT}`, `done ${label}`)))
+          await Promise.all(workers.map((w) => w.command(`run ${mode} ${label} 2 8 ${LIMIT}`, `done ${label}`)))
           return Date.now() - started
         })
       /** The most permits inside bodies at any moment: at some body's entry, the permits of those entered and not yet left. */
@@ -400,46 +395,9 @@ const releaseNotifications = Effect.acquireRelease(
   ({ client }) => Effect.promise(() => client.end().catch(() => {}))
 ).pipe(Effect.map(({ payloads }) => payloads))
 
-interface Worker {
-  readonly run: (command: string, done: string) => Promise<void>
-  readonly exit: () => Promise<number | null>
-  readonly stop: () => Promise<void>
-}
-
 /** Starts test/fixtures/lease-semaphore-worker.ts in its own Node process and waits until it is connected. */
-function startWorker(url: string): Promise<Worker> {
-  const child: ChildProcessWithoutNullStreams = spawn(
-    process.execPath,
-    [...nodeArgsFor(Path.join(repoRoot, "test/fixtures/lease-semaphore-worker.ts")), url],
-    { cwd: repoRoot, stdio: ["pipe", "pipe", "pipe"] }
-  )
-  let stderr = ""
-  child.stderr.on("data", (chunk: Buffer) => (stderr = (stderr + chunk.toString()).slice(-4000)))
-  const lines = Readline.createInterface({ input: child.stdout })
-  const waiters: Array<{ line: string; resolve: () => void }> = []
-  lines.on("line", (line) => {
-    const index = waiters.findIndex((w) => w.line === line.trim())
-    if (index >= 0) waiters.splice(index, 1)[0]!.resolve()
-  })
-  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)))
-  const expectLine = (line: string) =>
-    new Promise<void>((resolve, reject) => {
-      waiters.push({ line, resolve })
-      void exited.then((code) => reject(new Error(`worker exited (${code}) before "${line}":\n${stderr}`)))
-    })
-  return expectLine("ready").then(() => ({
-    run: (command, done) => {
-      const finished = expectLine(done)
-      child.stdin.write(`${command}\n`)
-      return finished
-    },
-    exit: () => {
-      child.stdin.end("exit\n")
-      return exited
-    },
-    stop: async () => {
-      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
-      await exited
-    }
-  }))
+const startWorker = async (url: string): Promise<LineWorker> => {
+  const worker = startLineWorker("test/fixtures/lease-semaphore-worker.ts", [url])
+  await worker.ready
+  return worker
 }

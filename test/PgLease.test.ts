@@ -10,21 +10,19 @@ import type * as Lane from "effect-lock/internal/pgLeaseLane"
 import * as Wake from "effect-lock/internal/pgLeaseWake"
 import * as PgLease from "effect-lock/PgLease"
 import * as ChildProcess from "node:child_process"
-import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
-import * as Readline from "node:readline"
 import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import pg from "pg"
 import { freshName, withYieldBudget } from "./support/contract.js"
 import { makeFaults, withFaults } from "./support/faults.js"
 import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { type LineWorker, startLineWorker } from "./support/workers.js"
 import { pgLeaseHelpers } from "./support/pgLease.js"
 import { startEmbedded } from "../tools/embeddedPostgres.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
-import { nodeArgsFor } from "../tools/children.js"
 
 // First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease")
@@ -685,14 +683,14 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const name = freshName("dead-waiter")
       const holderScope = yield* Scope.make()
       yield* Scope.extend(holder.acquire(name), holderScope)
-      const worker = yield* Effect.acquireRelease(Effect.promise(() => startWorker(db.url)), (w) => Effect.promise(() => w.stop()))
-      void worker.run(`acquire ${name}`, `acquired ${name}`).catch(() => {})
+      const worker = yield* Effect.acquireRelease(Effect.promise(() => startWorker(db.url)), (w) => Effect.promise(() => w.kill()))
+      void worker.command(`acquire ${name}`, `acquired ${name}`).catch(() => {})
       yield* waitFor("the worker's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(10))
       const [place] = yield* query<{ left: number }>(
         `select (extract(epoch from expires_at - now()) * 1000)::float8 as left from ${PgLease.DEFAULT_TABLE}_queue where name = $1`,
         [name]
       )
-      yield* Effect.promise(() => worker.stop())
+      yield* Effect.promise(() => worker.kill())
       const diedAt = Date.now()
       const waiter = yield* processOn(env)
       const next = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), () => Date.now())))
@@ -1032,13 +1030,13 @@ describe("PgLease across processes", () => {
       yield* query("insert into lease_worker_counter values (1, 0) on conflict (id) do update set value = 0")
       const workers = yield* Effect.acquireRelease(
         Effect.promise(() => Promise.all(Array.from({ length: 4 }, () => startWorker(db.url)))),
-        (all) => Effect.promise(() => Promise.all(all.map((w) => w.stop())))
+        (all) => Effect.promise(() => Promise.all(all.map((w) => w.kill())))
       )
       const counter = Effect.map(query<{ value: number }>("select value from lease_worker_counter where id = 1"), (r) => r[0]!.value)
       const phase = (mode: "lock" | "nolock") =>
         Effect.promise(async () => {
           const started = Date.now()
-          await Promise.all(workers.map((w) => w.run(`run ${mode} 50 3`, `done ${mode}`)))
+          await Promise.all(workers.map((w) => w.command(`run ${mode} 50 3`, `done ${mode}`)))
           return Date.now() - started
         })
 
@@ -1234,47 +1232,9 @@ function countingLane() {
   return { wrap, renewalSizes: () => renewalSizes, byOperation: (operation: string) => byOperation.get(operation) ?? 0 }
 }
 
-interface Worker {
-  readonly run: (command: string, done: string) => Promise<void>
-  readonly exit: () => Promise<number | null>
-  readonly stop: () => Promise<void>
-}
-
 /** Starts test/fixtures/lease-worker.ts in its own Node process and waits until it is connected. */
-function startWorker(url: string): Promise<Worker> {
-  const child: ChildProcessWithoutNullStreams = spawn(
-    process.execPath,
-    [...nodeArgsFor(Path.join(repoRoot, "test/fixtures/lease-worker.ts")), url],
-    { cwd: repoRoot, stdio: ["pipe", "pipe", "pipe"] }
-  )
-  let stderr = ""
-  child.stderr.on("data", (chunk: Buffer) => (stderr = (stderr + chunk.toString()).slice(-4000)))
-  const lines = Readline.createInterface({ input: child.stdout })
-  const waiters: Array<{ line: string; resolve: () => void }> = []
-  lines.on("line", (line) => {
-    const index = waiters.findIndex((w) => w.line === line.trim())
-    if (index >= 0) waiters.splice(index, 1)[0]!.resolve()
-  })
-  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)))
-  const expectLine = (line: string) =>
-    new Promise<void>((resolve, reject) => {
-      waiters.push({ line, resolve })
-      void exited.then((code) => reject(new Error(`worker exited (${code}) before "${line}":\n${stderr}`)))
-    })
-  const ready = expectLine("ready")
-  return ready.then(() => ({
-    run: (command, done) => {
-      const finished = expectLine(done)
-      child.stdin.write(`${command}\n`)
-      return finished
-    },
-    exit: () => {
-      child.stdin.end("exit\n")
-      return exited
-    },
-    stop: async () => {
-      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
-      await exited
-    }
-  }))
+const startWorker = async (url: string): Promise<LineWorker> => {
+  const worker = startLineWorker("test/fixtures/lease-worker.ts", [url])
+  await worker.ready
+  return worker
 }

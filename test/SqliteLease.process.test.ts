@@ -6,61 +6,18 @@ import { describe, expect, it } from "@effect/vitest"
 import { Duration, Effect, Fiber } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as SqliteLease from "effect-lock/SqliteLease"
-import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process"
-import * as Path from "node:path"
-import * as Readline from "node:readline"
-import { fileURLToPath } from "node:url"
 import { useSqliteFile } from "./fixtures/sqlite-db.js"
 import { freshName } from "./support/contract.js"
-import { nodeArgsFor } from "../tools/children.js"
+import { type LineWorker, startingWith, startLineWorker } from "./support/workers.js"
 
 const file = useSqliteFile("sqlite-process")
-const repoRoot = fileURLToPath(new URL("..", import.meta.url))
 const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
 
-interface Worker {
-  /** Sends a command; resolves with the first line starting with `done`. */
-  readonly run: (command: string, done: string) => Promise<string>
-  readonly exit: () => Promise<number | null>
-  /** SIGKILL, as a crash would end it. */
-  readonly kill: () => Promise<void>
-}
-
-function startWorker(filename: string): Promise<Worker> {
-  const child: ChildProcessWithoutNullStreams = spawn(
-    process.execPath,
-    [...nodeArgsFor(Path.join(repoRoot, "test/fixtures/sqlite-worker.ts")), filename],
-    { cwd: repoRoot, stdio: ["pipe", "pipe", "pipe"] }
-  )
-  let stderr = ""
-  child.stderr.on("data", (chunk: Buffer) => (stderr = (stderr + chunk.toString()).slice(-4000)))
-  const lines = Readline.createInterface({ input: child.stdout })
-  const waiters: Array<{ prefix: string; resolve: (line: string) => void }> = []
-  lines.on("line", (line) => {
-    const index = waiters.findIndex((w) => line.trim().startsWith(w.prefix))
-    if (index >= 0) waiters.splice(index, 1)[0]!.resolve(line.trim())
-  })
-  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)))
-  const expectLine = (prefix: string) =>
-    new Promise<string>((resolve, reject) => {
-      waiters.push({ prefix, resolve })
-      void exited.then((code) => reject(new Error(`worker exited (${code}) before "${prefix}":\n${stderr}`)))
-    })
-  return expectLine("ready").then(() => ({
-    run: (command, done) => {
-      const finished = expectLine(done)
-      child.stdin.write(`${command}\n`)
-      return finished
-    },
-    exit: () => {
-      child.stdin.end("exit\n")
-      return exited
-    },
-    kill: async () => {
-      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
-      await exited
-    }
-  }))
+/** Starts test/fixtures/sqlite-worker.ts on the database file and waits until it is ready. */
+const startWorker = async (filename: string): Promise<LineWorker> => {
+  const worker = startLineWorker("test/fixtures/sqlite-worker.ts", [filename])
+  await worker.ready
+  return worker
 }
 
 const workers = (n: number) =>
@@ -79,7 +36,7 @@ describe("SqliteLease across processes", () => {
       const phase = (mode: "lock" | "nolock") =>
         Effect.promise(async () => {
           const started = Date.now()
-          await Promise.all(all.map((w) => w.run(`run ${mode} 50 3`, `done ${mode}`)))
+          await Promise.all(all.map((w) => w.command(`run ${mode} 50 3`, startingWith(`done ${mode}`))))
           return Date.now() - started
         })
       const unlockedMs = yield* phase("nolock")
@@ -99,7 +56,7 @@ describe("SqliteLease across processes", () => {
       const [holder] = yield* workers(1)
       const name = freshName("killed")
       const ttlMs = 1_500
-      const acquired = yield* Effect.promise(() => holder!.run(`acquire ${name} ${ttlMs}`, `acquired ${name}`))
+      const acquired = yield* Effect.promise(() => holder!.command(`acquire ${name} ${ttlMs}`, startingWith(`acquired ${name}`)))
       const token = BigInt(acquired.split(" ")[2]!)
       const service = yield* Effect.flatMap(
         SqliteLease.makeBackend({ filename: file.path, pollInterval: Duration.millis(50) }),
