@@ -276,21 +276,37 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
       return { target, holder, detail: "no local server process found", startedAt: now, endedAt: now, skipped: "no local server process to stop" }
     }
     const startedAt = Date.now()
+    // A backend may end between the listing and the signal, or while stopped (the server's
+    // postmaster kills its children when one of them crashes): such a pid is reported, not fatal.
+    let gone = 0
+    const signal = (pid: number, name: "SIGSTOP" | "SIGCONT"): boolean => {
+      try {
+        process.kill(pid, name)
+        return true
+      } catch (error) {
+        if ((error as { code?: unknown }).code !== "ESRCH") throw error
+        gone++
+        return false
+      }
+    }
+    const stopped: Array<number> = []
     for (const pid of pids) {
       // Recorded before the signal, so that any way out of the run resumes it.
       ctx.frozenPids.add(pid)
-      process.kill(pid, "SIGSTOP")
+      if (signal(pid, "SIGSTOP")) stopped.push(pid)
+      else ctx.frozenPids.delete(pid)
     }
     try {
       await sleep(ms)
     } finally {
-      for (const pid of pids) {
-        process.kill(pid, "SIGCONT")
+      for (const pid of stopped) {
+        signal(pid, "SIGCONT")
         ctx.frozenPids.delete(pid)
       }
     }
     const holderPid = ctx.backend === "pg-advisory" ? ` (pid ${pids.join(", ")})` : ` (${pids.length} pids)`
-    return { target, holder, detail: `SIGSTOP ${what}${holderPid} for ${ms} ms`, startedAt, endedAt: Date.now() }
+    const vanished = gone === 0 ? "" : `; ${gone} of them ended before SIGCONT`
+    return { target, holder, detail: `SIGSTOP ${what}${holderPid} for ${ms} ms${vanished}`, startedAt, endedAt: Date.now() }
   },
 
   "db-restart": async (ctx) => {

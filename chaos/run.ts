@@ -184,7 +184,8 @@ const runBackend = async (
   backend: Backend,
   options: ChaosOptions,
   server: Server & { readonly embedded: boolean },
-  commitTimestamps: boolean
+  commitTimestamps: boolean,
+  frozenPids: Set<number>
 ): Promise<BackendRun> => {
   const { log } = options
   const database = `chaos_${backend.replace("-", "_")}_${process.pid}`
@@ -268,34 +269,39 @@ const runBackend = async (
   return { backend, startedAt, stoppedAt, faults, check: result, clock, logFile, traceFile }
 }
 
-/** Server processes a `server-freeze` has stopped right now. */
-const frozenPids = new Set<number>()
+/** Per run in progress, the server processes its `server-freeze` has stopped right now. */
+const frozenByRun = new Set<Set<number>>()
 
-/**
- * Resumes every server process the run stopped. Called on every way out, signals included: a
- * stopped backend would block the server's shutdown.
- */
-export const resumeFrozenServerProcesses = (): void => {
-  for (const pid of frozenPids) {
+const resume = (frozen: Set<number>): void => {
+  for (const pid of frozen) {
     try {
       process.kill(pid, "SIGCONT")
     } catch {
       // already gone
     }
   }
-  frozenPids.clear()
+  frozen.clear()
 }
+
+/**
+ * Resumes every server process any run in progress stopped. Called on every way out of the
+ * process, signals included: a stopped backend would block the server's shutdown.
+ */
+export const resumeFrozenServerProcesses = (): void => frozenByRun.forEach(resume)
 
 /** Runs every backend of `options` in turn on one server (started here unless DATABASE_URL is set). */
 export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
   const server = await startPostgres()
+  // This run's own: runs side by side (the test suite's) resume only what they stopped.
+  const frozen = new Set<number>()
+  frozenByRun.add(frozen)
   process.once("exit", resumeFrozenServerProcesses)
   try {
     const commitTimestamps = await enableCommitTimestamps(server, server.embedded, options.log)
     const [version] = await makeQuery(server.url)<{ v: string }>("select current_setting('server_version') as v")
     const runs: Array<BackendRun> = []
     for (const backend of options.backends) {
-      runs.push(await runBackend(backend, options, server, commitTimestamps))
+      runs.push(await runBackend(backend, options, server, commitTimestamps, frozen))
     }
     const { log: _log, ...rest } = options
     return {
@@ -306,7 +312,8 @@ export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
       violations: runs.reduce((n, run) => n + run.check.violations.length, 0)
     }
   } finally {
-    resumeFrozenServerProcesses()
+    resume(frozen)
+    frozenByRun.delete(frozen)
     process.removeListener("exit", resumeFrozenServerProcesses)
     await server.stop()
   }
