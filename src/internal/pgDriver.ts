@@ -11,6 +11,7 @@ import * as Effect from "effect/Effect"
 import * as Net from "node:net"
 import type pg from "pg"
 import { LockBackendError } from "../LockError.js"
+import { sqlStateOf } from "./sqlState.js"
 
 /** The `pg` module, as loaded by `load`. */
 export type Driver = typeof pg
@@ -47,10 +48,8 @@ export type StatementFailure =
 const FATAL_CLASSES = ["08", "57P"]
 
 export const classify = (error: unknown): StatementFailure => {
-  const code = typeof error === "object" && error !== null && "code" in error ? error.code : undefined
-  if (typeof code === "string" && /^[0-9A-Z]{5}$/.test(code) && !FATAL_CLASSES.some((c) => code.startsWith(c))) {
-    return { _tag: "Sql", code, error }
-  }
+  const code = sqlStateOf(error)
+  if (code !== undefined && !FATAL_CLASSES.some((c) => code.startsWith(c))) return { _tag: "Sql", code, error }
   return { _tag: "Connection", error }
 }
 

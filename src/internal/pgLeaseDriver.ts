@@ -12,7 +12,8 @@
 import * as Effect from "effect/Effect"
 import type pg from "pg"
 import { LockBackendError } from "../LockError.js"
-import { preparedName } from "./pgDriver.js"
+import { classify, preparedName } from "./pgDriver.js"
+import { sqlStateOf } from "./sqlState.js"
 
 /** The driver module, loaded once. */
 export type Driver = typeof pg
@@ -133,11 +134,7 @@ export const connect = (
   })
 
 /** The server's answer refusing a statement leaves an autocommit session usable; anything else does not. */
-const keepsSession = (error: unknown): boolean => {
-  const code = typeof error === "object" && error !== null ? (error as { code?: unknown }).code : undefined
-  // Classes 08 (connection) and 57P (shutdown, terminated) mean the server is closing the session.
-  return typeof code === "string" && /^[0-9A-Z]{5}$/.test(code) && !code.startsWith("08") && !code.startsWith("57P")
-}
+const keepsSession = (error: unknown): boolean => classify(error)._tag === "Sql"
 
 /** Closes the socket at once: the server ends the backend (and anything it was doing) when it notices. */
 export const destroyNow = (connection: Connection): void => {
@@ -187,8 +184,8 @@ const send = (
   const callback = (error: Error | undefined, result: pg.QueryResult) => {
     connection.lastUsed = performance.now()
     if (error) {
-      const code = (error as { code?: unknown }).code
-      if (name !== undefined && typeof code === "string" && PREPARED_LOST.has(code)) {
+      const code = sqlStateOf(error)
+      if (name !== undefined && code !== undefined && PREPARED_LOST.has(code)) {
         // Refused at bind or parse, so nothing ran: the lane stops preparing and sends it again.
         connection.statements.enabled = false
         return send(connection, text, params, done)

@@ -19,8 +19,7 @@
  * shared one an exclusive waiter — so waiters are served in arrival order and new shared requests
  * queue behind a waiting exclusive one.
  */
-import { advisoryKey } from "./lockKey.js"
-import { MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "./sqlTable.js"
+import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "./sqlTable.js"
 
 export { parseTable, type TableRef }
 
@@ -139,17 +138,14 @@ const createSemTableSql = ({ sem }: Tables): string =>
  */
 export const ensureTable = (table: Tables | TableRef): string => ensureTableText(tablesOf(table))
 
+const DDL_NAMESPACE = "effect-lock/PgLease/ddl"
+
 const ensureTableText = (tables: Tables): string =>
-  // The identifiers were validated (no quotes), so they are safe inside string literals.
-  `do $effect_lock$
-begin
-  if to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null
-    or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.leases.sql}') and attname = 'shared_since' and not attisdropped) then
-    perform pg_advisory_xact_lock(${advisoryKey(tables.leases.text, "effect-lock/PgLease/ddl")});
-    ${createTableSql(tables).replace(/;\n/g, ";\n    ")};
-  end if;
-end
-$effect_lock$`
+  ensureTableSql(tables.leases, createTableSql(tables), DDL_NAMESPACE, {
+    // Either table missing, or a lease table from before shared mode: create or upgrade.
+    missing: `to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null
+    or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.leases.sql}') and attname = 'shared_since' and not attisdropped)`
+  })
 
 /**
  * First-use creation of the semaphore table, as `ensureTable` for the lock tables and under the
@@ -158,14 +154,7 @@ $effect_lock$`
  */
 export const ensureSemTable = (table: Tables | TableRef): string => {
   const tables = tablesOf(table)
-  return `do $effect_lock$
-begin
-  if to_regclass('${tables.sem.sql}') is null then
-    perform pg_advisory_xact_lock(${advisoryKey(tables.leases.text, "effect-lock/PgLease/ddl")});
-    ${createSemTableSql(tables).replace(/\n/g, "\n    ")};
-  end if;
-end
-$effect_lock$`
+  return ensureTableSql(tables.sem, createSemTableSql(tables), DDL_NAMESPACE, { lockOn: tables.leases })
 }
 
 /** How many of the oldest places a release looks at to find whom to wake. */

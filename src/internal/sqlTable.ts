@@ -56,13 +56,23 @@ export const CREATE_ATTEMPTS = 3
  * statement's transaction ends) and re-check. An existing table costs a catalog lookup only and
  * needs no CREATE privilege.
  */
-export const ensureTableSql = (table: TableRef, createSql: string, ddlNamespace: string): string =>
-  // The identifier was validated (no quotes), so it is safe inside a string literal.
+export const ensureTableSql = (
+  table: TableRef,
+  createSql: string,
+  ddlNamespace: string,
+  options?: {
+    /** When to create (or upgrade): default, when `table` does not exist. */
+    readonly missing?: string | undefined
+    /** Whose creation lock to take: default `table`'s (tables created together share one). */
+    readonly lockOn?: TableRef | undefined
+  }
+): string =>
+  // The identifiers were validated (no quotes), so they are safe inside string literals.
   `do $effect_lock$
 begin
-  if to_regclass('${table.sql}') is null then
-    perform pg_advisory_xact_lock(${advisoryKey(table.text, ddlNamespace)});
-    ${createSql};
+  if ${options?.missing ?? `to_regclass('${table.sql}') is null`} then
+    perform pg_advisory_xact_lock(${advisoryKey((options?.lockOn ?? table).text, ddlNamespace)});
+    ${createSql.replace(/\n/g, "\n    ")};
   end if;
 end
 $effect_lock$`
