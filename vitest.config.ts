@@ -10,7 +10,14 @@ export default defineConfig({
   },
   test: {
     include: ["test/**/*.test.ts", "examples/**/*.test.ts"],
+    // tsc over the whole project (tsconfig.json), side by side with the tests: a type error in any
+    // file fails the run; test/*.test-d.ts hold the public API's type-level tests.
+    typecheck: { enabled: true, include: ["test/**/*.test-d.ts"], tsconfig: "tsconfig.json" },
     globalSetup: ["test/support/globalSetup.ts"],
+    // Test files share their worker process (and its loaded modules): importing effect and the
+    // drivers anew for each of ~40 files cost a minute of CPU. Per-file state a test needs is its own.
+    isolate: false,
+    setupFiles: ["test/support/pristineIt.ts"],
     testTimeout: 30_000,
     hookTimeout: 60_000,
     // PostgreSQL tests share one server; two workers match the 2-core machine.
