@@ -465,34 +465,6 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(row?.owner).toBeNull()
     }))
 
-  it.scoped("an application saturating its own pool for 3× the ttl costs no lease", () =>
-    Effect.gen(function*() {
-      // Own connections (a PgClient in the context), then a plain SqlClient (one connection of
-      // the application's pool reserved for renewals at the first grant).
-      for (const [label, plain] of [["own", false], ["application", true]] as const) {
-        const app = `pglease-saturated-${label}`
-        const env = yield* Layer.build(PgTest.layer(() => db.url, { applicationName: app, maxConnections: plain ? 3 : 2 }))
-        const sql = Context.get(env, SqlClient.SqlClient)
-        const service = yield* processOn(plain ? sqlOnly(env) : env, { ttl: Duration.seconds(2) })
-        const name = freshName(`saturated-${label}`)
-        const lease = yield* service.acquire(name, { ttl: Duration.seconds(2) })
-        // Four slow queries on the application's 2 free connections: both busy, two more queued, for 6 s.
-        const slow = yield* Effect.fork(
-          Effect.forEach(Array.from({ length: 4 }), () => sql`select pg_sleep(3)`, { concurrency: "unbounded", discard: true })
-        )
-        const busy = query<{ n: number }>(
-          `select count(*)::int as n from pg_stat_activity where application_name = $1 and query like 'select pg_sleep%' and state = 'active'`,
-          [app]
-        )
-        yield* waitFor("both free pool connections busy in pg_sleep", Effect.map(busy, (rows) => rows[0]!.n === 2), Duration.seconds(5))
-        yield* Fiber.join(slow)
-        expect(yield* lease.isHeld).toBe(true)
-        const row = yield* rowOf(name)
-        expect(row).toMatchObject({ token: String(lease.token) })
-        expect(row!.left).toBeGreaterThan(0)
-      }
-    }), { timeout: 40_000 })
-
   it.scoped("3,000 leases acquired 64 at a time on a default pool with ttl 3 s lose none, renewed 1,000 per statement", () =>
     Effect.gen(function*() {
       const WINDOW_MS = 6_000
@@ -544,6 +516,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(yield* Effect.provide(PgLease.holders(), env)).toEqual([])
     }), { timeout: 120_000 })
 
+  // The next four run side by side: each has pools (or a server) of its own and spends its time
+  // waiting out ttls and bounds, which one after another took half a minute.
   it.scoped("a frozen renewal connection costs one bound: the next renewal runs on another and the lease is kept", () =>
     Effect.gen(function*() {
       const app = "pglease-frozen-renewal"
@@ -583,7 +557,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const row = yield* rowOf(name)
       expect(row).toMatchObject({ token: String(lease.token) })
       expect(row!.left).toBeGreaterThan(0)
-    }), { timeout: 30_000 })
+    }), { timeout: 30_000, concurrent: true })
 
   it.scoped("a database restart keeps a lease whose ttl outlasts it, and the same layer serves new acquisitions afterwards", () =>
     Effect.gen(function*() {
@@ -616,7 +590,64 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const fresh = yield* Effect.scoped(Effect.map(service.acquire("after-restart", { timeout: Duration.seconds(5) }), (lease) => lease.token))
       expect(fresh).toBe(1n)
       expect((yield* serverRow("held-through-restart"))!.token).toBe(String(held.token))
-    }), { timeout: 60_000 })
+    }), { timeout: 60_000, concurrent: true })
+
+  it.scoped("an application saturating its own pool for 3× the ttl costs no lease", () =>
+    Effect.gen(function*() {
+      // Own connections (a PgClient in the context), then a plain SqlClient (one connection of
+      // the application's pool reserved for renewals at the first grant).
+      for (const [label, plain] of [["own", false], ["application", true]] as const) {
+        const app = `pglease-saturated-${label}`
+        const env = yield* Layer.build(PgTest.layer(() => db.url, { applicationName: app, maxConnections: plain ? 3 : 2 }))
+        const sql = Context.get(env, SqlClient.SqlClient)
+        const service = yield* processOn(plain ? sqlOnly(env) : env, { ttl: Duration.seconds(2) })
+        const name = freshName(`saturated-${label}`)
+        const lease = yield* service.acquire(name, { ttl: Duration.seconds(2) })
+        // Four slow queries on the application's 2 free connections: both busy, two more queued, for 6 s.
+        const slow = yield* Effect.fork(
+          Effect.forEach(Array.from({ length: 4 }), () => sql`select pg_sleep(3)`, { concurrency: "unbounded", discard: true })
+        )
+        const busy = query<{ n: number }>(
+          `select count(*)::int as n from pg_stat_activity where application_name = $1 and query like 'select pg_sleep%' and state = 'active'`,
+          [app]
+        )
+        yield* waitFor("both free pool connections busy in pg_sleep", Effect.map(busy, (rows) => rows[0]!.n === 2), Duration.seconds(5))
+        yield* Fiber.join(slow)
+        expect(yield* lease.isHeld).toBe(true)
+        const row = yield* rowOf(name)
+        expect(row).toMatchObject({ token: String(lease.token) })
+        expect(row!.left).toBeGreaterThan(0)
+      }
+    }), { timeout: 40_000, concurrent: true })
+
+  it.scoped("a waiter whose process dies loses its place once the place expires", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const name = freshName("dead-waiter")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const worker = yield* Effect.acquireRelease(Effect.promise(() => startWorker(db.url)), (w) => Effect.promise(() => w.kill()))
+      void worker.command(`acquire ${name}`, `acquired ${name}`).catch(() => {})
+      yield* waitFor("the worker's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(10))
+      const [place] = yield* query<{ left: number }>(
+        `select (extract(epoch from expires_at - now()) * 1000)::float8 as left from ${PgLease.DEFAULT_TABLE}_queue where name = $1`,
+        [name]
+      )
+      yield* Effect.promise(() => worker.kill())
+      const diedAt = Date.now()
+      const waiter = yield* processOn(env)
+      const next = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), () => Date.now())))
+      yield* probe.waiting(name)
+      yield* Scope.close(holderScope, Exit.void)
+      const grantedAt = yield* Fiber.join(next)
+      console.log(`PgLease: a dead waiter's place (${Math.round(place!.left)} ms left) held the lock for ${grantedAt - diedAt} ms after its death`)
+      // Not before the dead waiter's place ran out on the server, and soon after (a waiter
+      // retries at least every 1.5 s; the place lasts at most 5 s).
+      expect(grantedAt - diedAt).toBeGreaterThanOrEqual(place!.left - 100)
+      expect(grantedAt - diedAt).toBeLessThan(place!.left + 2_000)
+      expect(yield* placesOf(name)).toBe(0)
+    }), { timeout: 30_000, concurrent: true })
 
   it.scoped("waiters are served in arrival order, and a releaser that asks again goes to the back", () =>
     Effect.gen(function*() {
@@ -675,35 +706,6 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(second > first).toBe(true)
       expect(yield* placesOf(name)).toBe(0)
     }))
-
-  it.scoped("a waiter whose process dies loses its place once the place expires", () =>
-    Effect.gen(function*() {
-      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      const holder = yield* processOn(env)
-      const name = freshName("dead-waiter")
-      const holderScope = yield* Scope.make()
-      yield* Scope.extend(holder.acquire(name), holderScope)
-      const worker = yield* Effect.acquireRelease(Effect.promise(() => startWorker(db.url)), (w) => Effect.promise(() => w.kill()))
-      void worker.command(`acquire ${name}`, `acquired ${name}`).catch(() => {})
-      yield* waitFor("the worker's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(10))
-      const [place] = yield* query<{ left: number }>(
-        `select (extract(epoch from expires_at - now()) * 1000)::float8 as left from ${PgLease.DEFAULT_TABLE}_queue where name = $1`,
-        [name]
-      )
-      yield* Effect.promise(() => worker.kill())
-      const diedAt = Date.now()
-      const waiter = yield* processOn(env)
-      const next = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), () => Date.now())))
-      yield* probe.waiting(name)
-      yield* Scope.close(holderScope, Exit.void)
-      const grantedAt = yield* Fiber.join(next)
-      console.log(`PgLease: a dead waiter's place (${Math.round(place!.left)} ms left) held the lock for ${grantedAt - diedAt} ms after its death`)
-      // Not before the dead waiter's place ran out on the server, and soon after (a waiter
-      // retries at least every 1.5 s; the place lasts at most 5 s).
-      expect(grantedAt - diedAt).toBeGreaterThanOrEqual(place!.left - 100)
-      expect(grantedAt - diedAt).toBeLessThan(place!.left + 2_000)
-      expect(yield* placesOf(name)).toBe(0)
-    }), { timeout: 30_000 })
 
   it.scoped("shared holders are renewed and lost each on their own; a waiting exclusive request goes before new shared ones", () =>
     Effect.gen(function*() {

@@ -48,17 +48,19 @@ const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Du
     }
   })
 
-/** Statements of the contract's processes running (or pausing between busy retries) right now. */
-let inFlight = 0
-const counted = (lane: Lane): Lane => {
-  const count = <A, E, R>(self: Effect.Effect<A, E, R>) =>
-    Effect.acquireUseRelease(Effect.sync(() => inFlight++), () => self, () => Effect.sync(() => inFlight--))
-  return {
-    ...lane,
-    run: (operation, name, text, params, bound) => count(lane.run(operation, name, text, params, bound)),
-    renew: (text, params, bound) => count(lane.renew(text, params, bound))
-  }
-}
+/** Statements of the contract's processes running (or pausing between busy retries) right now, by name (renewals, which only extend what is held, are not counted). */
+const inFlight = new Map<string | undefined, number>()
+const counted = (lane: Lane): Lane => ({
+  ...lane,
+  run: (operation, name, text, params, bound) =>
+    Effect.acquireUseRelease(
+      Effect.sync(() => inFlight.set(name, (inFlight.get(name) ?? 0) + 1)),
+      () => lane.run(operation, name, text, params, bound),
+      () => Effect.sync(() => inFlight.set(name, inFlight.get(name)! - 1))
+    )
+})
+/** No statement on `name` (nor on no name) in flight. */
+const quiet = (name: string) => Effect.sync(() => (inFlight.get(name) ?? 0) === 0 && (inFlight.get(undefined) ?? 0) === 0)
 
 /** How often each permit request of a name entered a wait (a failed attempt behind it). */
 const waits = new Map<string, number>()
@@ -87,7 +89,7 @@ semaphoreContractSuite("SqliteLease", {
   rounds: 6,
   // A place lasts 5 s and the interruption tests' permits 60 s: a give-back within 2.5 s is one.
   giveBackBound: Duration.millis(2_500),
-  quiet: Effect.sync(() => inFlight === 0)
+  quiet
 })
 
 describe("SqliteLease semaphores", () => {
