@@ -7,6 +7,7 @@ import type { FencingToken } from "../src/FencingToken.js"
 import type { AcquireRequest } from "../src/LockBackend.js"
 import { LockBackendError, LockLost, type LostReason, LockTimeout, UnsafeConnectionPooling } from "../src/LockError.js"
 import * as LockMetrics from "../src/LockMetrics.js"
+import * as MemoryBackend from "../src/MemoryBackend.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { makeLocalKeys } from "../src/internal/localKeys.js"
 import { spawnSync } from "node:child_process"
@@ -791,6 +792,35 @@ describe("PgAdvisory.withXactLock", () => {
         yield* Fiber.join(waiter)
         expect(order).toEqual(["holder commits", "waiter"])
       }))
+
+    it.effect("a transaction lock waited for in an uninterruptible part of a guarded body is still granted when that body's lease is lost", () =>
+      Effect.gen(function*() {
+        const started = yield* Deferred.make<void>()
+        const release = yield* Deferred.make<void>()
+        const holder = yield* Effect.fork(holdFor("xact-on-its-way", started, release))
+        yield* Deferred.await(started)
+        const store = yield* MemoryBackend.makeStore
+        const ran: Array<string> = []
+        const body = yield* Effect.fork(
+          Effect.scoped(
+            Effect.flatMap(Effect.flatMap(MemoryBackend.makeBackend({ store }), DistributedLock.make), (service) =>
+              DistributedLock.withLock(
+                // A write already on its way, made uninterruptible by the caller: it must land or fail on its own.
+                Effect.uninterruptible(PgAdvisory.withXactLock(Effect.sync(() => ran.push("written")), "xact-on-its-way")),
+                "xact-outer"
+              ).pipe(Effect.provideService(DistributedLock.DistributedLock, service)))
+          )
+        )
+        yield* eventually(xactLocksOf("xact-on-its-way"), (rows) => rows.some((row) => !row.granted))
+        // The outer lease goes while the transaction lock waits: the guard asks the body to stop.
+        yield* MemoryBackend.revoke(store, "xact-outer")
+        yield* Deferred.succeed(release, undefined)
+        yield* Fiber.join(holder)
+        const exit = yield* Fiber.await(body)
+        expect(ran).toEqual(["written"])
+        expect(exit).toMatchObject({ _tag: "Failure" })
+        expect(Cause.squash((exit as Exit.Failure<unknown, unknown>).cause)).toBeInstanceOf(LockLost)
+      }), 20_000)
 
     it.scoped("session locks of PgAdvisory.layer and transaction locks exclude each other on the same name", () =>
       Effect.gen(function*() {

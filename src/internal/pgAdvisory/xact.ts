@@ -23,7 +23,7 @@ import type { LockMode } from "../../Lease.js"
 import { LockBackendError, LockTimeout } from "../../LockError.js"
 import { monotonicMillis } from "../clock.js"
 import { sqlStateOf } from "../sqlState.js"
-import { sleepThenReadIO, within } from "../stallSafe.js"
+import { detachedRaceFirst, detachedWithin, sleepThenReadIO } from "../stallSafe.js"
 
 /** Default bound on each statement withXactLock sends itself, and on COMMIT/ROLLBACK. */
 export const DEFAULT_STATEMENT_TIMEOUT_MS = 5_000
@@ -69,7 +69,9 @@ const bounded = <A>(
   bound: number
 ): Effect.Effect<A, SqlError | LockBackendError> =>
   Effect.flatMap(
-    within(Effect.disconnect(statement), bound),
+    // Daemons, not children of the caller: an uninterruptible caller's held-back interruption (a
+    // guarded body whose lease was lost) would otherwise cut the statement off at once.
+    detachedWithin(Effect.disconnect(statement), bound),
     Option.match({
       onNone: () =>
         Effect.fail(
@@ -245,13 +247,15 @@ export const run = <A, E, R>(
         return "the transaction's COMMIT or ROLLBACK"
       })
       const outcome = yield* restore(
-        Effect.raceFirst(
+        // Detached, not children: an uninterruptible caller's held-back interruption (a guarded
+        // body whose lease was lost) would otherwise end the wait for the transaction at once.
+        detachedRaceFirst(
           Effect.map(Fiber.await(fiber), (exit) => ({ _tag: "Done", exit }) as const),
           Effect.map(watchdog, (what) => ({ _tag: "Overdue", what }) as const)
         )
       ).pipe(
         // Interrupted: the transaction is rolled back; its ROLLBACK gets the same bound.
-        Effect.onInterrupt(() => Effect.asVoid(within(Fiber.interrupt(fiber), bound)))
+        Effect.onInterrupt(() => Effect.asVoid(detachedWithin(Fiber.interrupt(fiber), bound)))
       )
       if (outcome._tag === "Done") {
         // As `Fiber.join` would: the body's FiberRef changes carry over to the caller.
