@@ -122,7 +122,7 @@ import type * as Permits from "./internal/leasePermits.js"
 import * as PermitSql from "./internal/pgLeasePermitSql.js"
 import { MAX_NAME_BYTES, MIN_TTL } from "./internal/pgLeaseBackend.js"
 import { RENEW_CONNECTIONS } from "./internal/pgLeaseLane.js"
-import type * as LeaseOptions from "./internal/leaseOptions.js"
+import * as LeaseOptions from "./internal/leaseOptions.js"
 import { type HolderRow, type SemaphoreRow, storedLease, storedSemaphore } from "./internal/leaseOptions.js"
 import * as Make from "./internal/pgLeaseMake.js"
 import { RENEW_BATCH_SIZE } from "./internal/leaseRenew.js"
@@ -236,6 +236,13 @@ const statements = (sql: SqlClient.SqlClient): Statements => ({
     )
 })
 
+/** `use` with the table names resolved and the statements of the caller's `SqlClient`. */
+const onTables = <A, R = never>(
+  table: string | undefined,
+  use: (tables: Sql.Tables, run: Statements["run"]) => Effect.Effect<A, LockBackendError, R>
+): Effect.Effect<A, LockBackendError, SqlClient.SqlClient | R> =>
+  Effect.flatMap(Make.resolveTables(table), (tables) => Effect.flatMap(Make.SqlClientTag, (sql) => use(tables, statements(sql).run)))
+
 /**
  * A `DistributedLock` and a `DistributedSemaphore` on lease rows, sharing one backend (its
  * connections, its listener), over the `SqlClient` in the context (for example
@@ -296,12 +303,8 @@ export interface StoredLease {
 export const holders = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const { run } = statements(yield* Make.SqlClientTag)
-    const rows = yield* run<HolderRow>("holders", options?.name, Sql.holders(tables), [options?.name ?? null])
-    return rows.map(storedLease)
-  })
+  onTables(options?.table, (tables, run) =>
+    Effect.map(run<HolderRow>("holders", options?.name, Sql.holders(tables), [options?.name ?? null]), (rows) => rows.map(storedLease)))
 
 /**
  * The leases held right now across the cluster, with who holds each (application, host, pid),
@@ -315,24 +318,20 @@ export const holders = (
 export const listHolders = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const { run } = statements(yield* Make.SqlClientTag)
-    const found = yield* run<{ present: boolean }>(
-      "inspect",
+  onTables(options?.table, (tables, run) =>
+    LeaseOptions.inspectHolders(
       options?.name,
-      "select to_regclass($1::text) is not null and to_regclass($2::text) is not null as present",
-      [tables.leases.sql, tables.queue.sql]
-    )
-    if (found[0]?.present !== true) return []
-    return yield* holders(options).pipe(
-      Effect.mapError((error) =>
-        error.operation === "holders"
-          ? new LockBackendError({ operation: "inspect", ...(options?.name === undefined ? {} : { name: options.name }), cause: error.cause })
-          : error
-      )
-    )
-  }).pipe(Effect.withSpan("effect-lock.inspect", { attributes: { backend: "pg-lease" } }))
+      Effect.map(
+        run<{ present: boolean }>(
+          "inspect",
+          options?.name,
+          "select to_regclass($1::text) is not null and to_regclass($2::text) is not null as present",
+          [tables.leases.sql, tables.queue.sql]
+        ),
+        (rows) => rows[0]?.present === true
+      ),
+      holders(options)
+    )).pipe(Effect.withSpan("effect-lock.inspect", { attributes: { backend: "pg-lease" } }))
 
 /**
  * Takes the lock `name` away from whoever holds it and wakes waiters. The holder learns at its
@@ -346,16 +345,15 @@ export const revoke = (
   name: string,
   options?: { readonly table?: string | undefined; readonly channel?: string | undefined }
 ): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const { run } = statements(yield* Make.SqlClientTag)
-    const rows = yield* run<{ revoked: boolean }>("revoke", name, Sql.revoke(tables), [
-      name,
-      options?.channel ?? tables.leases.relname,
-      Sql.RELEASED_PREFIX + name
-    ])
-    return rows[0]?.revoked === true
-  })
+  onTables(options?.table, (tables, run) =>
+    Effect.map(
+      run<{ revoked: boolean }>("revoke", name, Sql.revoke(tables), [
+        name,
+        options?.channel ?? tables.leases.relname,
+        Sql.RELEASED_PREFIX + name
+      ]),
+      (rows) => rows[0]?.revoked === true
+    ))
 
 /**
  * A semaphore in use (held or waited for), as stored in the semaphore table: its limit, its live
@@ -377,12 +375,11 @@ export interface StoredSemaphore extends LeaseOptions.StoredSemaphore {}
 export const semaphores = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredSemaphore>, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const { run } = statements(yield* Make.SqlClientTag)
-    const rows = yield* run<SemaphoreRow>("semaphores", options?.name, PermitSql.semaphores(tables), [options?.name ?? null])
-    return rows.map(storedSemaphore)
-  })
+  onTables(options?.table, (tables, run) =>
+    Effect.map(
+      run<SemaphoreRow>("semaphores", options?.name, PermitSql.semaphores(tables), [options?.name ?? null]),
+      (rows) => rows.map(storedSemaphore)
+    ))
 
 /**
  * Takes every permit of the semaphore `name` away from whoever holds them, and wakes the waiters
@@ -397,15 +394,11 @@ export const revokePermits = (
   name: string,
   options?: { readonly table?: string | undefined; readonly channel?: string | undefined }
 ): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const { run } = statements(yield* Make.SqlClientTag)
-    const rows = yield* run<{ revoked: boolean }>("revoke", name, PermitSql.revoke(tables), [
-      name,
-      options?.channel ?? tables.leases.relname
-    ])
-    return rows[0]?.revoked === true
-  })
+  onTables(options?.table, (tables, run) =>
+    Effect.map(
+      run<{ revoked: boolean }>("revoke", name, PermitSql.revoke(tables), [name, options?.channel ?? tables.leases.relname]),
+      (rows) => rows[0]?.revoked === true
+    ))
 
 /**
  * The defaults, for documentation and tests.

@@ -98,7 +98,7 @@ import type { LockMode } from "./Lease.js"
 import type { LockAndSemaphoreBackend } from "./LockBackend.js"
 import { LockBackendError } from "./LockError.js"
 import type * as Attempt from "./internal/leaseAttempt.js"
-import type * as LeaseOptions from "./internal/leaseOptions.js"
+import * as LeaseOptions from "./internal/leaseOptions.js"
 import type * as Permits from "./internal/leasePermits.js"
 import { MAX_NAME_BYTES, MIN_TTL } from "./internal/leaseEngine.js"
 import { RENEW_BATCH_SIZE } from "./internal/leaseRenew.js"
@@ -282,18 +282,15 @@ export const holders = (
 export const listHolders = (
   options?: { readonly table?: string | undefined; readonly name?: string | undefined }
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const found = yield* run<{ present: number | bigint }>("inspect", options?.name, Sql.present(tables), [])
-    if (Number(found[0]?.present ?? 0) !== 1) return []
-    return yield* holders(options).pipe(
-      Effect.mapError((error) =>
-        error.operation === "holders"
-          ? new LockBackendError({ operation: "inspect", ...(options?.name === undefined ? {} : { name: options.name }), cause: error.cause })
-          : error
-      )
-    )
-  }).pipe(Effect.withSpan("effect-lock.inspect", { attributes: { backend: "sqlite-lease" } }))
+  Effect.flatMap(Make.resolveTables(options?.table), (tables) =>
+    LeaseOptions.inspectHolders(
+      options?.name,
+      Effect.map(
+        run<{ present: number | bigint }>("inspect", options?.name, Sql.present(tables), []),
+        (rows) => Number(rows[0]?.present ?? 0) === 1
+      ),
+      holders(options)
+    )).pipe(Effect.withSpan("effect-lock.inspect", { attributes: { backend: "sqlite-lease" } }))
 
 /**
  * Takes the lock `name` away from whoever holds it. The holder learns at its next renewal (within

@@ -62,6 +62,23 @@ export const storedLease = (row: HolderRow): StoredLease => ({
   waitingSince: numberOrNull(row.waiting)
 })
 
+/**
+ * `holders` for inspection tools, on either lease store: no lease while the tables do not exist
+ * yet (`present`), and a failure of the listing reported as `inspect`, the operation asked for.
+ */
+export const inspectHolders = <R>(
+  name: string | undefined,
+  present: Effect.Effect<boolean, LockBackendError, R>,
+  holders: Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, R>
+): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, R> =>
+  Effect.flatMap(present, (exists) =>
+    exists
+      ? Effect.mapError(holders, (error) =>
+        error.operation === "holders"
+          ? new LockBackendError({ operation: "inspect", ...(name === undefined ? {} : { name }), cause: error.cause })
+          : error)
+      : Effect.succeed([]))
+
 /** A semaphore in use as stored in a semaphore table (documented on `PgLease.StoredSemaphore`). */
 export interface StoredSemaphore {
   readonly name: string
