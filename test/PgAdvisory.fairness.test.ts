@@ -7,6 +7,7 @@ import { Context, Deferred, Duration, Effect, Fiber, Layer } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { useTestDatabase, withClient } from "./support/pg.js"
+import { eventually as pollUntil } from "./support/eventually.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory_fairness")
@@ -27,15 +28,7 @@ const requestsOf = (applicationName: string) =>
   )
 
 const eventually = <A>(read: Effect.Effect<A>, check: (a: A) => boolean, ms: number, what: string): Effect.Effect<A> =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + ms
-    for (;;) {
-      const value = yield* read
-      if (check(value)) return value
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`${what}: not within ${ms} ms: ${JSON.stringify(value)}`)
-      yield* Effect.sleep(Duration.millis(10))
-    }
-  })
+  pollUntil(what, read, check, ms)
 
 describe("PgAdvisory shared locks across processes", () => {
   it.scopedLive("a remote exclusive waiter is granted while another process keeps a stream of overlapping shared holders", () =>

@@ -4,7 +4,7 @@
  */
 import { SqlClient } from "@effect/sql"
 import { describe, expect, it } from "@effect/vitest"
-import { Cause, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Metric, Option, Scope } from "effect"
+import { Cause, Context, Deferred, Effect, Either, Exit, Fiber, Layer, Metric, Option, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import * as LockMetrics from "../src/LockMetrics.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
@@ -13,6 +13,7 @@ import * as Readline from "node:readline"
 import { startEmbedded } from "../tools/embeddedPostgres.js"
 import { frozen } from "./support/freeze.js"
 import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { eventually as pollUntil } from "./support/eventually.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory_faults")
@@ -57,17 +58,8 @@ const grantedCount = (applicationName: string, url = db.url): Effect.Effect<numb
     )
   )
 
-/** Polls until `check` holds, or fails the test after `ms` (an observable condition with a bound). */
 const eventually = <A>(read: Effect.Effect<A>, check: (a: A) => boolean, ms: number, what: string): Effect.Effect<A> =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + ms
-    for (;;) {
-      const value = yield* read
-      if (check(value)) return value
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`${what}: not within ${ms} ms: ${JSON.stringify(value)}`)
-      yield* Effect.sleep(Duration.millis(20))
-    }
-  })
+  pollUntil(what, read, check, ms)
 
 /** Blocks the event loop, as a GC pause or a throttled container does. */
 const busyLoop = (ms: number) => {

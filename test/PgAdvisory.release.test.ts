@@ -4,13 +4,14 @@
  * waits for wakes it at once.
  */
 import { describe, expect, it } from "@effect/vitest"
-import { Context, Duration, Effect, Exit, Fiber, Layer, Scope } from "effect"
+import { Context, Effect, Exit, Fiber, Layer, Scope } from "effect"
 import pg from "pg"
 import * as DistributedLock from "../src/DistributedLock.js"
 import { advisoryKey } from "../src/internal/lockKey.js"
 import { INTEREST_NAMESPACE } from "../src/internal/pgAdvisory/sql.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { HARNESS_APPLICATION_NAME, useTestDatabase, withClient } from "./support/pg.js"
+import { eventually as pollUntil } from "./support/eventually.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory_release")
@@ -21,15 +22,7 @@ const service = (applicationName: string, options?: Omit<PgAdvisory.Options, "ur
   )
 
 const eventually = <A>(read: Effect.Effect<A>, check: (a: A) => boolean, ms: number, what: string): Effect.Effect<A> =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + ms
-    for (;;) {
-      const value = yield* read
-      if (check(value)) return value
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`${what}: not within ${ms} ms: ${JSON.stringify(value)}`)
-      yield* Effect.sleep(Duration.millis(10))
-    }
-  })
+  pollUntil(what, read, check, ms)
 
 /** Granted advisory locks of an application on a key. */
 const holdsKey = (applicationName: string, key: bigint) =>

@@ -3,12 +3,13 @@
  * from intervals the holders stamp with the server's clock while they hold their permits.
  */
 import { afterAll, beforeAll, describe, expect, it } from "@effect/vitest"
-import { Context, Effect, Fiber, Layer } from "effect"
+import { Context, Duration, Effect, Fiber, Layer } from "effect"
 import * as DistributedSemaphore from "../src/DistributedSemaphore.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import { permitKeysOf } from "../src/internal/pgAdvisory/permits.js"
 import { useTestDatabase, withClient } from "./support/pg.js"
 import { type LineWorker, startingWith, startLineWorker } from "./support/workers.js"
+import { waitFor } from "./support/eventually.js"
 
 // First, so that its afterAll (leak check, drop) runs after every worker and layer has stopped.
 const db = useTestDatabase("pg_advisory_semaphore_process")
@@ -96,11 +97,7 @@ describe("DistributedSemaphore on PgAdvisory across OS processes", () => {
       const waiting = yield* Effect.fork(Effect.scoped(semaphore.acquire("crashed", { limit: 2, permits: 2, timeout: "10 seconds" })))
       // Until the survivor waits registered (its interest key is held): then only a re-try can wake it.
       const interest = BigInt(permitKeysOf("crashed", "").interestKey)
-      const deadline = Date.now() + 5_000
-      while (!(yield* Effect.promise(() => holdsKey("sem-proc-survivor", interest)))) {
-        if (Date.now() > deadline) return yield* Effect.dieMessage("the survivor never waited registered")
-        yield* Effect.sleep("10 millis")
-      }
+      yield* waitFor("the survivor waits registered", Effect.promise(() => holdsKey("sem-proc-survivor", interest)), Duration.seconds(5))
       const killedAt = Date.now()
       yield* Effect.promise(() => holder.kill())
       const permits = yield* Fiber.join(waiting)

@@ -17,6 +17,7 @@ import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
 import { yieldTimes } from "./support/faults.js"
 import { countSessions, HARNESS_APPLICATION_NAME, terminateBackends, useTestDatabase, withClient } from "./support/pg.js"
 import { seededRandom, testSeed } from "./support/random.js"
+import { eventually as pollUntil } from "./support/eventually.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory_semaphore")
@@ -77,17 +78,8 @@ const locksOf = (applicationName: string): Effect.Effect<ReadonlyArray<HeldKey>>
     }))
   })
 
-/** Polls `read` until `check` holds; dies naming `what` after `ms`. */
 const eventually = <A>(what: string, read: Effect.Effect<A>, check: (a: A) => boolean, ms = 5_000): Effect.Effect<A> =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + ms
-    for (;;) {
-      const value = yield* read
-      if (check(value)) return value
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`not within ${ms} ms: ${what}`)
-      yield* Effect.sleep("10 millis")
-    }
-  })
+  pollUntil(what, read, check, ms)
 
 /** Until `applicationName` waits registered for the semaphore `name`: it holds the semaphore's interest key. */
 const registered = (applicationName: string, name: string) => {

@@ -26,6 +26,7 @@ import {
 } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
+import { eventually as pollUntil } from "./support/eventually.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory")
@@ -74,19 +75,8 @@ const sessionStatesOf = (applicationName: string) =>
     )
   )
 
-/** Polls until `check` holds (or fails the test after `ms`). */
 const eventually = <A>(read: Effect.Effect<A>, check: (a: A) => boolean, ms = 3_000): Effect.Effect<A> =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + ms
-    for (;;) {
-      const value = yield* read
-      if (check(value)) return value
-      if (Date.now() > deadline) {
-        return yield* Effect.dieMessage(`condition not met within ${ms} ms: ${JSON.stringify(value)}`)
-      }
-      yield* Effect.sleep(Duration.millis(10))
-    }
-  })
+  pollUntil("condition", read, check, ms)
 
 /**
  * Waits until a forked acquire is suspended in its wait (started and blocked, not finished): an

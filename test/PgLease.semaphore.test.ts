@@ -22,6 +22,8 @@ import { assertNoLeaks, PgTest, useTestDatabase } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
 import { type LineWorker, startLineWorker } from "./support/workers.js"
+import { waitFor } from "./support/eventually.js"
+import { laneInFlight } from "./support/laneInFlight.js"
 
 // First, so that its afterAll (no held permit, lease or advisory lock; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_sem")
@@ -60,16 +62,6 @@ const stateOf = (name: string, table = SEM_TABLE): Effect.Effect<StoreState> =>
     )
   )
 
-/** Polls `check` every 5 ms until it holds; dies naming `what` after `bound`. */
-const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
-    while (!(yield* Effect.orDie(check))) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
-      yield* Effect.sleep(Duration.millis(5))
-    }
-  })
-
 /** A pool of its own, like a separate process would have; closed with the enclosing scope. */
 const poolOn = (url: string | (() => string), applicationName?: string) =>
   Layer.build(PgTest.layer(url, applicationName === undefined ? {} : { applicationName }))
@@ -86,19 +78,8 @@ const watched = <P extends PgLease.PgLeasePermitGrant>(store: SemaphoreBackend<P
     })
 })
 
-/** Statements of the contract's processes on the wire right now, by name (renewals, which only extend what is held, are not counted). */
-const inFlight = new Map<string | undefined, number>()
-const counted = (lane: Lane.Lane): Lane.Lane => ({
-  ...lane,
-  run: (operation, name, text, params, bound) =>
-    Effect.acquireUseRelease(
-      Effect.sync(() => inFlight.set(name, (inFlight.get(name) ?? 0) + 1)),
-      () => lane.run(operation, name, text, params, bound),
-      () => Effect.sync(() => inFlight.set(name, inFlight.get(name)! - 1))
-    )
-})
-/** No statement on `name` (nor on no name) in flight. */
-const quiet = (name: string) => Effect.sync(() => (inFlight.get(name) ?? 0) === 0 && (inFlight.get(undefined) ?? 0) === 0)
+/** The contract's processes' statements in flight, by name. */
+const { counted, quiet } = laneInFlight()
 
 /** The full backend of one "process" on `env` (its own connections), seeing exactly `env` plus the caller's Scope. */
 const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options, wrapLane?: (lane: Lane.Lane) => Lane.Lane) =>
@@ -229,10 +210,11 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease semaphores", (it
       const names = Array.from({ length: 20 }, () => freshName("sem-batch"))
       const held = yield* Effect.forEach([...names, ...names], (name) => service.acquire(name, { limit: 2 }), { concurrency: 40 })
       const windowStart = calls.length
-      // Past two renewal periods (ttl/3 = 1 s): every grant is renewed in it, in few statements.
-      yield* Effect.sleep(Duration.millis(2_500))
+      const renewedSinceStart = () => calls.slice(windowStart).reduce((n, size) => n + size, 0)
+      // Until every grant's renewal has been asked for (one renewal period is ttl/3 = 1 s): in few statements.
+      yield* waitFor("renewal calls covering all 40 grants", Effect.sync(() => renewedSinceStart() >= 40), Duration.seconds(10))
       const inWindow = calls.slice(windowStart)
-      console.log(`PgLease semaphore: 40 grants, renewal calls over 2.5 s: ${JSON.stringify(inWindow)}`)
+      console.log(`PgLease semaphore: 40 grants, renewal calls since all were granted: ${JSON.stringify(inWindow)}`)
       expect(inWindow.reduce((n, size) => n + size, 0)).toBeGreaterThanOrEqual(40)
       expect(Math.max(...inWindow)).toBeGreaterThanOrEqual(10)
       // Each call sends one statement carrying all its grants (a call cut off before it got a connection sends none).
@@ -363,6 +345,7 @@ describeWithPgBouncer("PgLease semaphores behind PgBouncer in transaction mode",
       const name = freshName("sem-bouncer")
       const holder = yield* Scope.make()
       const held = yield* Scope.extend(a.acquire(name, { limit: 2, permits: 2 }), holder)
+      // A hold past the 1 s ttl, not a synchronisation: only renewals through the pooler keep them.
       yield* Effect.sleep(Duration.millis(1_500))
       expect(yield* held.isHeld).toBe(true)
       expect(yield* stateOf(name)).toEqual({ held: 2, waiting: [] })

@@ -10,12 +10,13 @@ import { Context, Duration, Effect, Exit, Fiber, Layer, Option, Scope } from "ef
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import type { SemaphoreBackend } from "effect-lock/LockBackend"
-import type { Lane } from "effect-lock/internal/leaseLane"
 import * as Make from "effect-lock/internal/sqliteLeaseMake"
 import * as SqliteLease from "effect-lock/SqliteLease"
 import { useSqliteFile } from "./fixtures/sqlite-db.js"
 import { freshName } from "./support/contract.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
+import { waitFor } from "./support/eventually.js"
+import { laneInFlight } from "./support/laneInFlight.js"
 
 const file = useSqliteFile("sqlite-sem")
 /** As PgLease's: renewals every ~670 ms leave room for a loaded machine. */
@@ -38,29 +39,8 @@ const stateOf = (name: string): StoreState => {
   return row === undefined ? { held: 0, waiting: [] } : { held: Number(row.held), waiting: (JSON.parse(row.waiting) as Array<number>).map(Number) }
 }
 
-/** Polls `check` every 5 ms until it holds; dies naming `what` after `bound`. */
-const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
-    while (!(yield* Effect.orDie(check))) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
-      yield* Effect.sleep(Duration.millis(5))
-    }
-  })
-
-/** Statements of the contract's processes running (or pausing between busy retries) right now, by name (renewals, which only extend what is held, are not counted). */
-const inFlight = new Map<string | undefined, number>()
-const counted = (lane: Lane): Lane => ({
-  ...lane,
-  run: (operation, name, text, params, bound) =>
-    Effect.acquireUseRelease(
-      Effect.sync(() => inFlight.set(name, (inFlight.get(name) ?? 0) + 1)),
-      () => lane.run(operation, name, text, params, bound),
-      () => Effect.sync(() => inFlight.set(name, inFlight.get(name)! - 1))
-    )
-})
-/** No statement on `name` (nor on no name) in flight. */
-const quiet = (name: string) => Effect.sync(() => (inFlight.get(name) ?? 0) === 0 && (inFlight.get(undefined) ?? 0) === 0)
+/** The contract's processes' statements in flight, by name. */
+const { counted, quiet } = laneInFlight()
 
 /** How often each permit request of a name entered a wait (a failed attempt behind it). */
 const waits = new Map<string, number>()

@@ -23,6 +23,7 @@ import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import { openRaw, useSqliteFile } from "./fixtures/sqlite-db.js"
 import { contractSuite, freshName } from "./support/contract.js"
+import { waitFor } from "./support/eventually.js"
 
 const file = useSqliteFile("sqlite-lease")
 const repoRoot = fileURLToPath(new URL("..", import.meta.url))
@@ -30,16 +31,6 @@ const TTL = Duration.seconds(1)
 /** As PgLease's: renewals every ~670 ms leave room for a loaded machine. */
 const CONTRACT_TTL = Duration.seconds(2)
 const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
-
-/** Polls `check` every 5 ms until it holds; dies naming `what` after `bound`. */
-const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput) =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + Duration.toMillis(Duration.decode(bound))
-    while (!(yield* Effect.orDie(check))) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for: ${what}`)
-      yield* Effect.sleep(Duration.millis(5))
-    }
-  })
 
 /**
  * How often each acquire of a name entered a wait (a failed attempt behind it): a waiter that

@@ -1,5 +1,5 @@
 import { describe, expect, it, layer } from "@effect/vitest"
-import { Context, Duration, Effect, Fiber, Layer, Option } from "effect"
+import { Context, Effect, Fiber, Layer, Option } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import { LockBackendError } from "effect-lock/LockError"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
@@ -8,6 +8,7 @@ import * as Os from "node:os"
 import pg from "pg"
 import { keyFromLockTag, lockTagOfKey } from "../src/internal/inspectAdvisory.js"
 import { PgTest, useTestDatabase } from "./support/pg.js"
+import { eventually as pollUntil } from "./support/eventually.js"
 
 // First, so that its afterAll (no advisory locks, no held leases; drop) runs after every layer is closed.
 const db = useTestDatabase("inspect")
@@ -26,17 +27,8 @@ const nameWithKey = (prefix: string, sign: "negative" | "positive"): string => {
   }
 }
 
-/** Polls until `check` holds; fails the test after `ms`. */
 const eventually = <A, E, R>(read: Effect.Effect<A, E, R>, check: (a: A) => boolean, ms = 5_000) =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + ms
-    for (;;) {
-      const value = yield* read
-      if (check(value)) return value
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`condition not met within ${ms} ms`)
-      yield* Effect.sleep(Duration.millis(20))
-    }
-  })
+  pollUntil("condition", read, check, ms)
 
 const holdersOf = (applications: ReadonlyArray<string>) =>
   Effect.map(
