@@ -1,15 +1,19 @@
 /**
- * The published package, as users install it: `npm pack` (its `prepack` builds dist/), the
- * tarball installed from the registry's peers into empty ESM apps in a temp directory, a
- * TypeScript consumer type-checked against the installed types (NodeNext), programs run against
- * the test PostgreSQL, and the installed `npx effect-lock inspect --json`.
+ * The published package, as users install it: `npm pack` (its `prepack` builds dist/), then the
+ * README's own install lines, read from README.md and run as they stand through a shell (only
+ * `effect-lock`, not on the registry, replaced by the tarball's path), each in an empty ESM app,
+ * against the registry. Each app then runs what its line installs: a MemoryBackend program always,
+ * a PgLease or PgAdvisory program against the test PostgreSQL, a SqliteLease program on a file. The
+ * app of the PostgreSQL line then runs the pg line too, as the README tells a user of PgLease and
+ * PgAdvisory.layer both: a TypeScript consumer is type-checked against the installed types
+ * (NodeNext) and holds locks of both while the installed `npx effect-lock inspect --json` sees them.
  *
- * Three apps, one per kind of user: everything (PgAdvisory, PgLease, the CLI), lease rows only
- * (`effect @effect/sql @effect/sql-pg`) and memory only (`effect`). For the last two the
- * tarball must add itself and nothing else to what the app already installed.
+ * The peer ranges refuse an install that mixes in Effect 4: npm fails it at install time with its
+ * ERESOLVE peer message, and nothing is installed that could load half-working.
  *
- * Registry downloads are cached by npm (`--prefer-offline`), so after the first run the whole
- * file takes the build plus a few seconds per install.
+ * Registry downloads are cached by npm (`prefer-offline`, set through the environment so the lines
+ * run unchanged), so after the first run the whole file takes the build plus a few seconds per
+ * install.
  */
 import { afterAll, beforeAll, describe, expect, it } from "@effect/vitest"
 import { execFile, spawn } from "node:child_process"
@@ -25,14 +29,51 @@ const db = useTestDatabase("package")
 
 const root = fileURLToPath(new URL("..", import.meta.url))
 const rootPackage = JSON.parse(Fs.readFileSync(Path.join(root, "package.json"), "utf8")) as {
-  readonly devDependencies: Readonly<Record<string, string>>
+  readonly version: string
+  readonly peerDependencies: Readonly<Record<string, string>>
 }
-/** The peers at the versions this repository is tested with. */
-const pinned = (name: string): string => `${name}@${rootPackage.devDependencies[name]}`
+const readme = Fs.readFileSync(Path.join(root, "README.md"), "utf8")
 const tsc = Path.join(root, "node_modules", "typescript", "bin", "tsc")
 
-/** Build, pack, install and type-check are each bounded; the machine may be loaded. */
+/** Pack, type-check and each program run are bounded; the machine may be loaded. */
 const STEP_TIMEOUT_MS = 120_000
+/**
+ * An install is bounded more loosely: should the SQLite line resolve a better-sqlite3 other than the
+ * repository's, its install script compiles it (see `offerLocalPrebuild`).
+ */
+const INSTALL_TIMEOUT_MS = 300_000
+
+/** One install line of the README. */
+interface InstallLine {
+  /** The line as it stands in the README. */
+  readonly line: string
+  /** What the shell runs: the line without its comment. */
+  readonly command: string
+  /** The names of the packages it installs, versions dropped (`@effect/sql@0.52` is `@effect/sql`). */
+  readonly names: ReadonlyArray<string>
+  /** The packages as the line names them. */
+  readonly specs: ReadonlyArray<string>
+}
+
+const nameOf = (spec: string): string => {
+  const at = spec.indexOf("@", 1)
+  return at === -1 ? spec : spec.slice(0, at)
+}
+
+/** Every line of a ```sh block that starts with `npm install ` and names effect-lock. */
+const installLinesOf = (text: string): ReadonlyArray<InstallLine> =>
+  Array.from(text.matchAll(/^```sh\n([\s\S]*?)^```/gm), (block) => block[1]!.split("\n"))
+    .flat()
+    .filter((line) => line.startsWith("npm install "))
+    .map((line) => {
+      const command = line.replace(/\s+#.*$/, "").trim()
+      const specs = command.split(/\s+/).slice(2).filter((arg) => !arg.startsWith("-"))
+      return { line, command, specs, names: specs.map(nameOf) }
+    })
+    .filter((line) => line.names.includes("effect-lock"))
+
+const installLines = installLinesOf(readme)
+const names = (line: InstallLine, name: string): boolean => line.names.includes(name)
 
 /** The environment of a child: no npm settings inherited from `npm test`, no DATABASE_URL unless given. */
 const childEnv = (extra: Readonly<Record<string, string>> = {}): NodeJS.ProcessEnv => {
@@ -53,13 +94,14 @@ const run = async (
   command: string,
   args: ReadonlyArray<string>,
   cwd: string,
-  extraEnv?: Readonly<Record<string, string>>
+  extraEnv?: Readonly<Record<string, string>>,
+  timeout = STEP_TIMEOUT_MS
 ): Promise<Ran> => {
   try {
     const { stdout, stderr } = await promisify(execFile)(command, [...args], {
       cwd,
       env: childEnv(extraEnv),
-      timeout: STEP_TIMEOUT_MS,
+      timeout,
       maxBuffer: 16 * 1024 * 1024
     })
     return { stdout, stderr }
@@ -69,14 +111,10 @@ const run = async (
   }
 }
 
-const npm = (args: ReadonlyArray<string>, cwd: string) => run("npm", args, cwd)
-const npmInstall = (packages: ReadonlyArray<string>, cwd: string) =>
-  // No install scripts: nothing this package or its peers need is built at install time.
-  npm(["install", "--prefer-offline", "--no-audit", "--no-fund", "--ignore-scripts", "--save-exact", ...packages], cwd)
-
 /** Every package directory under the app's node_modules (scoped ones as @scope/name). */
 const installedPackages = (app: string): ReadonlyArray<string> => {
   const modules = Path.join(app, "node_modules")
+  if (!Fs.existsSync(modules)) return []
   const found: Array<string> = []
   for (const entry of Fs.readdirSync(modules)) {
     if (entry.startsWith(".")) continue
@@ -88,36 +126,78 @@ const installedPackages = (app: string): ReadonlyArray<string> => {
 }
 
 let work: string
-/** The tarball; packed while the apps install their own dependencies. */
+/** The tarball, packed in the background; every install waits for it. */
 let tarball: Promise<string>
+/**
+ * npm settings for the installs, through the environment so that the lines run as they stand:
+ * none changes what a line asks for or whether install scripts run (`prefer_offline` lets npm take
+ * registry metadata from its cache when it has it, as the previous test's installs did).
+ */
+let installEnv: Record<string, string>
 
-/** An empty ESM app with these files. */
-const makeApp = (name: string, files: Readonly<Record<string, string>>): string => {
+const shellQuote = (text: string): string => `'${text.replace(/'/g, `'\\''`)}'`
+
+/**
+ * Runs a README line in the app through a shell, as a user pasting it would, with the word
+ * `effect-lock` replaced by the tarball's path and nothing else changed.
+ */
+const runLine = async (line: InstallLine, app: string): Promise<Ran> => {
+  const path = await tarball
+  const command = line.command.replace(/(^|\s)effect-lock(?=\s|$)/, (_, space: string) => `${space}${shellQuote(path)}`)
+  return run("sh", ["-c", command], app, installEnv, INSTALL_TIMEOUT_MS)
+}
+
+/**
+ * better-sqlite3's install script (`prebuild-install || node-gyp rebuild`) first looks for
+ * `better-sqlite3-v<version>-node-v<abi>-<platform>-<arch>.tar.gz` in its local prebuilds directory
+ * (`npm_config_better_sqlite3_local_prebuilds`), then downloads one from GitHub, then compiles. The
+ * repository's own build of the same version for this Node is offered there, so the SQLite line
+ * runs with its install script, as a user's would, without depending on GitHub or spending a minute
+ * of CPU compiling. A line resolving another version (or a musl or non-Linux build name) finds no
+ * file there and goes on as a user's install does.
+ */
+const offerLocalPrebuild = async (): Promise<Record<string, string>> => {
+  const packageDir = Path.join(root, "node_modules", "better-sqlite3")
+  const binary = "build/Release/better_sqlite3.node"
+  if (!Fs.existsSync(Path.join(packageDir, binary))) return {}
+  const { version } = JSON.parse(Fs.readFileSync(Path.join(packageDir, "package.json"), "utf8")) as { version: string }
+  const dir = Path.join(work, "prebuilds")
+  Fs.mkdirSync(dir)
+  const file = `better-sqlite3-v${version}-node-v${process.versions.modules}-${process.platform}-${process.arch}.tar.gz`
+  await run("tar", ["-czf", Path.join(dir, file), "-C", packageDir, binary], root)
+  return { npm_config_better_sqlite3_local_prebuilds: dir }
+}
+
+/** An empty ESM app with these files (and package.json fields). */
+const makeApp = (
+  name: string,
+  files: Readonly<Record<string, string>>,
+  fields: Readonly<Record<string, unknown>> = {}
+): string => {
   const app = Path.join(work, name)
   Fs.mkdirSync(app, { recursive: true })
-  Fs.writeFileSync(Path.join(app, "package.json"), JSON.stringify({ name, private: true, type: "module" }, null, 2))
+  Fs.writeFileSync(Path.join(app, "package.json"), JSON.stringify({ name, private: true, type: "module", ...fields }, null, 2))
   for (const [file, text] of Object.entries(files)) Fs.writeFileSync(Path.join(app, file), text)
   return app
 }
 
-/** Installs the app's own dependencies first, then the tarball; returns what the tarball added. */
-const installAlongside = async (app: string, peers: ReadonlyArray<string>): Promise<ReadonlyArray<string>> => {
-  await npmInstall(peers, app)
-  const before = new Set(installedPackages(app))
-  await npmInstall([await tarball], app)
-  return installedPackages(app).filter((name) => !before.has(name))
-}
-
-beforeAll(() => {
+beforeAll(async () => {
   work = Fs.mkdtempSync(Path.join(Os.tmpdir(), "effect-lock-package-"))
   // A clean build: output of files since deleted must not be packed.
   Fs.rmSync(Path.join(root, "dist"), { recursive: true, force: true })
-  tarball = npm(["pack", "--pack-destination", work, "--json"], root).then((packed) => {
+  tarball = run("npm", ["pack", "--pack-destination", work, "--json"], root).then((packed) => {
     const [{ filename }] = JSON.parse(packed.stdout) as Array<{ readonly filename: string }>
     return Path.join(work, filename)
   })
   // Awaited by the tests; this only keeps a failed pack from being reported as unhandled.
   tarball.catch(() => {})
+  installEnv = {
+    npm_config_prefer_offline: "true",
+    npm_config_audit: "false",
+    npm_config_fund: "false",
+    npm_config_update_notifier: "false",
+    ...(await offerLocalPrebuild())
+  }
 })
 
 afterAll(async () => {
@@ -125,24 +205,27 @@ afterAll(async () => {
   if (work !== undefined) Fs.rmSync(work, { recursive: true, force: true })
 })
 
-const TSCONFIG = JSON.stringify(
-  {
-    compilerOptions: {
-      target: "ES2022",
-      module: "NodeNext",
-      moduleResolution: "NodeNext",
-      strict: true,
-      exactOptionalPropertyTypes: true,
-      // As Effect's app templates do; the @ts-expect-error lines below prove the types are not `any`.
-      skipLibCheck: true,
-      types: ["node"],
-      outDir: "out"
+const tsconfig = (): string =>
+  JSON.stringify(
+    {
+      compilerOptions: {
+        target: "ES2022",
+        module: "NodeNext",
+        moduleResolution: "NodeNext",
+        strict: true,
+        exactOptionalPropertyTypes: true,
+        // As Effect's app templates do; the @ts-expect-error lines below prove the types are not `any`.
+        skipLibCheck: true,
+        // Node's types are the app's own business, not the README line's: the repository's serve.
+        typeRoots: [Path.join(root, "node_modules", "@types")],
+        types: ["node"],
+        outDir: "out"
+      },
+      include: ["main.ts"]
     },
-    include: ["main.ts"]
-  },
-  null,
-  2
-)
+    null,
+    2
+  )
 
 /**
  * The consumer of the full install: a memory lock, an advisory lock and a lease held at once,
@@ -203,22 +286,10 @@ Effect.runPromise(program).then(
 void notANumber
 `
 
-/** The lease-only consumer: a lease from the root entry, no PgAdvisory, no pg of its own. */
-const LEASE_MAIN = `import { PgClient } from "@effect/sql-pg"
-import { Config, Effect, Layer } from "effect"
-import { DistributedLock, PgLease } from "effect-lock"
+/** How a program ends: exit 0 once done, 1 with the error. */
+const RUN = `.then(() => process.exit(0), (error) => { console.error(error); process.exit(1) })`
 
-const program = Effect.gen(function*() {
-  const url = yield* Config.redacted("DATABASE_URL")
-  const layer = PgLease.layer({ table: "package_lease_only" }).pipe(Layer.provide(PgClient.layer({ url })))
-  const token = yield* Effect.scoped(Effect.map(DistributedLock.acquire("package/lease-only"), (lease) => lease.token))
-    .pipe(Effect.provide(layer))
-  console.log(\`lease token \${token}\`)
-})
-Effect.runPromise(program).then(() => process.exit(0), (error) => { console.error(error); process.exit(1) })
-`
-
-/** The memory-only consumer, exactly the import the README shows. */
+/** The memory consumer, exactly the import the README shows; every line installs effect, all it needs. */
 const MEMORY_MAIN = `import { Effect } from "effect"
 import { DistributedLock, MemoryBackend } from "effect-lock"
 
@@ -227,8 +298,67 @@ const program = Effect.gen(function*() {
   const second = yield* Effect.scoped(Effect.map(DistributedLock.acquire("job"), (lease) => lease.token))
   console.log(\`memory tokens \${first} \${second}\`)
 })
-Effect.runPromise(program.pipe(Effect.provide(MemoryBackend.layer()))).then(() => process.exit(0), (error) => { console.error(error); process.exit(1) })
+Effect.runPromise(program.pipe(Effect.provide(MemoryBackend.layer())))${RUN}
 `
+
+/** A lease on the app's own table (LEASE_TABLE), from the root entry, on the app's PgClient. */
+const LEASE_MAIN = `import { PgClient } from "@effect/sql-pg"
+import { Config, Effect, Layer } from "effect"
+import { DistributedLock, PgLease } from "effect-lock"
+
+const program = Effect.gen(function*() {
+  const url = yield* Config.redacted("DATABASE_URL")
+  const table = yield* Config.string("LEASE_TABLE")
+  const layer = PgLease.layer({ table }).pipe(Layer.provide(PgClient.layer({ url })))
+  const token = yield* Effect.scoped(Effect.map(DistributedLock.acquire("package/lease-only"), (lease) => lease.token))
+    .pipe(Effect.provide(layer))
+  console.log(\`lease token \${token}\`)
+})
+Effect.runPromise(program)${RUN}
+`
+
+/** An advisory lock from the root entry, with nothing but pg beside effect-lock and effect. */
+const ADVISORY_MAIN = `import { Config, Effect } from "effect"
+import { DistributedLock, PgAdvisory } from "effect-lock"
+
+const program = Effect.gen(function*() {
+  const url = yield* Config.redacted("DATABASE_URL")
+  const name = yield* Config.string("LOCK_NAME")
+  const token = yield* Effect.scoped(Effect.map(DistributedLock.acquire(name, { timeout: "5 seconds" }), (lease) => lease.token))
+    .pipe(Effect.provide(PgAdvisory.layer({ url, applicationName: "package-test-advisory-only" })))
+  console.log(\`advisory token \${token}\`)
+})
+Effect.runPromise(program)${RUN}
+`
+
+/** Two leases in a fresh SQLite file of the app's directory. */
+const SQLITE_MAIN = `import { Effect } from "effect"
+import { DistributedLock, SqliteLease } from "effect-lock"
+
+const tokenOf = Effect.scoped(Effect.map(DistributedLock.acquire("job"), (lease) => lease.token))
+const program = Effect.gen(function*() {
+  const first = yield* tokenOf
+  const second = yield* tokenOf
+  console.log(\`sqlite tokens \${first} \${second}\`)
+})
+Effect.runPromise(program.pipe(Effect.provide(SqliteLease.layer({ filename: "locks.db" }))))${RUN}
+`
+
+interface Program {
+  readonly file: string
+  readonly text: string
+  readonly expected: RegExp
+}
+
+/** The programs a line's packages make runnable: memory always, each backend whose packages it names. */
+const programsFor = (line: InstallLine): ReadonlyArray<Program> => [
+  { file: "memory.js", text: MEMORY_MAIN, expected: /^memory tokens 1 2$/m },
+  ...(names(line, "@effect/sql-pg") ? [{ file: "lease.js", text: LEASE_MAIN, expected: /^lease token 1$/m }] : []),
+  ...(names(line, "pg") ? [{ file: "advisory.js", text: ADVISORY_MAIN, expected: /^advisory token \d+$/m }] : []),
+  ...(names(line, "@effect/sql-sqlite-node")
+    ? [{ file: "sqlite.js", text: SQLITE_MAIN, expected: /^sqlite tokens 1 2$/m }]
+    : [])
+]
 
 /** Starts the full consumer and resolves once it holds its locks; `release` closes its stdin. */
 const startHolder = (app: string, url: string) =>
@@ -264,19 +394,69 @@ const startHolder = (app: string, url: string) =>
     }
   )
 
-describe.concurrent("the packed package, installed into an empty ESM app", () => {
-  it("with every peer: type-checks (NodeNext), runs effect-lock and effect-lock/PgAdvisory, and npx effect-lock inspect --json sees the locks", async () => {
-    const app = makeApp("full", { "main.ts": FULL_MAIN, "tsconfig.json": TSCONFIG })
-    const added = await installAlongside(app, [
-      pinned("effect"),
-      pinned("@effect/sql"),
-      pinned("@effect/sql-pg"),
-      pinned("@effect/platform"),
-      pinned("@effect/experimental"),
-      pinned("pg"),
-      pinned("@types/node")
-    ])
-    expect(added).toEqual(["effect-lock"])
+describe("the README's install lines", () => {
+  it.each([
+    ["PostgreSQL on your SqlClient", "@effect/sql-pg"],
+    ["pg, for PgAdvisory.layer", "pg"],
+    ["SQLite", "@effect/sql-sqlite-node"]
+  ] as const)("include one for %s (naming %s)", (_, name) => {
+    expect(installLines.filter((line) => names(line, name)).map((line) => line.line)).toHaveLength(1)
+  })
+
+  // An unpinned name resolves to the registry's `latest`: Effect 4 for effect and @effect/sql-pg.
+  it.each(installLines.map((line) => [line.command, line] as const))("pin a version of every peer: %s", (_, line) => {
+    for (const spec of line.specs) {
+      if (spec !== "effect-lock") expect(spec, line.line).toMatch(/^(@[^/@]+\/)?[^@]+@\d/)
+    }
+  })
+})
+
+/**
+ * After `line` ran in the empty `app`: npm sees every dependency and peer valid, the optional peers
+ * of a backend the line does not name are absent, and the programs its packages allow all run.
+ */
+const checkLine = async (line: InstallLine, app: string, index: number): Promise<void> => {
+  // `npm ls` fails on a missing or invalid dependency or peer anywhere in the tree.
+  await run("npm", ["ls", "--all"], app)
+  const installed = installedPackages(app)
+  expect(installed).toContain("effect-lock")
+  if (!names(line, "pg") && !names(line, "@effect/sql-pg")) expect(installed).not.toContain("pg")
+  if (!line.names.some((name) => name.startsWith("@effect/sql"))) expect(installed).not.toContain("@effect/sql")
+  const programs = programsFor(line)
+  for (const program of programs) Fs.writeFileSync(Path.join(app, program.file), program.text)
+  await Promise.all(programs.map(async (program) => {
+    const { stdout } = await run(process.execPath, [program.file], app, {
+      DATABASE_URL: db.url,
+      LEASE_TABLE: `package_lease_${index}`,
+      LOCK_NAME: `package/advisory/${index}`
+    })
+    expect(stdout, program.file).toMatch(program.expected)
+  }))
+}
+
+/** The README's PostgreSQL lines: on your SqlClient (PgLease …), and pg for PgAdvisory.layer. */
+const leaseLine = installLines.find((line) => names(line, "@effect/sql-pg"))
+const advisoryLine = installLines.find((line) => names(line, "pg"))
+
+describe.concurrent("the packed package, installed by the README's lines into an empty ESM app", () => {
+  // The PostgreSQL line is checked in the app of the test below, which goes on with the pg line.
+  it.each(
+    installLines.flatMap((line, index) => (line === leaseLine ? [] : [[line.command, line, index] as const]))
+  )("%s: installs, with every peer valid, and runs", async (_, line, index) => {
+    const app = makeApp(`line-${index}`, {})
+    await runLine(line, app)
+    await checkLine(line, app, index)
+  }, INSTALL_TIMEOUT_MS + 3 * STEP_TIMEOUT_MS)
+
+  it("the PostgreSQL line installs and runs; with the pg line too (PgLease and PgAdvisory.layer), a consumer type-checks (NodeNext), runs effect-lock and effect-lock/PgAdvisory, and npx effect-lock inspect --json sees the locks", async () => {
+    if (leaseLine === undefined || advisoryLine === undefined) {
+      throw new Error("the README has no PostgreSQL (@effect/sql-pg) or no pg install line")
+    }
+    const app = makeApp("postgres", { "main.ts": FULL_MAIN, "tsconfig.json": tsconfig() })
+    await runLine(leaseLine, app)
+    await checkLine(leaseLine, app, installLines.indexOf(leaseLine))
+    await runLine(advisoryLine, app)
+    await run("npm", ["ls", "--all"], app)
     // Only what the exports map publishes: internals stay private.
     const installed = JSON.parse(Fs.readFileSync(Path.join(app, "node_modules/effect-lock/package.json"), "utf8"))
     expect(installed.exports["./internal/*"]).toBeNull()
@@ -300,23 +480,29 @@ describe.concurrent("the packed package, installed into an empty ESM app", () =>
     expect(lines).toContain(
       JSON.stringify({ event: "released", advisory: holder.holding["advisory"], lease: "1", invalidName: true })
     )
-  }, 4 * STEP_TIMEOUT_MS)
+  }, 2 * INSTALL_TIMEOUT_MS + 6 * STEP_TIMEOUT_MS)
+})
 
-  it("lease rows only (effect, @effect/sql, @effect/sql-pg): the tarball adds only itself, and a lease runs", async () => {
-    const app = makeApp("lease-only", { "main.js": LEASE_MAIN })
-    const added = await installAlongside(app, [pinned("effect"), pinned("@effect/sql"), pinned("@effect/sql-pg")])
-    expect(added).toEqual(["effect-lock"])
-    const { stdout } = await run(process.execPath, ["main.js"], app, { DATABASE_URL: db.url })
-    expect(stdout).toContain("lease token 1")
-  }, 4 * STEP_TIMEOUT_MS)
+describe.concurrent("an install that mixes in Effect 4", () => {
+  /** The part of npm's ERESOLVE report that names effect-lock's peer; the README quotes it. */
+  const refusal = `peer effect@"${rootPackage.peerDependencies["effect"]}" from effect-lock`
 
-  it("memory only (effect): no pg or @effect/sql installed, and the root entry's DistributedLock and MemoryBackend work", async () => {
-    const app = makeApp("memory-only", { "main.js": MEMORY_MAIN })
-    const added = await installAlongside(app, [pinned("effect")])
-    expect(added).toEqual(["effect-lock"])
-    expect(installedPackages(app)).not.toContain("pg")
-    expect(installedPackages(app)).not.toContain("@effect/sql")
-    const { stdout } = await run(process.execPath, ["main.js"], app)
-    expect(stdout).toContain("memory tokens 1 2")
-  }, 4 * STEP_TIMEOUT_MS)
+  it.each([
+    ["effect@4 on the same line", "npm install effect-lock effect@4", {}],
+    ["an app already on Effect 4", "npm install effect-lock", { dependencies: { effect: "^4.0.0" } }]
+  ] as const)("%s: npm refuses it at install time with its ERESOLVE peer message, and installs nothing", async (label, command, fields) => {
+    const app = makeApp(`effect-4-${label.replace(/\W+/g, "-")}`, {}, fields)
+    const before = Fs.readFileSync(Path.join(app, "package.json"), "utf8")
+    const line: InstallLine = { line: command, command, specs: [], names: [] }
+    const failure = await runLine(line, app).then(
+      () => undefined,
+      (error: Error) => error.message
+    )
+    expect(failure, "the install succeeded").toBeDefined()
+    expect(failure).toContain("npm error code ERESOLVE")
+    expect(failure).toContain(`${refusal}@${rootPackage.version}`)
+    expect(readme).toContain(refusal)
+    expect(installedPackages(app)).toEqual([])
+    expect(Fs.readFileSync(Path.join(app, "package.json"), "utf8")).toBe(before)
+  }, INSTALL_TIMEOUT_MS)
 })
