@@ -50,6 +50,7 @@ import type * as SqlClient from "@effect/sql/SqlClient"
 import * as Context from "effect/Context"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
@@ -57,6 +58,7 @@ import * as FencingToken from "./FencingToken.js"
 import { LockBackendError, StaleFencingToken } from "./LockError.js"
 import { sqlStateOf } from "./internal/sqlState.js"
 import { detachedWithin } from "./internal/stallSafe.js"
+import { durationOption, MAX_TIMER } from "./internal/validate.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, parseTable, type TableRef } from "./internal/sqlTable.js"
 
 /**
@@ -389,16 +391,12 @@ export const make = (options?: Options): Effect.Effect<Service, LockBackendError
     if (typeof table === "string") {
       return Effect.fail(new LockBackendError({ operation: "configure", cause: new Error(`Fence: ${table}`) }))
     }
-    const bound = options?.statementTimeout === undefined ? Option.some(DEFAULT_STATEMENT_TIMEOUT) : Duration.decodeUnknown(options.statementTimeout)
-    if (Option.isNone(bound) || !Duration.isFinite(bound.value) || Duration.toMillis(bound.value) <= 0) {
-      return Effect.fail(
-        new LockBackendError({
-          operation: "configure",
-          cause: new Error(`Fence: statementTimeout must be a positive, finite duration, got ${String(options?.statementTimeout)}`)
-        })
-      )
+    // The bound is a timer: past Node's longest one it would never fire, and the check could hang.
+    const bound = durationOption("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, { max: MAX_TIMER })
+    if (Either.isLeft(bound)) {
+      return Effect.fail(new LockBackendError({ operation: "configure", cause: new Error(`Fence: ${bound.left}`) }))
     }
-    return Effect.succeed(makeService(table, options?.createTable ?? true, Duration.toMillis(bound.value)))
+    return Effect.succeed(makeService(table, options?.createTable ?? true, Duration.toMillis(bound.right)))
   })
 
 /**

@@ -6,11 +6,13 @@
  *
  * @since 0.1.0
  */
+import * as Cause from "effect/Cause"
 import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import type * as FiberId from "effect/FiberId"
 import type * as Layer from "effect/Layer"
@@ -19,6 +21,7 @@ import type * as DistributedLock from "./DistributedLock.js"
 import * as DistributedSemaphore from "./DistributedSemaphore.js"
 import { fiberMillis, sleepMillis } from "./internal/clock.js"
 import * as Permits from "./internal/memoryPermits.js"
+import { durationOption } from "./internal/validate.js"
 import * as FencingToken from "./FencingToken.js"
 import type { LockMode } from "./Lease.js"
 import type { AcquireRequest, AcquireResult, Grant, LockAndSemaphoreBackend, RenewOutcome } from "./LockBackend.js"
@@ -304,7 +307,12 @@ export const makeBackend = (
       return { _tag: "Renewed", validUntil: holder.expiresAt }
     }
 
-    const defaultTtl = Duration.decode(options?.ttl ?? Duration.seconds(30))
+    // The layer's error type is `never`: a bad ttl is a defect naming the option (a positive one
+    // is clamped to [100 ms, 24 h] by DistributedLock, so no upper bound here).
+    const defaultTtl = yield* Either.match(durationOption("ttl", options?.ttl, Duration.seconds(30)), {
+      onLeft: (reason) => Effect.die(new Cause.IllegalArgumentException(`MemoryBackend: ${reason}`)),
+      onRight: Effect.succeed
+    })
     return {
       backend: "memory",
       maxNameBytes: MAX_NAME_BYTES,

@@ -7,6 +7,7 @@ import type { PgClient } from "@effect/sql-pg/PgClient"
 import * as Context from "effect/Context"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
 import { identity } from "effect/Function"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
@@ -19,6 +20,7 @@ import * as LeaseOptions from "./leaseOptions.js"
 import * as Backend from "./pgLeaseBackend.js"
 import * as Lane from "./pgLeaseLane.js"
 import * as Sql from "./pgLeaseSql.js"
+import { durationOption, type DurationRules, MAX_TIMER } from "./validate.js"
 
 /** The options of `PgLease.layer`; documented there. */
 export interface Options {
@@ -55,7 +57,16 @@ export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tabl
   return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
 }
 
-const duration = LeaseOptions.durationOption(configError)
+/** A duration option, refused at build (naming it) when it is not one the backend can run on. */
+const duration = (
+  option: string,
+  input: Duration.DurationInput | undefined,
+  fallback: Duration.Duration,
+  rules?: DurationRules
+) => Either.mapLeft(durationOption(option, input, fallback, rules), configError)
+
+/** The bounds and intervals below each end up in a Node timer (a statement's bound, a poll, a check). */
+const timer: DurationRules = { max: MAX_TIMER }
 
 export const makeBackend = (
   options?: Options,
@@ -70,7 +81,12 @@ export const makeBackend = (
     if (!Number.isInteger(connections) || connections < 1) {
       return yield* configError(`connections must be a whole number of at least 1, got ${String(connections)}`)
     }
-    const statementTimeout = yield* duration(options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, "statementTimeout")
+    // All before any connection is opened: a bad option fails the build at once.
+    const statementTimeout = yield* duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, timer)
+    // A positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here.
+    const defaultTtl = yield* duration("ttl", options?.ttl, DEFAULT_TTL)
+    const pollInterval = yield* duration("pollInterval", options?.pollInterval, DEFAULT_POLL, timer)
+    const checkInterval = yield* duration("listenCheckInterval", options?.listenCheckInterval, DEFAULT_CHECK, timer)
     const sql = yield* SqlClientTag
     const pg = yield* Effect.serviceOption(PgClientTag)
     const pool = options?.pool ?? (Option.isSome(pg) ? "own" : "application")
@@ -95,9 +111,9 @@ export const makeBackend = (
       application,
       host: Os.hostname(),
       statementTimeout,
-      defaultTtl: yield* duration(options?.ttl, DEFAULT_TTL, "ttl"),
-      pollInterval: yield* duration(options?.pollInterval, DEFAULT_POLL, "pollInterval"),
-      checkInterval: yield* duration(options?.listenCheckInterval, DEFAULT_CHECK, "listenCheckInterval"),
+      defaultTtl,
+      pollInterval,
+      checkInterval,
       createTable: options?.createTable !== false,
       listen: listenOption === true ? "always" : listenOption === false ? "never" : "auto"
     })

@@ -7,6 +7,7 @@ import type { SqliteClient } from "@effect/sql-sqlite-node/SqliteClient"
 import * as Context from "effect/Context"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
 import { identity } from "effect/Function"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
@@ -21,6 +22,7 @@ import * as LeaseOptions from "./leaseOptions.js"
 import * as Lanes from "./sqliteLeaseLane.js"
 import * as PermitSql from "./sqliteLeasePermitSql.js"
 import * as Sql from "./sqliteLeaseSql.js"
+import { durationOption, type DurationRules, MAX_TIMER } from "./validate.js"
 import * as Wake from "./sqliteLeaseWake.js"
 
 /** The options of `SqliteLease.layer`; documented there. */
@@ -55,7 +57,16 @@ export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tabl
   return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
 }
 
-const duration = LeaseOptions.durationOption(configError)
+/** A duration option, refused at build (naming it) when it is not one the backend can run on. */
+const duration = (
+  option: string,
+  input: Duration.DurationInput | undefined,
+  fallback: Duration.Duration,
+  rules?: DurationRules
+) => Either.mapLeft(durationOption(option, input, fallback, rules), configError)
+
+/** The bounds and intervals below end up in a Node timer (a statement's bound, a poll). */
+const timer: DurationRules = { max: MAX_TIMER }
 
 /** The database file: the option, else the application's `SqliteClient`'s (never an in-memory one). */
 const resolveFilename = (filename: string | undefined): Effect.Effect<string, LockBackendError> =>
@@ -106,11 +117,13 @@ export const makeBackend = (
 ): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     const tables = yield* resolveTables(options?.table)
-    const statementTimeout = yield* duration(options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, "statementTimeout")
-    const busyTimeout = yield* duration(options?.busyTimeout, DEFAULT_BUSY_TIMEOUT, "busyTimeout")
-    const pollInterval = yield* duration(options?.pollInterval, DEFAULT_POLL, "pollInterval")
-    const ttl = yield* duration(options?.ttl, DEFAULT_TTL, "ttl")
-    if (Duration.toMillis(pollInterval) <= 0) return yield* configError("pollInterval must be positive")
+    const statementTimeout = yield* duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, timer)
+    // Zero is SQLite's "never wait for the write lock": each try fails at once and is retried
+    // asynchronously. The cap keeps it within busy_timeout's C int of milliseconds.
+    const busyTimeout = yield* duration("busyTimeout", options?.busyTimeout, DEFAULT_BUSY_TIMEOUT, { ...timer, allowZero: true })
+    const pollInterval = yield* duration("pollInterval", options?.pollInterval, DEFAULT_POLL, timer)
+    // A positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here.
+    const ttl = yield* duration("ttl", options?.ttl, DEFAULT_TTL)
     if (Duration.greaterThanOrEqualTo(busyTimeout, statementTimeout)) {
       return yield* configError(
         `busyTimeout (${Duration.format(busyTimeout)}) must be shorter than statementTimeout (${Duration.format(statementTimeout)})`

@@ -7,12 +7,13 @@
 import type { PgClientConfig } from "@effect/sql-pg/PgClient"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
 import * as Redacted from "effect/Redacted"
 import type pg from "pg"
 import type { ConnectionOptions } from "node:tls"
 import { LockBackendError } from "../../LockError.js"
 import { parseTable } from "../sqlTable.js"
-import { decodeDuration } from "../validate.js"
+import { durationOption, MAX_TIMER } from "../validate.js"
 import type { BackendOptions } from "./state.js"
 
 /** A password as text, `Redacted`, or a function asked at each connect (rotating credentials). */
@@ -45,13 +46,17 @@ const DEFAULT_CONNECT_TIMEOUT = Duration.seconds(10)
 const DEFAULT_HEARTBEAT_INTERVAL = Duration.millis(500)
 const DEFAULT_HEARTBEAT_TIMEOUT = Duration.millis(1_000)
 
-const positiveMillis = (input: Duration.DurationInput | undefined, fallback: Duration.Duration, what: string) => {
-  const millis = Duration.toMillis(decodeDuration(input) ?? fallback)
-  if (!Number.isFinite(millis) || millis <= 0) {
-    throw new Error(`${what} must be a positive, finite duration`)
-  }
-  return Math.ceil(millis)
-}
+/**
+ * A duration option in whole milliseconds; thrown (naming the option) when refused. Each of them
+ * ends up in a Node timer (node-pg's connect timeout, the heartbeat's schedule and bound), hence the cap.
+ */
+const positiveMillis = (input: Duration.DurationInput | undefined, fallback: Duration.Duration, what: string) =>
+  Either.match(durationOption(what, input, fallback, { max: MAX_TIMER }), {
+    onLeft: (reason) => {
+      throw new Error(reason)
+    },
+    onRight: (duration) => Math.ceil(Duration.toMillis(duration))
+  })
 
 const passwordOf = (password: Password): pg.ClientConfig["password"] =>
   typeof password === "function" ? password : Redacted.isRedacted(password) ? Redacted.value(password) : password
