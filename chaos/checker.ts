@@ -3,14 +3,24 @@
  * driver injected, it proves — or refutes with the rows and events at fault — what a lock with
  * fencing tokens promises. Pure: `test/chaos.test.ts` runs it on hand-made logs.
  *
- * Clocks. Events and faults are stamped with `Date.now()` on this host; write times come from the
+ * Writes after a loss. The guarantee checked is the one the README states: a write that *began*
+ * before its holder reported the loss has an unknown outcome, like any statement in flight when a
+ * database client gives up — it may commit later, and is still fenced (the token-order check holds
+ * it to that); a write that *began* after the report is a violation (`write-after-loss`). The
+ * worker stamps a write's begin by printing a `writing` event in the fiber that writes, right
+ * before the insert is handed to the driver, and stores that event's stamp in the row (`beganAt`,
+ * `beganN`). The `lost` event comes from the same process, so the two are compared by the
+ * process's own event order `n` — exact, with no clock involved (`t` is only shown). A row without
+ * a begin stamp (a log from before the stamp existed) is judged by the old, stricter rule: a
+ * commit after the report is flagged, in-flight or not, and the detail says so.
+ *
+ * Clocks. Events and faults are stamped with `Date.now()` on this host; commit times come from the
  * server (`pg_xact_commit_timestamp`, or the insert's `clock_timestamp()` when commit timestamps
- * are off). On one host both read the same system clock, so no alignment is needed
- * (`serverOffsetMs` 0); for a remote server the driver measures the offset (server − local) and
- * it is subtracted from the server's times. A server time is floored to the millisecond before it
- * is compared with `Date.now()` (which is floored too): "written after the loss was reported" is
- * then never claimed for a write that committed before it, at the cost of missing one within the
- * same millisecond.
+ * are off) and order the writes for the token check and time the recoveries. On one host both
+ * read the same system clock, so no alignment is needed (`serverOffsetMs` 0); for a remote server
+ * the driver measures the offset (server − local) and it is subtracted from the server's times. A
+ * server time is floored to the millisecond before it is compared with `Date.now()` (which is
+ * floored too).
  */
 import { FAULT_KINDS, type FaultKind, type FaultRecord } from "./faults.js"
 import type { WorkerExit } from "./fleet.js"
@@ -27,6 +37,10 @@ export interface WriteRow {
   readonly writtenAt: number
   /** Server time of the commit, when the server tracks commit timestamps. */
   readonly committedAt?: number | undefined
+  /** `Date.now()` of the writing worker when the write began (its `writing` event's `t`). */
+  readonly beganAt?: number | undefined
+  /** The writing worker's `writing` event's `n`: its place in that process's event order. */
+  readonly beganN?: number | undefined
 }
 
 export interface CheckInput {
@@ -150,7 +164,12 @@ const checkRounds = (writes: ReadonlyArray<WriteRow>): Array<Violation> => {
   return violations
 }
 
-/** A holder that reported its loss must have no write committed after that report. */
+/**
+ * A holder that reported its loss must begin no write after that report: a row whose begin comes
+ * after its acquisition's `lost` event in the worker's own event order is a violation. One begun
+ * before may commit after (in flight: outcome unknown, still fenced). A row without a begin stamp
+ * falls back to its commit time.
+ */
 const checkWritesAfterLoss = (input: CheckInput): Array<Violation> => {
   const lostAt = new Map<string, Stamped & { readonly e: "lost" }>()
   for (const event of input.events) {
@@ -160,11 +179,22 @@ const checkWritesAfterLoss = (input: CheckInput): Array<Violation> => {
   for (const row of input.writes) {
     const lost = lostAt.get(row.acquisition)
     if (lost === undefined) continue
+    const reported = `w${lost.w} reported the loss (${lost.reason}) at ${iso(lost.t)} (its event ${lost.n})`
+    if (row.beganN !== undefined) {
+      if (row.beganN > lost.n) {
+        const began = row.beganAt === undefined ? "" : ` at ${iso(row.beganAt)}, ${row.beganAt - lost.t} ms`
+        violations.push({
+          kind: "write-after-loss",
+          detail: `${describeRow(row)} began${began} after ${reported}: its begin is event ${row.beganN}`
+        })
+      }
+      continue
+    }
     const committed = localMillis(commitOf(row), input.serverOffsetMs)
     if (committed > lost.t) {
       violations.push({
         kind: "write-after-loss",
-        detail: `${describeRow(row)} committed at ${iso(committed)}, ${committed - lost.t} ms after w${lost.w} reported the loss (${lost.reason}) at ${iso(lost.t)}`
+        detail: `${describeRow(row)} committed at ${iso(committed)}, ${committed - lost.t} ms after ${reported}; the row has no begin stamp, so its commit was judged`
       })
     }
   }

@@ -5,13 +5,16 @@
  * non-zero on any violation.
  *
  *   npm run chaos [-- --backend pg-advisory|pg-lease|all] [--minutes N] [--seed S] [--workers K]
- *                    [--ttl-ms T] [--pool P] [--report FILE | --no-report]
+ *                    [--ttl-ms T] [--pool P] [--report FILE | --no-report] [--broken write-after-loss]
+ *
+ * `--broken write-after-loss` runs deliberately broken workers (see protocol.ts `WorkerConfig.broken`)
+ * to show the checker flags a write begun after a reported loss; such a run must fail.
  */
 import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
 import { parseSeed, randomSeed } from "./prng.js"
-import { BACKENDS, type Backend, isBackend } from "./protocol.js"
+import { BACKENDS, type Backend, type BrokenWorker, isBackend } from "./protocol.js"
 import { renderMarkdown, renderSummary } from "./report.js"
 import { DEFAULTS, resumeFrozenServerProcesses, runChaos } from "./run.js"
 
@@ -19,7 +22,7 @@ const ROOT = fileURLToPath(new URL("..", import.meta.url))
 const DEFAULT_REPORT = Path.join(ROOT, "bench", "CHAOS.md")
 
 const usage =
-  "usage: npm run chaos -- [--backend pg-advisory|pg-lease|all] [--minutes N] [--seed S] [--workers K] [--ttl-ms T] [--pool P] [--report FILE | --no-report]"
+  "usage: npm run chaos -- [--backend pg-advisory|pg-lease|all] [--minutes N] [--seed S] [--workers K] [--ttl-ms T] [--pool P] [--report FILE | --no-report] [--broken write-after-loss]"
 
 const argument = (flag: string): string | undefined => {
   const index = process.argv.indexOf(flag)
@@ -38,13 +41,15 @@ const number = (flag: string, fallback: number, valid: (n: number) => boolean, w
 }
 
 const parse = () => {
-  const known = new Set(["--backend", "--minutes", "--seed", "--workers", "--ttl-ms", "--pool", "--report", "--no-report"])
+  const known = new Set(["--backend", "--minutes", "--seed", "--workers", "--ttl-ms", "--pool", "--report", "--no-report", "--broken"])
   for (const arg of process.argv.slice(2)) {
     if (arg.startsWith("--") && !known.has(arg)) throw new Error(`unknown option ${arg}\n${usage}`)
   }
   const backend = argument("--backend") ?? "all"
   if (backend !== "all" && !isBackend(backend)) throw new Error(`--backend is pg-advisory, pg-lease or all, not ${backend}\n${usage}`)
   const seedText = argument("--seed")
+  const broken = argument("--broken")
+  if (broken !== undefined && broken !== "write-after-loss") throw new Error(`--broken is write-after-loss, not ${broken}\n${usage}`)
   return {
     backends: backend === "all" ? [...BACKENDS] : [backend as Backend],
     // 0: one fault of each kind, then stop.
@@ -53,6 +58,7 @@ const parse = () => {
     workers: number("--workers", DEFAULTS.workers, (n) => Number.isInteger(n) && n >= 2 && n <= 32, "a whole number from 2 to 32"),
     ttlMs: number("--ttl-ms", DEFAULTS.ttlMs, (n) => Number.isInteger(n) && n >= 1_000, "a whole number of ms, at least 1000 (PgLease's floor)"),
     poolSize: number("--pool", DEFAULTS.poolSize, (n) => Number.isInteger(n) && n >= 1 && n <= 50, "a whole number from 1 to 50"),
+    broken: broken as BrokenWorker | undefined,
     report: process.argv.includes("--no-report") ? undefined : Path.resolve(argument("--report") ?? DEFAULT_REPORT)
   }
 }
@@ -74,6 +80,7 @@ const main = async () => {
     ttlMs: args.ttlMs,
     poolSize: args.poolSize,
     logDir: DEFAULTS.logDir,
+    broken: args.broken,
     log: (line) => console.log(`[${((Date.now() - started) / 1000).toFixed(1).padStart(6)}s] ${line}`)
   })
   console.log(renderSummary(run))

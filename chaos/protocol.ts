@@ -2,7 +2,8 @@
  * What the chaos driver and its worker processes say to each other, and the names both use.
  *
  * Workers print one JSON object per stdout line (a `WorkerEvent` stamped with the worker's slot,
- * incarnation and `Date.now()`); the driver writes one command per stdin line.
+ * incarnation, `Date.now()` and its place in the process's output); the driver writes one command
+ * per stdin line.
  */
 
 /** The PostgreSQL backends a chaos run exercises. */
@@ -15,7 +16,11 @@ export const isBackend = (value: string): value is Backend => (BACKENDS as Reado
 export const LOCK_NAME = "chaos-round"
 /** The `Fence` resource every accepted write is checked against. */
 export const FENCE_RESOURCE = "chaos_rounds"
-/** The write log: one row per accepted write. No unique constraint on `round`: a double holder must be able to show. */
+/**
+ * The write log: one row per accepted write. No unique constraint on `round`: a double holder must
+ * be able to show. `began_at` and `began_n` are the stamp (`t`, `n`) of the worker's `writing`
+ * event for this write: when the write began, on the worker's own clock and in its own order.
+ */
 export const ROUNDS_TABLE = "chaos_rounds"
 
 export const roundsTableSql = `create table if not exists ${ROUNDS_TABLE} (
@@ -24,6 +29,8 @@ export const roundsTableSql = `create table if not exists ${ROUNDS_TABLE} (
   worker int not null,
   token bigint not null,
   acquisition text not null,
+  began_at bigint not null,
+  began_n bigint not null,
   written_at timestamptz not null
 )`
 
@@ -54,6 +61,11 @@ export type WorkerEvent =
   | { readonly e: "lost"; readonly acq: string; readonly token: string; readonly reason: string }
   /** The lock was released (the scope closed) without a loss. */
   | { readonly e: "released"; readonly acq: string; readonly token: string }
+  /**
+   * A fenced write begins: printed in the fiber that writes, after the fence check and right before
+   * the insert is handed to the driver. Its `t` and `n` are stored in the row it writes.
+   */
+  | { readonly e: "writing"; readonly acq: string; readonly token: string; readonly round: number }
   /** The fenced write committed. */
   | { readonly e: "wrote"; readonly acq: string; readonly token: string; readonly round: number; readonly seq: string }
   /** The fence refused the write: a newer token has written. */
@@ -73,6 +85,11 @@ export type Stamped = WorkerEvent & {
   readonly w: number
   /** How many times this slot was started before (0 for the first process). */
   readonly i: number
+  /**
+   * The event's place in its process's output (1, 2, …): exact order within one process, where
+   * `t` can tie. Events of different processes (w, i) are not ordered by it.
+   */
+  readonly n: number
 }
 
 /** Driver → worker, one per stdin line. */
@@ -90,7 +107,16 @@ export interface WorkerConfig {
   readonly ttlMs: number
   readonly poolSize: number
   readonly seed: number
+  /**
+   * A deliberately broken worker, to show that the checker catches what it must (never in a real
+   * run): `write-after-loss` makes every worker block its own event loop past the lease's safe time
+   * in its first round (so that it loses its lease), and, once it has reported a loss, write on a
+   * daemon fiber outside the guard, as a program that ignores `LockLost` would.
+   */
+  readonly broken?: BrokenWorker | undefined
 }
+
+export type BrokenWorker = "write-after-loss"
 
 export const WORKER_ENV = "CHAOS_WORKER_CONFIG"
 

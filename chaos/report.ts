@@ -41,7 +41,7 @@ const VIOLATION_MEANING: Readonly<Record<ViolationKind, string>> = {
   "token-order": "accepted writes, in commit order, whose token did not strictly increase",
   "round-duplicate": "a round written more than once (two holders read the same last round)",
   "round-skipped": "a round with no row below the highest one",
-  "write-after-loss": "a write committed after its holder reported the loss",
+  "write-after-loss": "a write begun after its holder reported the loss (one begun before may commit after: in flight, still fenced)",
   "needless-loss": "a holder lost its lock to a fault that must cost none (pool saturation, a short stall, …)",
   "write-missing": "a write a worker saw commit that is not in the log",
   "no-recovery": "a fault not followed by an accepted write within its bound",
@@ -70,7 +70,8 @@ const command = (run: ChaosRun): string => {
   const backend = run.options.backends.length > 1 ? "all" : run.options.backends[0]
   const extra = run.options.extraSeeds ?? []
   const then = extra.length === 0 ? "" : ` (this run then drew one deck of faults from each of the seeds ${extra.join(", ")}: replay one with its own --seed)`
-  return `\`npm run chaos -- --backend ${backend} --minutes ${run.options.durationMs / 60_000} --seed ${run.seed} --workers ${run.options.workers} --ttl-ms ${run.options.ttlMs}\`${then}`
+  const broken = run.options.broken === undefined ? "" : ` --broken ${run.options.broken}`
+  return `\`npm run chaos -- --backend ${backend} --minutes ${run.options.durationMs / 60_000} --seed ${run.seed} --workers ${run.options.workers} --ttl-ms ${run.options.ttlMs}${broken}\`${then}`
 }
 
 const resultRows = (runs: ReadonlyArray<BackendRun>): Array<Array<string>> => {
@@ -162,6 +163,7 @@ export const renderMarkdown = (run: ChaosRun): string => {
     "",
     table(["", ""], [
       ["seed", String(run.seed)],
+      ...(run.options.broken === undefined ? [] : [["broken workers (on purpose: the checker must flag them)", run.options.broken]]),
       ["backends", run.options.backends.join(", ")],
       ["fault injection per backend", `${minutes} min, and at least one fault of each kind (the last fault's recovery may run past it)`],
       ["workers (OS processes) per backend", String(run.options.workers)],
@@ -199,7 +201,7 @@ export const renderMarkdown = (run: ChaosRun): string => {
     `holding the lock under \`DistributedLock.guard\` (what \`withLock\` uses), a worker works (${SHORT_WORK_MS.min}–${SHORT_WORK_MS.max} ms, or ${LONG_WORK_TTLS.min}–${LONG_WORK_TTLS.max} × ttl`,
     "one round in four, so leases renew while held), reads the last round of the write",
     "log, waits a deliberate 20–80 ms gap, then in one transaction runs `Fence.check` with the lease's token and",
-    "inserts round + 1 (worker, token, acquisition id, `clock_timestamp()`). A double holder would write a round",
+    "inserts round + 1 (worker, token, acquisition id, when the write began, `clock_timestamp()`). A double holder would write a round",
     "twice; a stale holder is refused by the fence. The driver (chaos/run.ts) injects one fault at a time, waits",
     "for a write after it (or its bound), pauses 0.3–1 s, and draws the next kind from a seeded deck holding",
     "every kind once, so a short run still has them all. Four faults in five are aimed at the next worker granted",
@@ -212,11 +214,13 @@ export const renderMarkdown = (run: ChaosRun): string => {
     "",
     "- **Token order**: the accepted writes, in commit order, carry strictly increasing tokens (one write per grant).",
     "- **Rounds**: rounds 1..n, one row each: no round done twice, none skipped.",
-    "- **No write after a reported loss**: a worker prints `lost` the moment its `lease.lost` fails; a write of",
-    "  that acquisition committed later is a violation. Alignment: the workers' `Date.now()` and the server's",
-    "  commit timestamps read the same system clock (one host), so no offset is applied; the server time is floored",
-    "  to the millisecond like `Date.now()`, so a write committed before the report is never flagged (one within the",
-    "  same millisecond can be missed). For a remote server the measured offset would be subtracted.",
+    "- **No write begun after a reported loss**: a worker prints `lost` the moment its `lease.lost` fails, and",
+    "  `writing` when a fenced write begins (after `Fence.check`, right before the insert goes to the driver), whose",
+    "  stamp is stored in the row. A row of that acquisition whose write began after the `lost` report is a violation,",
+    "  judged by the worker's own event order (exact: one process, no clock involved). A write that began before the",
+    "  report and committed after it is not: it was in flight, its outcome unknown to the holder as with any database",
+    "  client (a statement sent to a server that then froze may still commit when it resumes), and it is still",
+    "  fenced — the token-order check holds it to that. Rows without a begin stamp (old logs) are judged by their commit.",
     "- **Nothing lost**: every write a worker saw commit is in the log (restarts included).",
     "- **No needless loss**: a holder hit by a fault the library promises costs nothing reports no `LockLost`",
     "  during it or within 2 s after it (DESIGN.md non-negotiables, issue 10): pool saturation (renewals never queue",

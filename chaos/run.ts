@@ -13,7 +13,7 @@ import { check, type CheckResult, type WriteRow } from "./checker.js"
 import { FAULT_KINDS, type FaultContext, type FaultKind, type FaultRecord, inject, makeDeck } from "./faults.js"
 import { makeFleet } from "./fleet.js"
 import { deriveSeed, makePrng } from "./prng.js"
-import { type Backend, DRIVER_APPLICATION, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
+import { type Backend, type BrokenWorker, DRIVER_APPLICATION, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
 
 export interface ChaosOptions {
   readonly backends: ReadonlyArray<Backend>
@@ -37,6 +37,8 @@ export interface ChaosOptions {
   readonly extraSeeds?: ReadonlyArray<number> | undefined
   /** Fault kinds to draw from (default: all). */
   readonly kinds?: ReadonlyArray<FaultKind> | undefined
+  /** Deliberately broken workers (protocol.ts `WorkerConfig.broken`): only to show the checker catches them. */
+  readonly broken?: BrokenWorker | undefined
 }
 
 export interface ClockAlignment {
@@ -132,8 +134,10 @@ const readWrites = async (url: string, commitTimestamps: boolean): Promise<Array
     acquisition: string
     written: string
     committed: string | null
+    began_at: string
+    began_n: string
   }>(
-    `select seq::int as seq, round, worker, token::text as token, acquisition,
+    `select seq::int as seq, round, worker, token::text as token, acquisition, began_at::text, began_n::text,
        (extract(epoch from written_at) * 1000)::text as written,
        ${commitTimestamps ? "(extract(epoch from pg_xact_commit_timestamp(xmin)) * 1000)::text" : "null"} as committed
      from ${ROUNDS_TABLE} order by seq`
@@ -145,7 +149,9 @@ const readWrites = async (url: string, commitTimestamps: boolean): Promise<Array
     token: BigInt(row.token),
     acquisition: row.acquisition,
     writtenAt: Number(row.written),
-    committedAt: row.committed === null ? undefined : Number(row.committed)
+    committedAt: row.committed === null ? undefined : Number(row.committed),
+    beganAt: Number(row.began_at),
+    beganN: Number(row.began_n)
   }))
 }
 
@@ -200,7 +206,7 @@ const runBackend = async (
   const fleet = makeFleet({
     workers: options.workers,
     logFile,
-    config: { url, backend, ttlMs: options.ttlMs, poolSize: options.poolSize, seed: options.seed }
+    config: { url, backend, ttlMs: options.ttlMs, poolSize: options.poolSize, seed: options.seed, broken: options.broken }
   })
   const faults: Array<FaultRecord> = []
   let stoppedAt = Date.now()

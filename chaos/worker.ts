@@ -6,7 +6,9 @@
  * commands: an event-loop stall, its own pool saturated, stop.
  *
  * It is an ordinary user of the library's public API (`withLock`-style guard, interruptible
- * write): whatever the checker finds, a user's program would do the same.
+ * write): whatever the checker finds, a user's program would do the same. The one exception is
+ * `broken` in its config (protocol.ts), set only by the test that shows the checker catches a
+ * write begun after a reported loss.
  */
 import * as SqlClient from "@effect/sql/SqlClient"
 import * as PgClient from "@effect/sql-pg/PgClient"
@@ -20,8 +22,10 @@ import * as Option from "effect/Option"
 import * as LogLevel from "effect/LogLevel"
 import * as Redacted from "effect/Redacted"
 import * as Runtime from "effect/Runtime"
+import * as Schedule from "effect/Schedule"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as Fence from "effect-lock/Fence"
+import type { FencingToken } from "effect-lock/FencingToken"
 import type { Lease } from "effect-lock/Lease"
 import type { LockLost } from "effect-lock/LockError"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
@@ -50,6 +54,8 @@ const ACQUIRE_TIMEOUT = Duration.seconds(30)
 const ERROR_BACKOFF = Duration.millis(200)
 /** Pool checkout bound: a saturated pool fails the write typed instead of waiting forever. */
 const POOL_CONNECT_TIMEOUT = Duration.seconds(5)
+/** A broken worker's stall in its first round, in ttls: past the lease's safe time. */
+const BROKEN_STALL_TTLS = 1.5
 
 const config = JSON.parse(process.env[WORKER_ENV] ?? "null") as WorkerConfig | null
 if (config === null) {
@@ -60,11 +66,20 @@ const { slot, incarnation } = config
 const prng = makePrng(deriveSeed(config.seed, `worker-${slot}-${incarnation}`))
 const ttl = Duration.millis(config.ttlMs)
 
-// stdout to a pipe is synchronous on Linux: an event printed before a SIGKILL is not lost.
-const print = (event: WorkerEvent): void => {
-  process.stdout.write(`${JSON.stringify({ ...event, t: Date.now(), w: slot, i: incarnation })}\n`)
+/** Events printed so far by this process: an event's `n`. */
+let printed = 0
+
+/**
+ * Prints one event and returns its stamp. stdout to a pipe is synchronous on Linux: an event
+ * printed before a SIGKILL is not lost. `t` and `n` are taken in the same synchronous step as the
+ * print, so two events of this process are in the order they happened by `n` (and by `t`, ties aside).
+ */
+const print = (event: WorkerEvent): { readonly t: number; readonly n: number } => {
+  const stamp = { t: Date.now(), n: ++printed }
+  process.stdout.write(`${JSON.stringify({ ...event, ...stamp, w: slot, i: incarnation })}\n`)
+  return stamp
 }
-const emit = (event: WorkerEvent) => Effect.sync(() => print(event))
+const emit = (event: WorkerEvent) => Effect.sync(() => void print(event))
 
 /** Work before the read: mostly short (many handoffs), sometimes long (renewals while held). */
 const workMillis = (): number => {
@@ -75,28 +90,70 @@ const workMillis = (): number => {
   return long ? longMillis : short
 }
 
-/** The round's work: read, gap, fenced write. Interruptible throughout, like any `withLock` body. */
-const work = (lease: Lease, acq: string) =>
+/**
+ * The fenced write of `round`, in one transaction: `Fence.check` with `token`, then the insert.
+ * The write's begin is stamped by printing `writing` in the fiber that writes, after the fence
+ * check returned and right before the insert is handed to the driver (no wait in between), and
+ * the stamp goes into the row: the checker compares it with this acquisition's `lost` event,
+ * printed by the same process, by their place in its output (`n`). A write begun before the loss
+ * was reported may still commit later (its outcome was unknown); one begun after is a violation.
+ * Under `guard`, a body resuming after the loss is stopped before its next step, so it never
+ * prints `writing` after `lost`.
+ */
+const fencedWrite = (token: FencingToken, acq: string, round: number) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
-    yield* Effect.sleep(Duration.millis(workMillis()))
-    const [last] = yield* sql<{ last: number }>`select coalesce(max(round), 0)::int as last from ${sql(ROUNDS_TABLE)}`
-    const round = (last?.last ?? 0) + 1
-    // The deliberate gap: a second holder in it would read the same last round and write it twice.
-    yield* Effect.sleep(Duration.millis(prng.int(GAP_MS.min, GAP_MS.max)))
-    const token = lease.token.toString()
+    const tokenText = token.toString()
     const seq = yield* sql.withTransaction(
       Effect.gen(function*() {
-        yield* Fence.check(FENCE_RESOURCE, lease.token)
+        yield* Fence.check(FENCE_RESOURCE, token)
+        const began = yield* Effect.sync(() => print({ e: "writing", acq, token: tokenText, round }))
         const [row] = yield* sql<{ seq: string }>`
-          insert into ${sql(ROUNDS_TABLE)} (round, worker, token, acquisition, written_at)
-          values (${round}, ${slot}, ${token}::bigint, ${acq}, clock_timestamp())
+          insert into ${sql(ROUNDS_TABLE)} (round, worker, token, acquisition, began_at, began_n, written_at)
+          values (${round}, ${slot}, ${tokenText}::bigint, ${acq}, ${began.t}, ${began.n}, clock_timestamp())
           returning seq::text as seq`
         return row?.seq ?? "?"
       })
     )
-    yield* emit({ e: "wrote", acq, token, round, seq })
+    yield* emit({ e: "wrote", acq, token: tokenText, round, seq })
   })
+
+/** The next round: one more than the last in the write log. */
+const nextRound = Effect.gen(function*() {
+  const sql = yield* SqlClient.SqlClient
+  const [last] = yield* sql<{ last: number }>`select coalesce(max(round), 0)::int as last from ${sql(ROUNDS_TABLE)}`
+  return (last?.last ?? 0) + 1
+})
+
+/** The round's work: read, gap, fenced write. Interruptible throughout, like any `withLock` body. */
+const work = (lease: Lease, acq: string, first: boolean) =>
+  Effect.gen(function*() {
+    // Broken on purpose: a stall past the safe time, so that this holder loses its lease.
+    if (config.broken === "write-after-loss" && first) stall(BROKEN_STALL_TTLS * config.ttlMs)
+    yield* Effect.sleep(Duration.millis(workMillis()))
+    const round = yield* nextRound
+    // The deliberate gap: a second holder in it would read the same last round and write it twice.
+    yield* Effect.sleep(Duration.millis(prng.int(GAP_MS.min, GAP_MS.max)))
+    yield* fencedWrite(lease.token, acq, round)
+  })
+
+/**
+ * Broken on purpose (`broken: "write-after-loss"`): what a program that ignores `LockLost` does —
+ * it goes on writing after the loss was reported, on a daemon fiber outside the guard, which the
+ * library cannot stop. Retried while the server is unreachable; a refusal by the fence ends it.
+ */
+const writeAfterLoss = (token: FencingToken, acq: string) =>
+  Effect.gen(function*() {
+    const round = yield* nextRound
+    yield* fencedWrite(token, acq, round)
+  }).pipe(
+    Effect.catchTag("StaleFencingToken", (error) => emit({ e: "refused", acq, token: token.toString(), current: error.current.toString() })),
+    Effect.retry({ times: 20, schedule: Schedule.spaced(ERROR_BACKOFF) }),
+    Effect.catchAllCause((cause) => emit({ e: "error", acq, tag: "broken-write", message: Cause.pretty(cause).split("\n")[0] ?? "failed" })),
+    Effect.uninterruptible,
+    Effect.forkDaemon,
+    Effect.asVoid
+  )
 
 /** One acquisition: acquire, watch for loss, run the work under `guard`, release. */
 const round = (n: number) =>
@@ -107,7 +164,9 @@ const round = (n: number) =>
       Effect.suspend(() => {
         if (state.lost) return Effect.void
         state.lost = true
-        return emit({ e: "lost", acq, token: error.token.toString(), reason: error.reason })
+        const report = emit({ e: "lost", acq, token: error.token.toString(), reason: error.reason })
+        // Broken on purpose: a write begun after the report.
+        return config.broken === "write-after-loss" ? Effect.zipRight(report, writeAfterLoss(error.token, acq)) : report
       })
     const held = Effect.gen(function*() {
       const lease = yield* DistributedLock.acquire(LOCK_NAME, { ttl, timeout: ACQUIRE_TIMEOUT })
@@ -115,7 +174,7 @@ const round = (n: number) =>
       yield* emit({ e: "acquired", acq, token: state.token })
       // Reports the moment this process learns of the loss, not when the body has stopped.
       yield* Effect.forkScoped(Effect.catchAll(lease.lost, reportLoss))
-      const outcome = yield* Effect.either(DistributedLock.guard(lease, work(lease, acq)))
+      const outcome = yield* Effect.either(DistributedLock.guard(lease, work(lease, acq, n === 1)))
       if (outcome._tag === "Right") return
       const error = outcome.left
       switch (error._tag) {
