@@ -22,7 +22,7 @@ import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "./LockBa
 import { LockBackendError, LockLost, LockTimeout } from "./LockError.js"
 import type { InvalidLockName, LostReason } from "./LockError.js"
 import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./internal/clock.js"
-import { type Held, heldOf, makeRegistry, type Registry, safetyDeadlineOf } from "./internal/held.js"
+import { addBody, type Held, heldOf, makeRegistry, type Registry, safetyDeadlineOf } from "./internal/held.js"
 import * as metrics from "./internal/metrics.js"
 import * as internalSchedule from "./internal/schedule.js"
 import { timeoutOption } from "./internal/stallSafe.js"
@@ -207,8 +207,9 @@ const takeLease = <G extends Grant>(
       traced: isTraced(fiber)
     }
     // Grant and registration of its release are one uninterruptible step; only the backend's
-    // explicitly interruptible waits can be interrupted, and those leave no grant behind.
-    const taking = Effect.uninterruptibleMask((restore) => attemptOnce(take, restore))
+    // explicitly interruptible waits can be interrupted, and those leave no grant behind. Counted
+    // in flight until settled: a closing service waits for it before its connections close.
+    const taking = registry.taking(Effect.uninterruptibleMask((restore) => attemptOnce(take, restore)))
     return take.traced
       ? Effect.withSpan(taking, kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
         captureStackTrace: false,
@@ -238,10 +239,14 @@ const attemptOnce = <G extends Grant>(
     ttl: take.ttl,
     deadline,
     interruptible: restore,
+    // A wait also ends when the service starts closing (an ordered shutdown does not wait for it).
     waitUntilDeadline: (step) =>
-      Option.isNone(deadline)
-        ? Effect.asSome(restore(step))
-        : Effect.flatMap(monotonicMillis, (now) => restore(timeoutOption(step, wholeMillis(deadline.value - now)))),
+      restore(Effect.raceFirst(
+        Option.isNone(deadline)
+          ? Effect.asSome(step)
+          : Effect.flatMap(monotonicMillis, (now) => timeoutOption(step, wholeMillis(deadline.value - now))),
+        Effect.as(registry.closing, Option.none())
+      )),
     onLost: (reason) =>
       Effect.suspend(() => {
         if (state.discarded) return Effect.void
@@ -265,6 +270,8 @@ const settle = <G extends Grant>(
   const { fiber, name, registry } = take
   const now = fiberMillis(fiber)
   if (result._tag === "Busy") return annotated(take, now, result._tag, Effect.succeedNone)
+  // A wait the closing service ended is no timeout of the caller's.
+  if (result._tag === "TimedOut" && registry.isClosed()) return Effect.fail(closedError(name))
   if (result._tag === "Granted") {
     const grant = result.grant
     const closed = registry.isClosed()
@@ -377,6 +384,8 @@ export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effe
       const fork = Effect.fork(restore(self))
       return Effect.gen(function*() {
         const body = yield* (watch === undefined ? fork : Effect.supervised(fork, watch))
+        // A shutdown waits for the body to stop before it gives the lease back.
+        if (held !== undefined) addBody(held, body)
         let lostWith: LockLost | undefined
         // The body is interrupted and awaited here, so it stops before anyone releases.
         const watcher = yield* Effect.fork(

@@ -60,13 +60,14 @@ const Token = FencingTokenSchema
  * - `connection-lost`: the database session holding it died.
  * - `renewal-failed`: renewals could not reach the store before the local deadline minus the
  *   safety margin, so the lease is given up before it can expire.
- * - `revoked`: an operator or test took it away, or the layer providing the lock service was
- *   closed while the lease was held.
+ * - `revoked`: an operator or test took it away.
+ * - `shutdown`: the layer providing the lock service is closing; a guarded body was interrupted
+ *   and had stopped before the lock was given back.
  *
  * @since 0.1.0
  * @category models
  */
-export const LostReason = Schema.Literal("expired", "stolen", "connection-lost", "renewal-failed", "revoked")
+export const LostReason = Schema.Literal("expired", "stolen", "connection-lost", "renewal-failed", "revoked", "shutdown")
 
 /**
  * @since 0.1.0
@@ -126,7 +127,9 @@ const describeReason = (reason: LostReason): string => {
     case "renewal-failed":
       return "renewals could not reach the store before the lease's safety margin"
     case "revoked":
-      return "it was revoked (or its lock service was shut down)"
+      return "it was revoked"
+    case "shutdown":
+      return "its lock service is shutting down"
   }
 }
 

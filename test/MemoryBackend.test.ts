@@ -27,6 +27,7 @@ contractSuite("MemoryBackend", {
   storeHolders: (name) =>
     Effect.map(MemoryBackend.holders(store), (all) => all.filter((lease) => lease.name === name).length),
   advance: TestClock.adjust,
+  revoke: (name) => MemoryBackend.revoke(store, name),
   maxNameBytes: 1024,
   minTtl: Duration.millis(100)
 })
@@ -451,7 +452,7 @@ describe("DistributedLock on the memory backend", () => {
       expect(faults.events).toContain("renew:start")
       yield* Scope.close(scope, Exit.void)
       const error = yield* Effect.flip(Fiber.join(run))
-      expect(error).toMatchObject({ _tag: "LockLost", name: "closing", reason: "revoked" })
+      expect(error).toMatchObject({ _tag: "LockLost", name: "closing", reason: "shutdown" })
       yield* stopped.await
       expect(yield* MemoryBackend.holders(shared)).toEqual([])
       const refused = yield* Effect.flip(Effect.scoped(a.acquire("after-close")))

@@ -30,6 +30,20 @@ const requests = (name: string, granted: boolean) =>
     })
   )
 
+/** Terminates the sessions holding `name`'s key, as an operator would: the server drops their locks. */
+const terminateHolders = (name: string) =>
+  Effect.promise(() =>
+    withClient(db.url, async (client) => {
+      const key = BigInt.asUintN(64, PgAdvisory.keyOf(name))
+      await client.query(
+        `select pg_terminate_backend(pid) from pg_locks
+         where locktype = 'advisory' and granted and objsubid = 1 and classid = $1 and objid = $2
+           and database = (select oid from pg_database where datname = current_database())`,
+        [String(key >> 32n), String(key & 0xffffffffn)]
+      )
+    })
+  )
+
 contractSuite("PgAdvisory", {
   clock: "live",
   ttl: Duration.seconds(1),
@@ -37,6 +51,7 @@ contractSuite("PgAdvisory", {
   storeHolders: (name) => requests(name, true),
   waiting: (name) => Effect.map(requests(name, false), (n) => n > 0),
   sessionBound: true,
+  revoke: terminateHolders,
   advance: (duration) => Effect.sleep(duration),
   maxNameBytes: 1024,
   minTtl: Duration.seconds(1)

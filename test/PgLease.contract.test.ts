@@ -27,6 +27,8 @@ contractSuite("PgLease", {
       (rows) => rows[0]!.n
     ),
   advance: (duration) => Effect.sleep(duration),
+  // The operator's revoke, through a pool of its own.
+  revoke: (name) => Effect.scoped(Effect.flatMap(poolOn(() => db.url), (env) => Effect.provide(PgLease.revoke(name), env))),
   settle: probe.settle,
   maxNameBytes: PgLease.defaults.maxNameBytes,
   minTtl: PgLease.defaults.minTtl

@@ -8,6 +8,7 @@ import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
 import { monotonicMillis } from "effect-lock/internal/clock"
 import type * as Lane from "effect-lock/internal/pgLeaseLane"
 import * as Wake from "effect-lock/internal/pgLeaseWake"
+import * as Owner from "effect-lock/internal/owner"
 import * as PgLease from "effect-lock/PgLease"
 import * as ChildProcess from "node:child_process"
 import * as Fs from "node:fs"
@@ -934,14 +935,14 @@ describe("PgLease import", () => {
 /** A hub over an in-memory channel: what is notified is heard, as by a healthy listener. */
 const hubWithChannel = Effect.gen(function*() {
   const channel = yield* Queue.unbounded<string>()
-  const scope = yield* Effect.scope
+  const owner = yield* Owner.make
   const hub = yield* Wake.make({
     listen: (_, deliver) => Stream.runForEach(Stream.fromQueue(channel), (payload) => Effect.sync(() => deliver(payload))),
     notify: (_, payload) => Queue.offer(channel, payload),
     channel: "test",
     checkInterval: Duration.seconds(5),
     mode: "always"
-  }, scope)
+  }, owner)
   return { hub, publish: (payload: string) => Queue.offer(channel, payload) }
 })
 

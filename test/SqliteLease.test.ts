@@ -67,6 +67,7 @@ contractSuite("SqliteLease", {
   // Queued in the store itself: a live waiting place in the queue table.
   waiting: (name) => Effect.sync(() => file.livePlaces(name) > 0),
   advance: (duration) => Effect.sleep(duration),
+  revoke: (name) => Effect.provide(SqliteLease.revoke(name), SqliteClient.layer({ filename: file.path })),
   maxNameBytes: SqliteLease.defaults.maxNameBytes,
   minTtl: SqliteLease.defaults.minTtl
 })

@@ -3,7 +3,7 @@ import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
-import type * as Fiber from "effect/Fiber"
+import * as Fiber from "effect/Fiber"
 import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Option from "effect/Option"
@@ -15,6 +15,7 @@ import { timeoutOption } from "./stallSafe.js"
 import { clockOf, fiberMillis, monotonicMillis, sleepMillis, wholeMillis } from "./clock.js"
 import { makeLoopAlarm } from "./loopAlarm.js"
 import * as metrics from "./metrics.js"
+import * as Owner from "./owner.js"
 import { isTraced } from "./tracing.js"
 
 /** Renewals fire once a third of the lease has passed since the last good renewal. */
@@ -29,6 +30,16 @@ const RENEW_CONCURRENCY = 4
 const RETRY_FRACTION = 1 / 10
 /** Longest pause of the renewal loop after a defect before it restarts (it restarts at once the first time). */
 const RESTART_PAUSE_MAX_MS = 1_000
+/**
+ * How long closing the service waits for guarded bodies to stop after they were interrupted; a
+ * body still running then (it holds interruption off) has its lock given back all the same,
+ * logged, so that a shutdown ends.
+ */
+export const SHUTDOWN_BODY_WAIT_MS = 10_000
+/** How long closing the service waits for acquisitions in flight to settle (each is bounded by its backend). */
+const SHUTDOWN_TAKE_WAIT_MS = 10_000
+/** Slack of a caller's wait for a release over the release's own bounds. */
+const RELEASE_GRACE_MS = 1_000
 
 /** The moment (monotonic ms) a lease valid until `validUntil` must be given up. */
 export const safetyDeadlineOf = (validUntil: number | undefined, ttlMillis: number): number =>
@@ -54,6 +65,8 @@ export class Held<G extends Grant> {
   lostError: LockLost | undefined = undefined
   /** Completed with the loss; made only when someone waits on `lease.lost`. */
   signal: Deferred.Deferred<never, LockLost> | undefined = undefined
+  /** The guarded bodies running under this lease (`guard`), awaited before a shutdown gives it back. */
+  bodies: Set<Fiber.RuntimeFiber<unknown, unknown>> | undefined = undefined
   constructor(
     readonly id: number,
     readonly name: string,
@@ -74,6 +87,13 @@ export class Held<G extends Grant> {
 
 /** The moment (monotonic ms) `held` must be given up. */
 export const safetyDeadline = (held: { readonly validUntil: number | undefined; readonly ttlMillis: number }): number => safetyDeadlineOf(held.validUntil, held.ttlMillis)
+
+/** Records a guarded body of `held` until it ends: a shutdown waits for it before giving the lease back. */
+export const addBody = (held: Held<Grant>, body: Fiber.RuntimeFiber<unknown, unknown>): void => {
+  const bodies = (held.bodies ??= new Set())
+  bodies.add(body)
+  body.addObserver(() => bodies.delete(body))
+}
 
 /** Where a lease handed out by a registry keeps its `Held` (so `guard` can read it synchronously). */
 const HeldKey: unique symbol = Symbol.for("effect-lock/internal/Held")
@@ -118,7 +138,18 @@ export interface Registry<G extends Grant> {
   readonly snapshot: Effect.Effect<ReadonlyArray<HeldLock>>
   /** True once the service is closing: no new grants are handed out. */
   readonly isClosed: () => boolean
-  /** Tells every holder its lease is gone and releases it; then refuses new grants. */
+  /** Completes when the service starts closing: waits of acquisitions in flight end then. */
+  readonly closing: Effect.Effect<void>
+  /**
+   * Counts an acquisition in flight until `self` ends: closing waits for it to settle (its grant
+   * handed out or given back) before the backend's connections close.
+   */
+  readonly taking: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+  /**
+   * The ordered shutdown: refuses new grants and ends waits; tells every holder `shutdown`, which
+   * interrupts its guarded bodies, and waits for them to stop (bounded); waits for acquisitions
+   * in flight to settle (bounded); then gives every lease back and waits for the give-backs.
+   */
   readonly close: Effect.Effect<void>
   /** The renewal loop: restarts after a defect (logged), so loss detection never stops. */
   readonly run: Effect.Effect<never>
@@ -130,6 +161,9 @@ export const makeRegistry = <G extends Grant>(
 ): Effect.Effect<Registry<G>, never, Scope.Scope> =>
   Effect.gen(function*() {
     const leases = new Map<number, Held<G>>()
+    // Releases run as the layer's work, never on the caller's fiber: a caller interrupted (or a
+    // body's stall watch firing) while a release is under way must not cut it off.
+    const owner = yield* Owner.make
     const renewals = yield* FiberSet.make<void>()
     const alarm = yield* makeLoopAlarm
     const baseLabels = metrics.backendLabels(backend.backend)
@@ -137,6 +171,12 @@ export const makeRegistry = <G extends Grant>(
     /** Renewal calls in flight; due leases wait for a free slot and then go in one batch. */
     let inFlight = 0
     let closed = false
+    const closingSignal = Deferred.unsafeMake<void>(FiberId.none)
+    /** Acquisitions in flight, and the signal closing waits on for them to settle. */
+    let takes = 0
+    const takesSettled = Deferred.unsafeMake<void>(FiberId.none)
+    /** Releases under way on the owner's runtime: closing waits for them before connections close. */
+    const releasing = new Set<Fiber.RuntimeFiber<void>>()
     let nextId = 0
     /** Losses declared synchronously (`declareLostNow`) whose log line the loop still owes. */
     const unreported: Array<{ readonly held: Held<G>; readonly error: LockLost }> = []
@@ -206,24 +246,43 @@ export const makeRegistry = <G extends Grant>(
       return held
     }
 
-    const giveBackFailed = (name: string, token: string, cause: Cause.Cause<unknown>) =>
-      Effect.withFiberRuntime<void>((fiber) => {
-        metrics.unsafe.releaseFailed(metrics.labelsOn(fiber, baseLabels))
+    const giveBackFailed = (name: string, token: string, labels: metrics.Labels, cause: Cause.Cause<unknown>) =>
+      Effect.suspend(() => {
+        metrics.unsafe.releaseFailed(labels)
         return Effect.logWarning(`releasing lock "${name}" failed; the backend gave it up`, cause).pipe(
           Effect.annotateLogs({ "lock.name": name, "lock.token": token })
         )
       })
 
     /** The grant's release, bounded (stall-safe) unless the backend's release is instant. */
-    const giveBack = (name: string, grant: G): Effect.Effect<void> => {
+    const giveBack = (name: string, grant: G, labels: metrics.Labels): Effect.Effect<void> => {
       const release = backend.instantRelease === true
         ? grant.release
         : Effect.flatMap(timeoutOption(grant.release, wholeMillis(releaseTimeoutMillis)), (done) =>
           Option.isSome(done)
             ? Effect.void
             : Effect.fail(new Error(`release did not finish within ${Duration.format(options.releaseTimeout)}`)))
-      return Effect.catchAllCause(release, (cause) => giveBackFailed(name, String(grant.token), cause))
+      return Effect.catchAllCause(release, (cause) => giveBackFailed(name, String(grant.token), labels, cause))
     }
+
+    /**
+     * Runs a release on the owner's runtime and waits for it, bounded whatever it does (an
+     * uninterruptible step in a backend's release included): past the bound the caller goes on,
+     * the failure is reported, and the release is stopped in the background.
+     */
+    const owned = (work: Effect.Effect<void>, boundMillis: number, name: string, token: string, labels: metrics.Labels) =>
+      Effect.suspend(() => {
+        const fiber = owner.unsafeFork(work)
+        releasing.add(fiber)
+        fiber.addObserver(() => releasing.delete(fiber))
+        return Effect.flatMap(Owner.awaitWithin(fiber, boundMillis), (done) =>
+          Option.isSome(done)
+            ? Effect.void
+            : Effect.zipRight(
+              Fiber.interruptFork(fiber),
+              giveBackFailed(name, token, labels, Cause.fail(new Error(`release did not finish within ${boundMillis} ms`)))
+            ))
+      })
 
     // The renewal of this lease is finished before its release starts: a renewal landing after
     // the release would otherwise extend a lease nobody holds any more.
@@ -237,11 +296,14 @@ export const makeRegistry = <G extends Grant>(
         }
         leases.delete(held.id)
         const renewing = held.renewing
-        const back = giveBack(held.name, held.grant)
+        const back = giveBack(held.name, held.grant, held.labels)
+        // An in-process store's release is one synchronous step: nothing to own or to bound.
+        if (backend.instantRelease === true && renewing === undefined) return back
         // Bounded: a renewal is itself cut off at its budget, this is only a backstop.
-        const done = renewing === undefined
+        const work = renewing === undefined
           ? back
-          : Effect.zipRight(timeoutOption(Effect.interruptible(Deferred.await(renewing)), wholeMillis(releaseTimeoutMillis)), back)
+          : Effect.zipRight(timeoutOption(Deferred.await(renewing), wholeMillis(releaseTimeoutMillis)), back)
+        const done = owned(work, 2 * releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, String(held.grant.token), held.labels)
         return isTraced(fiber)
           ? Effect.withSpan(done, "effect-lock.release", {
             captureStackTrace: false,
@@ -250,7 +312,13 @@ export const makeRegistry = <G extends Grant>(
           : done
       })
 
-    const discard = (name: string, grant: G): Effect.Effect<void> => giveBack(name, grant)
+    const discard = (name: string, grant: G): Effect.Effect<void> =>
+      Effect.withFiberRuntime((fiber) => {
+        const labels = metrics.labelsOn(fiber, baseLabels)
+        return backend.instantRelease === true
+          ? giveBack(name, grant, labels)
+          : owned(giveBack(name, grant, labels), releaseTimeoutMillis + RELEASE_GRACE_MS, name, String(grant.token), labels)
+      })
 
     const toLease = (held: Held<G>): Lease => {
       const lease: Lease & { readonly [HeldKey]: Held<G> } = {
@@ -460,8 +528,36 @@ export const makeRegistry = <G extends Grant>(
       )
     )
 
+    // Counted and uncounted in uninterruptible steps: an interruption between the count and the
+    // finalizer that undoes it would leave closing waiting for an acquisition that is gone.
+    const taking = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
+      Effect.uninterruptibleMask((restore) => {
+        takes++
+        return Effect.ensuring(
+          restore(self),
+          Effect.sync(() => {
+            takes--
+            if (closed && takes === 0) Deferred.unsafeDone(takesSettled, Exit.void)
+          })
+        )
+      })
+
+    /** Waits for `fibers` to end, `millis` in all; true when they all did. */
+    const awaitAll = (fibers: ReadonlyArray<Fiber.RuntimeFiber<unknown, unknown>>, millis: number) =>
+      Effect.gen(function*() {
+        const until = (yield* monotonicMillis) + millis
+        for (const fiber of fibers) {
+          const left = until - (yield* monotonicMillis)
+          if (Option.isNone(yield* Owner.awaitWithin(fiber, Math.max(0, left)))) return false
+        }
+        return true
+      })
+
     const close = Effect.suspend(() => {
+      // 1. No new grant is handed out, and waits of acquisitions in flight end now.
       closed = true
+      Deferred.unsafeDone(closingSignal, Exit.void)
+      if (takes === 0) Deferred.unsafeDone(takesSettled, Exit.void)
       const held = Array.from(leases.values())
       // Renewals are stopped first and their signals completed (a renewal fiber interrupted before
       // it started never runs its own completion), so no release waits on one.
@@ -473,11 +569,22 @@ export const makeRegistry = <G extends Grant>(
             h.renewing = undefined
           }
         })),
-        Effect.zipRight(Effect.forEach(
-          held,
-          (h) => Effect.zipRight(declareLost(h, "revoked"), release(h)),
-          { concurrency: RENEW_CONCURRENCY, discard: true }
-        ))
+        // 2. Holders are told; their guarded bodies are interrupted by it and awaited, so that no
+        // lock is handed on while the work under it still runs.
+        Effect.zipRight(Effect.forEach(held, (h) => declareLost(h, "shutdown"), { discard: true })),
+        Effect.zipRight(Effect.suspend(() => {
+          const bodies = held.flatMap((h) => (h.bodies === undefined ? [] : Array.from(h.bodies)))
+          return bodies.length === 0 ? Effect.void : Effect.flatMap(awaitAll(bodies, SHUTDOWN_BODY_WAIT_MS), (stopped) =>
+            stopped ? Effect.void : Effect.logWarning(
+              `effect-lock: guarded bodies still running ${SHUTDOWN_BODY_WAIT_MS} ms after the shutdown interrupted them; their locks are given back`
+            ).pipe(Effect.annotateLogs("lock.backend", backend.backend)))
+        })),
+        // 3. Acquisitions in flight settle: a grant that arrives now is given back by its own caller.
+        Effect.zipRight(timeoutOption(Deferred.await(takesSettled), SHUTDOWN_TAKE_WAIT_MS)),
+        // 4. Every lease is given back, and every release under way is awaited before the
+        // backend's finalizers close its connections.
+        Effect.zipRight(Effect.forEach(held, release, { concurrency: RENEW_CONCURRENCY, discard: true })),
+        Effect.zipRight(Effect.suspend(() => awaitAll(Array.from(releasing), 2 * releaseTimeoutMillis + RELEASE_GRACE_MS)))
       )
     })
 
@@ -490,6 +597,8 @@ export const makeRegistry = <G extends Grant>(
       toLease,
       snapshot,
       isClosed: () => closed,
+      closing: Deferred.await(closingSignal),
+      taking,
       close,
       run
     }

@@ -8,7 +8,6 @@ import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
-import type * as Scope from "effect/Scope"
 import * as Crypto from "node:crypto"
 import * as FencingToken from "../FencingToken.js"
 import type { LockMode } from "../Lease.js"
@@ -17,7 +16,8 @@ import type { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
 import { within } from "./stallSafe.js"
 import type { GiveBack } from "./leaseGiveBack.js"
-import { type Lane, outsideTransaction } from "./leaseLane.js"
+import type { Lane } from "./leaseLane.js"
+import type { Owner } from "./owner.js"
 
 /**
  * A lease held by this process.
@@ -66,8 +66,8 @@ export interface AttemptDeps {
   readonly giveBack: GiveBack
   /** Creates the tables on first use (a no-op afterwards). */
   readonly ready: Effect.Effect<void, LockBackendError>
-  /** The scope the statement fibers live in (the backend's). */
-  readonly scope: Scope.Scope
+  /** Runs the statement fibers as the layer's work, never as the caller's. */
+  readonly owner: Owner
   /** The dialect's acquire statement. */
   readonly text: string
 }
@@ -151,13 +151,13 @@ export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn =>
 }
 
 /**
- * Attempts with `statement`, each in a fiber of its own in the backend's scope: the caller may
+ * Attempts with `statement`, each in a fiber of the layer's own (`Owner`): the caller may
  * stop waiting for it (interrupted, past its deadline) without its outcome being lost — whatever
  * an attempt nobody reads may have taken (a grant, a waiting place) is given back by `giveBack`.
  */
 export const attempting = <Q extends AcquireRequest, G, X>(
   settings: AttemptSettings,
-  deps: Pick<AttemptDeps, "giveBack" | "scope">,
+  deps: Pick<AttemptDeps, "giveBack" | "owner">,
   statement: Statement<Q, G, X>
 ): AttemptFn<Q, G, X> => {
   const statementMillis = Duration.toMillis(settings.statementTimeout)
@@ -170,11 +170,9 @@ export const attempting = <Q extends AcquireRequest, G, X>(
       const byDeadline = Option.isSome(remaining) && remaining.value > 0 && remaining.value < statementMillis
       const owner = Crypto.randomUUID()
       const ttlMillis = Duration.toMillis(request.ttl)
-      // The statement outlives a caller that stops waiting, and never joins its transaction.
-      const fiber = yield* outsideTransaction(Effect.forkIn(
-        Effect.interruptible(statement(request, owner, waiter, ttlMillis)),
-        deps.scope
-      ))
+      // The layer's work, not the caller's: it outlives a caller that stops waiting, never joins
+      // its transaction, and no stall watch of a body the caller runs in can cut it short.
+      const fiber = yield* deps.owner.fork(statement(request, owner, waiter, ttlMillis))
       const abandon = deps.giveBack.abandon(fiber, request.name, owner, waiter, ttlMillis)
       // Awaiting never interrupts the attempt. Its statement is bounded by the lane; only a
       // deadline nearer than that bound needs a timer of its own (stall-safe: an answer already

@@ -11,7 +11,8 @@
  *   $5 ttl ms, $6 place ttl ms, $7 application, $8 host, $9 pid, $10 take a place): at most one
  *   row `{ token: string | null, wait: number | null }` — the token granted, else the ms until
  *   something could change without a wake-up (null when unknown). Grants go in arrival order.
- * - `release` (the dialect's `releaseParams`): owner-scoped give-back of a lease and/or a place.
+ * - `release` (the dialect's `releaseParams`): owner-scoped give-back of a lease and/or a place;
+ *   one row whose `released` counts the leases it freed.
  * - `renew` ($1 names, $2 owners, $3 tokens as text, $4 ttls ms, $5 modes; parallel arrays): one
  *   row `{ idx, outcome }` per lease, `renewed` | `stolen` | `expired` | `revoked`.
  * - `ensureTable`: idempotent DDL statements, run in order.
@@ -36,7 +37,8 @@ import type { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
 import * as Attempt from "./leaseAttempt.js"
 import * as GiveBack from "./leaseGiveBack.js"
-import { type Lane, outsideTransaction } from "./leaseLane.js"
+import type { Lane } from "./leaseLane.js"
+import type { Owner } from "./owner.js"
 import * as Permits from "./leasePermits.js"
 import * as Renew from "./leaseRenew.js"
 import type { WakeHub } from "./leaseWaiters.js"
@@ -95,24 +97,24 @@ export const make = (
   lane: Lane,
   settings: Settings,
   dialect: Dialect,
-  hub: WakeHub | undefined
+  hub: WakeHub | undefined,
+  owner: Owner
 ): Effect.Effect<LockAndSemaphoreBackend<Attempt.LeaseGrant, Permits.PermitLeaseGrant>, never, Scope.Scope> =>
   Effect.gen(function*() {
-    const scope = yield* Effect.scope
-    const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect, hub)
+    const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect, hub, owner)
     const ready = yield* tableReadiness(lane, settings, dialect)
-    const attempt = Attempt.make(settings, { lane, giveBack, ready, scope, text: dialect.acquire })
+    const attempt = Attempt.make(settings, { lane, giveBack, ready, owner, text: dialect.acquire })
     const renew = Renew.make(lane, dialect.renew, settings.statementTimeout)
     const acquire = acquirer(settings, hub, attempt, giveBack, lockKey)
 
-    const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect.permits, hub)
+    const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect.permits, hub, owner)
     // Created apart from the lock tables: locks never wait for (or need the privilege to create) it.
     const permitReady = yield* tableReadiness(lane, settings, { ensureTable: dialect.permits.ensureTable, retryCreate: dialect.retryCreate })
-    const permitAttempt = Permits.attempt(settings, { lane, giveBack: permitGiveBack, ready: permitReady, scope, text: dialect.permits.acquire })
+    const permitAttempt = Permits.attempt(settings, { lane, giveBack: permitGiveBack, ready: permitReady, owner, text: dialect.permits.acquire })
 
     // The clock every replica shares: schedules compare occurrence times on it.
     const now = Effect.map(
-      outsideTransaction(lane.run<{ now: number | string }>("now", undefined, dialect.now, [], settings.statementTimeout)),
+      owner.run(lane.run<{ now: number | string }>("now", undefined, dialect.now, [], settings.statementTimeout)),
       ({ rows }) => Number(rows[0]?.now)
     )
     return {

@@ -4,9 +4,8 @@
  * statement, a renewal statement, and optionally a way to listen for wake-ups. Each lane keeps
  * its statements from queueing behind the application's, and renewals behind anything.
  */
-import * as Context from "effect/Context"
 import type * as Duration from "effect/Duration"
-import * as Effect from "effect/Effect"
+import type * as Effect from "effect/Effect"
 import type { LockBackendError } from "../LockError.js"
 
 /** Rows of a statement, with the monotonic time (ms) just before it was sent. */
@@ -39,25 +38,3 @@ export interface Lane {
   /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
   readonly prepareRenewals: Effect.Effect<void>
 }
-
-/**
- * sql's transaction tag, referenced by key: a statement sent where this tag is in the context
- * joins the caller's transaction.
- */
-const TransactionConnection = Context.GenericTag<unknown>("@effect/sql/SqlClient/TransactionConnection")
-
-/**
- * Runs `self` outside any transaction of the caller. @effect/sql sends a statement on the
- * connection found under its `TransactionConnection` tag, and a forked fiber inherits its
- * parent's context: so a lock statement run, or a fiber forked, inside the user's
- * `sql.withTransaction` would join that transaction — a rollback would undo a grant's token bump,
- * `now()` would be the transaction's start, and the uncommitted row would block and hide from
- * everyone else. Without the tag, @effect/sql takes a fresh pool connection per statement.
- */
-export const outsideTransaction = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
-  Effect.contextWithEffect((context: Context.Context<R>) =>
-    context.unsafeMap.has(TransactionConnection.key)
-      // Replaces the context (`Effect.provide` would merge it into the current one, tag included).
-      ? Effect.mapInputContext(self, (current: Context.Context<R>) => Context.omit(TransactionConnection)(current) as Context.Context<R>)
-      : self
-  )

@@ -12,6 +12,7 @@ import type { LeaseGrant } from "./leaseAttempt.js"
 import type { PermitLeaseGrant } from "./leasePermits.js"
 import * as Engine from "./leaseEngine.js"
 import type { Lane } from "./leaseLane.js"
+import type { Owner } from "./owner.js"
 import * as PermitSql from "./pgLeasePermitSql.js"
 import * as Sql from "./pgLeaseSql.js"
 import * as Wake from "./pgLeaseWake.js"
@@ -57,16 +58,16 @@ export const dialect = (tables: Sql.Tables, channel: string): Engine.Dialect => 
  */
 export const make = (
   lane: Lane,
-  settings: Settings
+  settings: Settings,
+  owner: Owner
 ): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, never, Scope.Scope> =>
   Effect.gen(function*() {
-    const scope = yield* Effect.scope
     const hub = settings.listen === "never" || lane.listen === undefined ? undefined : yield* Wake.make({
       listen: lane.listen,
       notify: (channel, payload) => lane.run("notify", undefined, Sql.ping, [channel, payload], settings.statementTimeout),
       channel: settings.channel,
       checkInterval: settings.checkInterval,
       mode: settings.listen === "always" ? "always" : "auto"
-    }, scope)
-    return yield* Engine.make(lane, settings, dialect(settings.tables, settings.channel), hub)
+    }, owner)
+    return yield* Engine.make(lane, settings, dialect(settings.tables, settings.channel), hub, owner)
   })

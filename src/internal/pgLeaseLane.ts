@@ -22,7 +22,9 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
 import * as FiberId from "effect/FiberId"
+import * as Option from "effect/Option"
 import * as Redacted from "effect/Redacted"
 import * as Schedule from "effect/Schedule"
 import * as Scope from "effect/Scope"
@@ -31,11 +33,11 @@ import type pg from "pg"
 import { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
 import * as Driver from "./pgLeaseDriver.js"
-import { type Lane, outsideTransaction, type Sent } from "./leaseLane.js"
+import type { Lane, Sent } from "./leaseLane.js"
+import { awaitWithin, type Owner } from "./owner.js"
 import { withinOrFail } from "./stallSafe.js"
 
 export type { Lane, Sent } from "./leaseLane.js"
-export { outsideTransaction } from "./leaseLane.js"
 
 /** Connections for renewals: one in use normally, a second while the first is busy or stuck. */
 export const RENEW_CONNECTIONS = 2
@@ -153,10 +155,15 @@ const ownPool = (driver: Driver.Driver, config: pg.ClientConfig, size: number) =
 
 // --- the application's SqlClient ------------------------------------------------------------------
 
-/** The lane over the application's `SqlClient`; `listen` is the `PgClient`'s when there is one. */
+/**
+ * The lane over the application's `SqlClient`; `listen` is the `PgClient`'s when there is one.
+ * Statements run as the layer's work (`owner`): outside any transaction of the caller, and
+ * awaited by the caller for at most their bound, without waiting for the driver's cancel.
+ */
 export const application = (
   sql: SqlClient,
-  listen: ((channel: string) => Stream.Stream<string, unknown>) | undefined
+  listen: ((channel: string) => Stream.Stream<string, unknown>) | undefined,
+  owner: Owner
 ): Effect.Effect<Lane, never, Scope.Scope> =>
   Effect.gen(function*() {
     const scope = yield* Effect.scope
@@ -167,14 +174,21 @@ export const application = (
       params: ReadonlyArray<unknown>,
       bound: Duration.Duration
     ) =>
-      withinOrFail(
-        // Not waiting for the driver's cancel of a statement cut off by its bound.
-        Effect.disconnect(outsideTransaction(
+      Effect.flatMap(
+        owner.fork(
           Effect.flatMap(monotonicMillis, (sentAt) =>
-            Effect.map(sql.unsafe<A>(text, params).withoutTransform, (rows): Sent<A> => ({ rows, sentAt })))
-        )).pipe(Effect.mapError(failed(operation, name))),
-        bound,
-        timedOut(operation, name, bound)
+            Effect.map(sql.unsafe<A>(text, params).withoutTransform, (rows): Sent<A> => ({ rows, sentAt }))).pipe(
+              Effect.mapError(failed(operation, name))
+            )
+        ),
+        (fiber) =>
+          Effect.flatMap(awaitWithin(fiber, Duration.toMillis(bound)), (done) =>
+            Option.isSome(done)
+              ? done.value
+              // Past its bound: cancelled in the background (sql-pg cancels the query), not awaited.
+              : Effect.zipRight(Fiber.interruptFork(fiber), Effect.fail(timedOut(operation, name, bound)()))).pipe(
+              Effect.onInterrupt(() => Fiber.interruptFork(fiber))
+            )
       )
 
     // The reserved renewal connection. Reserving runs in a fiber of the lane's own that is never
@@ -190,7 +204,7 @@ export const application = (
       reserving = pending
       const reserve = Effect.gen(function*() {
         const own = yield* Scope.fork(scope, ExecutionStrategy.sequential)
-        const connection = yield* outsideTransaction(Scope.extend(sql.reserve, own)).pipe(
+        const connection = yield* Scope.extend(sql.reserve, own).pipe(
           Effect.tapError(() => Scope.close(own, Exit.void)),
           Effect.mapError(failed("renew", undefined))
         )
@@ -204,14 +218,14 @@ export const application = (
           }).pipe(Effect.zipRight(Deferred.done(pending, exit)))
         )
       )
-      return Effect.zipRight(Effect.forkIn(Effect.uninterruptible(reserve), scope), Deferred.await(pending))
+      return Effect.zipRight(owner.fork(Effect.uninterruptible(reserve)), Deferred.await(pending))
     })
     const drop = (held: { readonly scope: Scope.CloseableScope }) =>
       Effect.suspend(() => {
         if (reserved !== held) return Effect.void
         reserved = undefined
         // Back to the application's pool: a connection cannot be destroyed through @effect/sql.
-        return Effect.forkIn(Scope.close(held.scope, Exit.void), scope)
+        return owner.fork(Scope.close(held.scope, Exit.void))
       })
 
     const renew: Lane["renew"] = <A extends object>(text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
@@ -232,7 +246,7 @@ export const application = (
       renew,
       // Reserved at the first grant, before the application's pool may be saturated.
       prepareRenewals: Effect.suspend(() =>
-        reserved !== undefined || reserving !== undefined ? Effect.void : Effect.asVoid(Effect.forkIn(Effect.ignore(reservation), scope))
+        reserved !== undefined || reserving !== undefined ? Effect.void : Effect.asVoid(owner.fork(Effect.ignore(reservation)))
       ),
       listen: listen === undefined
         ? undefined

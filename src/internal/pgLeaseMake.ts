@@ -21,6 +21,7 @@ import * as Backend from "./pgLeaseBackend.js"
 import * as Lane from "./pgLeaseLane.js"
 import * as Sql from "./pgLeaseSql.js"
 import { durationOption, type DurationRules, MAX_TIMER } from "./validate.js"
+import * as Owner from "./owner.js"
 
 /** The options of `PgLease.layer`; documented there. */
 export interface Options {
@@ -97,10 +98,12 @@ export const makeBackend = (
     const application = options?.applicationName ??
       Option.getOrUndefined(Option.flatMapNullable(pg, (client) => client.config.applicationName)) ??
       DEFAULT_APPLICATION
+    // Before the lane: the layer's own fibers are stopped only after everything else has closed.
+    const owner = yield* Owner.make
     const lane = wrapLane(
       pool === "own" && Option.isSome(pg)
         ? yield* Lane.own(Lane.clientConfig(pg.value.config, application, statementTimeout), connections, statementTimeout)
-        : yield* Lane.application(sql, Option.getOrUndefined(Option.map(pg, (client) => client.listen)))
+        : yield* Lane.application(sql, Option.getOrUndefined(Option.map(pg, (client) => client.listen)), owner)
     )
     if (listenOption === true && lane.listen === undefined) {
       return yield* configError("listen: true needs a PgClient in the context (or use listen: \"auto\" to poll without one)")
@@ -116,5 +119,5 @@ export const makeBackend = (
       checkInterval,
       createTable: options?.createTable !== false,
       listen: listenOption === true ? "always" : listenOption === false ? "never" : "auto"
-    })
+    }, owner)
   })

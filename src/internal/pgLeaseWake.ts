@@ -16,11 +16,10 @@ import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Queue from "effect/Queue"
-import type * as Scope from "effect/Scope"
 import * as Crypto from "node:crypto"
 import { monotonicMillis } from "./clock.js"
-import { outsideTransaction } from "./leaseLane.js"
 import { makeWaiters, type Subscription, type WakeHub } from "./leaseWaiters.js"
+import type { Owner } from "./owner.js"
 import { PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./pgLeaseSql.js"
 import { within } from "./stallSafe.js"
 
@@ -54,9 +53,9 @@ export type { Subscription, WakeHub } from "./leaseWaiters.js"
 
 /**
  * Builds the hub. Nothing connects until the first subscription; from then on the listener
- * lives as long as `scope`.
+ * lives as long as the layer (`owner`).
  */
-export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<WakeHub> =>
+export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
     const waiters = makeWaiters()
     const pings = new Map<string, Deferred.Deferred<void>>()
@@ -191,12 +190,12 @@ export const make = (options: WakeOptions, scope: Scope.Scope): Effect.Effect<Wa
     const ensureStarted = Effect.suspend(() => {
       if (started) return Effect.void
       started = true
-      // Started by the first waiter, maybe inside its `sql.withTransaction`: the listener outlives
-      // that transaction, so it must not inherit its connection (nor send its pings on it).
-      return Effect.asVoid(outsideTransaction(Effect.forkIn(Effect.interruptible(supervise), scope)))
+      // Started by the first waiter, maybe inside its `sql.withTransaction` or a guarded body: the
+      // listener is the layer's, so it inherits neither that transaction nor the body's stall watch.
+      return Effect.asVoid(owner.fork(supervise))
     })
 
-    const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, Scope.Scope> =>
+    const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, import("effect/Scope").Scope> =>
       waiters.subscribe(name, id, Effect.zipRight(ensureStarted, kick.offer(undefined)))
 
     const trusted = Effect.map(

@@ -13,3 +13,14 @@ export const sqlStateOf = (error: unknown): string | undefined => {
   }
   return undefined
 }
+
+/** The `SQLITE_…` result code in `error` or its causes (better-sqlite3's errors carry it), if any. */
+export const sqliteCodeOf = (error: unknown): string | undefined => {
+  let current: unknown = error
+  for (let depth = 0; depth < 4 && typeof current === "object" && current !== null; depth++) {
+    const code = (current as { readonly code?: unknown }).code
+    if (typeof code === "string" && code.startsWith("SQLITE_")) return code
+    current = (current as { readonly cause?: unknown }).cause
+  }
+  return undefined
+}

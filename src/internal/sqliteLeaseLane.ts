@@ -28,7 +28,8 @@ import * as Random from "effect/Random"
 import type * as Scope from "effect/Scope"
 import { LockBackendError } from "../LockError.js"
 import { monotonicMillis } from "./clock.js"
-import { type Lane, outsideTransaction, type Sent } from "./leaseLane.js"
+import type { Lane, Sent } from "./leaseLane.js"
+import { sqliteCodeOf } from "./sqlState.js"
 
 /** Pause between tries of a statement that found the write lock taken: half of it to all of it. */
 const RETRY_PAUSE_MILLIS = 10
@@ -57,17 +58,6 @@ export const load: Effect.Effect<Modules, LockBackendError> = Effect.tryPromise(
       )
     })
 })
-
-/** SQLite's result code of a failed statement (`SQLITE_BUSY` …), read through @effect/sql's `SqlError`. */
-export const sqliteCodeOf = (error: unknown): string | undefined => {
-  let current: unknown = error
-  for (let depth = 0; depth < 4 && typeof current === "object" && current !== null; depth++) {
-    const code = (current as { readonly code?: unknown }).code
-    if (typeof code === "string" && code.startsWith("SQLITE_")) return code
-    current = (current as { readonly cause?: unknown }).cause
-  }
-  return undefined
-}
 
 /** Another connection holds the lock this statement needs: worth another try. */
 const isBusy = (code: string | undefined) =>
@@ -144,8 +134,8 @@ export const own = (filename: string, busyTimeout: Duration.Duration): Effect.Ef
         while (true) {
           // Taken before each try: the database's clock is read inside the call, so later than this.
           const sentAt = yield* monotonicMillis
-          // Never on the application's transaction: its tag would route the statement to its connection.
-          const result = yield* Effect.either(outsideTransaction(client.unsafe<A>(text, encoded).withoutTransform))
+          // Run as the layer's work (attempts, give-backs, renewals): never on a caller's transaction.
+          const result = yield* Effect.either(client.unsafe<A>(text, encoded).withoutTransform)
           if (result._tag === "Right") return { rows: result.right, sentAt }
           if (!isBusy(sqliteCodeOf(result.left))) return yield* failed(operation, name, result.left)
           const left = deadline - (yield* monotonicMillis)

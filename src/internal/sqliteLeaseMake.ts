@@ -24,6 +24,7 @@ import * as PermitSql from "./sqliteLeasePermitSql.js"
 import * as Sql from "./sqliteLeaseSql.js"
 import { durationOption, type DurationRules, MAX_TIMER } from "./validate.js"
 import * as Wake from "./sqliteLeaseWake.js"
+import * as Owner from "./owner.js"
 
 /** The options of `SqliteLease.layer`; documented there. */
 export interface Options {
@@ -131,6 +132,8 @@ export const makeBackend = (
     }
     const application = options?.applicationName ?? DEFAULT_APPLICATION
     const filename = yield* resolveFilename(options?.filename)
+    // First: its fibers (give-backs, attempts) are stopped only after everything else has closed.
+    const owner = yield* Owner.make
     const own = yield* Lanes.own(filename, busyTimeout)
     const createTable = options?.createTable !== false
     const sqlite = dialect(tables)
@@ -151,5 +154,5 @@ export const makeBackend = (
       checkInterval: CHECK_INTERVAL,
       // Created above (or by the application's migrations).
       createTable: false
-    }, sqlite, Wake.make())
+    }, sqlite, Wake.make(), owner)
   })

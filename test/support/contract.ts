@@ -10,11 +10,11 @@ import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as FiberRef from "effect/FiberRef"
 import * as Option from "effect/Option"
-import type * as Scope from "effect/Scope"
+import * as Scope from "effect/Scope"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import type { LockMode } from "effect-lock/Lease"
 import type { LockBackend } from "effect-lock/LockBackend"
-import { type Faults, makeFaults, waitingFor, withFaults } from "./faults.js"
+import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./faults.js"
 
 export interface ContractTarget {
   /** Runs tests on the TestClock (`scoped`) or on real time (`scopedLive`). */
@@ -51,6 +51,11 @@ export interface ContractTarget {
    * Without it, "queued" means the acquire is inside the backend's `waitUntilDeadline`.
    */
   readonly waiting?: (name: string) => Effect.Effect<boolean, unknown>
+  /**
+   * Takes the lock `name` away from its holder, as an operator would (a lease row revoked, the
+   * holding session terminated): its holder learns of the loss on its own.
+   */
+  readonly revoke: (name: string) => Effect.Effect<void, unknown>
 }
 
 let counter = 0
@@ -355,6 +360,119 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           expect(error.name).toBe(name)
         }
         yield* stopped.await
+      }))
+
+    test("a waiter inside a body whose lease is lost gives its place up at once: the next process gets the lock", () =>
+      Effect.gen(function*() {
+        const aFaults = makeFaults()
+        const a = yield* node(aFaults)
+        const b = yield* node()
+        const c = yield* node()
+        const outer = freshName("outer")
+        const inner = freshName("inner")
+        const letGo = yield* Effect.makeLatch(false)
+        const holding = yield* Deferred.make<void>()
+        const holder = yield* Effect.fork(
+          Effect.scoped(Effect.zipRight(Effect.zipRight(b.acquire(inner), Deferred.succeed(holding, undefined)), letGo.await))
+        )
+        yield* Deferred.await(holding)
+        // The body waits for `inner`; its fibers carry the body's stall watch.
+        const run = yield* Effect.fork(
+          DistributedLock.withLock(Effect.scoped(DistributedLock.acquire(inner)), outer).pipe(provide(a))
+        )
+        yield* queued(aFaults, inner)
+        yield* target.revoke(outer)
+        const error = yield* Effect.flip(Fiber.join(run))
+        expect(error).toMatchObject({ _tag: "LockLost", name: outer })
+        yield* letGo.open
+        yield* Fiber.join(holder)
+        // A place left behind would keep `c` waiting until it expired (5 s on the lease stores).
+        const token = yield* Effect.scoped(Effect.map(c.acquire(inner, { timeout: Duration.seconds(3) }), (l) => l.token))
+        expect(token > 0n).toBe(true)
+        expect(yield* target.storeHolders(inner)).toBe(0)
+      }))
+
+    test("a grant that arrives while its body's lease is lost is given back: the next process gets the lock", () =>
+      Effect.gen(function*() {
+        const aFaults = makeFaults()
+        const a = yield* node(aFaults)
+        const b = yield* node()
+        const c = yield* node()
+        const outer = freshName("outer-grant")
+        const inner = freshName("inner-grant")
+        const letGo = yield* Effect.makeLatch(false)
+        const holding = yield* Deferred.make<void>()
+        const holder = yield* Effect.fork(
+          Effect.scoped(Effect.zipRight(Effect.zipRight(b.acquire(inner), Deferred.succeed(holding, undefined)), letGo.await))
+        )
+        yield* Deferred.await(holding)
+        const outerHeld = yield* Deferred.make<void>()
+        const granted = yield* Deferred.make<void>()
+        const answer = yield* Effect.makeLatch(false)
+        const run = yield* Effect.fork(
+          DistributedLock.withLock(
+            Effect.zipRight(
+              Effect.sync(() => {
+                // From now on a grant's answer is held back (a slow network) until the test lets it through.
+                aFaults.afterGrant = Effect.zipRight(Deferred.succeed(granted, undefined), answer.await)
+              }).pipe(Effect.zipRight(Deferred.succeed(outerHeld, undefined))),
+              Effect.scoped(DistributedLock.acquire(inner))
+            ),
+            outer
+          ).pipe(provide(a))
+        )
+        yield* Deferred.await(outerHeld)
+        yield* queued(aFaults, inner)
+        // The store grants `inner` to the body; the answer is on its way when the outer lease goes.
+        yield* letGo.open
+        yield* Deferred.await(granted)
+        yield* target.revoke(outer)
+        yield* until("the outer lease is known lost", Effect.map(a.inspect, (held) => !held.some((l) => l.name === outer)))
+        yield* answer.open
+        const error = yield* Effect.flip(Fiber.join(run))
+        expect(error).toMatchObject({ _tag: "LockLost", name: outer })
+        yield* Fiber.join(holder)
+        const token = yield* Effect.scoped(Effect.map(c.acquire(inner, { timeout: Duration.seconds(3) }), (l) => l.token))
+        expect(token > 0n).toBe(true)
+      }))
+
+    test("closing a layer waits for its running guarded body: nobody else gets the lock before it stopped; the holder is told shutdown", () =>
+      Effect.gen(function*() {
+        const scope = yield* Scope.make()
+        const a = yield* Scope.extend(node(), scope)
+        const bFaults = makeFaults()
+        const b = yield* node(bFaults)
+        const name = freshName("shutdown")
+        const order: Array<string> = []
+        const started = yield* Deferred.make<void>()
+        const write = yield* Effect.makeLatch(false)
+        // The body is in a write it made uninterruptible when the layer closes (a rolling deploy):
+        // 1.5 s on real time; on the TestClock until the test lets it finish.
+        const writing = target.clock === "test" ? write.await : Effect.sleep(Duration.millis(1500))
+        const body = Effect.zipRight(
+          Deferred.succeed(started, undefined),
+          Effect.uninterruptible(Effect.zipRight(writing, Effect.sync(() => order.push("body ended"))))
+        )
+        const run = yield* Effect.fork(DistributedLock.withLock(body, name).pipe(provide(a)))
+        yield* Deferred.await(started)
+        const waiter = yield* Effect.fork(
+          Effect.scoped(Effect.map(b.acquire(name), () => order.push("b granted")))
+        )
+        yield* queued(bFaults, name)
+        const closing = yield* Effect.fork(Scope.close(scope, Exit.void))
+        if (target.clock === "test") {
+          yield* until("the holder is told", Effect.map(a.inspect, (held) => held.length === 0))
+          // Every other fiber gets many turns in which a premature give-back would let `b` in.
+          yield* yieldTimes(500)
+          yield* write.open
+        }
+        const error = yield* Effect.flip(Fiber.join(run))
+        expect(error).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
+        yield* Fiber.join(closing)
+        yield* Fiber.join(waiter)
+        expect(order).toEqual(["body ended", "b granted"])
+        const refused = yield* Effect.flip(Effect.scoped(a.acquire(freshName("after-close"))))
+        expect(refused._tag).toBe("LockBackendError")
       }))
 
     leaseTest("renewal keeps a lease alive far past its ttl", () =>
