@@ -282,6 +282,33 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(yield* rowOf(name)).toEqual({ owner: null, token: String(grant.token), left: null })
     }))
 
+  it.scoped("an acquire cut off at its statement bound while the row is locked leaves no lease once the row is let go", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      // A 10 s lease: a grant committed after its caller gave up would block the name that long.
+      const a = yield* processOn(env, { statementTimeout: Duration.seconds(1), ttl: Duration.seconds(10) })
+      const b = yield* processOn(env)
+      const name = freshName("orphan")
+      yield* Effect.scoped(a.acquire(name))
+      const unlock = yield* lockRow(name)
+      // The grant statement waits behind the row lock past its 1 s bound: the caller gets an error.
+      const failed = yield* Effect.flip(Effect.scoped(a.acquire(name, { timeout: Duration.seconds(5) })))
+      expect(failed._tag).toBe("LockBackendError")
+      // The abandoned attempt's first give-back has found nothing to free (nothing in flight any
+      // more); only then is the row let go: the server may still be running the abandoned
+      // statement, which then grants it.
+      yield* probe.settle
+      yield* unlock
+      // Freed within the give-back's spacing (at most 1 s) of a late commit, never left for 10 s.
+      yield* waitFor(
+        "the row free of the abandoned attempt",
+        Effect.map(rowOf(name), (row) => row?.owner === null),
+        Duration.seconds(3)
+      )
+      const token = yield* Effect.scoped(Effect.map(b.acquire(name, { timeout: Duration.seconds(3) }), (lease) => lease.token))
+      expect(token > 0n).toBe(true)
+    }))
+
   it.scoped("renewal tells stolen, expired and revoked apart, in batch order; a stale holder changes nothing", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()

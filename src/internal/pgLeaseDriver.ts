@@ -62,6 +62,16 @@ export interface PreparedStatements {
 /** Lane-wide prepared-statement state, on by default. */
 export const preparedStatements = (): PreparedStatements => ({ enabled: true })
 
+/**
+ * Run once on every new connection: with `client_connection_check_interval` the server notices
+ * within half a second that a connection this side destroyed (a statement past its bound) is gone,
+ * even while that statement waits for a row lock, and abandons the statement rather than commit
+ * it later. Skipped where the server does not know the setting (before PostgreSQL 14). Behind a
+ * transaction pooler it lands on whichever server connection runs it, where it is harmless.
+ */
+const SESSION_SETUP = `select set_config(s.name, s.setting, false) from (values ('client_connection_check_interval', '500')) as s(name, setting)
+where exists (select 1 from pg_settings p where p.name = s.name)`
+
 /** SQLSTATEs of a prepared statement its server connection does not have (or already has). */
 const PREPARED_LOST: ReadonlySet<string> = new Set(["26000", "42P05"])
 
@@ -353,9 +363,15 @@ const openConnection = (
   connection.client.connect((error: Error) => {
     if (error) {
       destroyNow(connection)
-      done(undefined, error)
-    } else {
-      done(connection)
+      return done(undefined, error)
     }
+    connection.client.query(SESSION_SETUP, (setupError: Error | undefined) => {
+      if (setupError) {
+        destroyNow(connection)
+        done(undefined, setupError)
+      } else {
+        done(connection)
+      }
+    })
   })
 }

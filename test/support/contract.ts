@@ -390,6 +390,13 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const token = yield* Effect.scoped(Effect.map(c.acquire(inner, { timeout: Duration.seconds(3) }), (l) => l.token))
         expect(token > 0n).toBe(true)
         expect(yield* target.storeHolders(inner)).toBe(0)
+        // The process whose body was stopped still takes and gives back the name: none of its
+        // sessions or workers was left stuck (a zombie session would hang its release).
+        const again = yield* Effect.scoped(Effect.map(a.acquire(inner, { timeout: Duration.seconds(3) }), (l) => l.token)).pipe(
+          Effect.timeoutFail({ duration: Duration.seconds(5), onTimeout: () => new Error("the process whose body was stopped hangs") })
+        )
+        expect(again > token).toBe(true)
+        expect(yield* target.storeHolders(inner)).toBe(0)
       }))
 
     test("a grant that arrives while its body's lease is lost is given back: the next process gets the lock", () =>

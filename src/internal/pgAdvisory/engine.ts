@@ -57,7 +57,6 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as FiberId from "effect/FiberId"
-import * as FiberSet from "effect/FiberSet"
 import * as Option from "effect/Option"
 import * as PubSub from "effect/PubSub"
 import * as Queue from "effect/Queue"
@@ -71,7 +70,19 @@ import * as driver from "../pgDriver.js"
 import { ensureFencingTable } from "./bootstrap.js"
 import { Busy, interestKeyOf, joinShared, Retry, type Step, TimedOut, tryGrant } from "./grants.js"
 import { within, yieldToIO } from "../stallSafe.js"
-import { asBackendError, BACKEND, changed, isFreeWaitSession, killOverdue, markDead, open, statement, worker } from "./session.js"
+import * as Owner from "../owner.js"
+import {
+  asBackendError,
+  BACKEND,
+  changed,
+  isFreeWaitSession,
+  killOverdue,
+  markDead,
+  open,
+  statement,
+  worker,
+  workerEnded
+} from "./session.js"
 import { makePermitBackend } from "./permits.js"
 import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, UNINTEREST_SQL } from "./sql.js"
 import type { BackendOptions, Engine, Hint, Holder, Session } from "./state.js"
@@ -108,8 +119,9 @@ const shuttingDown = (name: string) =>
 /** Adds a freshly opened session to the engine and starts its worker, unless the layer closed meanwhile. */
 const adopt = (engine: Engine, session: Session): Effect.Effect<void> =>
   Effect.gen(function*() {
-    // Interruptible whatever the opener's region: the layer's close must be able to stop it.
-    yield* FiberSet.run(engine.fibers, Effect.interruptible(worker(engine, session)))
+    // The layer's fiber, whoever opened the session: a caller's stall watch or interruption never
+    // stops it. However it ends, the session dies with it and its queued jobs are settled.
+    yield* engine.owner.fork(Effect.ensuring(worker(engine, session), workerEnded(engine, session)))
     if (engine.closing || session.state === "dead") return markDead(engine, session)
     engine.sessions.push(session)
     changed(engine)
@@ -126,7 +138,8 @@ const openInBackground = (
     Effect.onExit((exit) => Effect.sync(() => onDone(Exit.asVoid(exit)))),
     Effect.ignore,
     Effect.uninterruptible,
-    Effect.forkIn(engine.scope),
+    // The layer's work: an opener started from a guarded body outlives that body's stall watch.
+    (opening) => engine.owner.fork(opening),
     Effect.asVoid
   )
 
@@ -369,6 +382,8 @@ export const makeWith = (
   pg: driver.Driver
 ): Effect.Effect<LockAndSemaphoreBackend, UnsafeConnectionPooling | LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
+    // First: the engine's own fibers are stopped only after its sessions have been ended.
+    const owner = yield* Owner.make
     const engine: Engine = {
       options,
       driver: pg,
@@ -379,8 +394,7 @@ export const makeWith = (
       sharedGrants: new Map(),
       lost: yield* Queue.unbounded<Holder>(),
       hints: yield* PubSub.sliding<Hint>(64),
-      scope: yield* Effect.scope,
-      fibers: yield* FiberSet.make(),
+      owner,
       closing: false,
       nextSessionId: 0,
       openingWait: 0,

@@ -281,7 +281,9 @@ export const tryGrant = (
           : request.waitUntilDeadline(sent.outcome))
       : request.waitUntilDeadline(sent.outcome)
     return turn.pipe(
-      Effect.onInterrupt(() => abandonTry(engine, session, sent, keyText, shared)),
+      // Taken back at once if it is still queued; else undone as the layer's work, out of reach
+      // of the caller's interruption and stall watch.
+      Effect.onInterrupt(() => takeBack(sent.job) ? Effect.void : engine.owner.run(abandonTry(engine, session, sent, keyText, shared))),
       Effect.flatMap((early) => {
         if (Option.isNone(early) && takeBack(sent.job)) return Effect.succeed<Step>(TimedOut)
         return Option.isSome(early)

@@ -458,7 +458,8 @@ const attemptOnce = (
     const now = yield* monotonicMillis
     const passed = request.attempt === "once" && Option.isSome(request.deadline) && request.deadline.value <= now
     const turn = passed ? Effect.asSome(request.interruptible(submitted.outcome)) : request.waitUntilDeadline(submitted.outcome)
-    const early = yield* Effect.onInterrupt(turn, () => abandon(store, sent, submitted))
+    // Given back as the layer's work, out of reach of the caller's interruption and stall watch.
+    const early = yield* Effect.onInterrupt(turn, () => takeBack(submitted.job) ? Effect.void : store.engine.owner.run(abandon(store, sent, submitted)))
     if (Option.isNone(early) && takeBack(submitted.job)) return TimedOut
     return yield* interpret(store, sent, Option.isSome(early) ? early.value : yield* submitted.outcome)
   })

@@ -259,6 +259,22 @@ export const worker = (engine: Engine, session: Session): Effect.Effect<void> =>
     }
   })
 
+/**
+ * A worker ended (the session died, the layer closed, or a defect): the session is marked dead
+ * if it was not, and every job still queued is settled as failed — nothing waits on a session
+ * nobody drains. Its own exit, however it came, is observed here.
+ */
+export const workerEnded = (engine: Engine, session: Session): Effect.Effect<void> =>
+  Effect.suspend(() => {
+    markDead(engine, session)
+    return Effect.flatMap(Queue.takeAll(session.jobs), (jobs) =>
+      Effect.sync(() => {
+        for (const job of Chunk.toReadonlyArray(jobs)) {
+          if (job._tag !== "Stop" && start(session, [job]).length > 0) settle(engine, session, job, CLOSED)
+        }
+      }))
+  })
+
 /** Queues a job, in the same synchronous step as checking the session is open. */
 const submit = (session: Session, job: TryJob | StatementJob): boolean => {
   if (session.state !== "open") return false

@@ -5,14 +5,13 @@
  */
 import type * as Deferred from "effect/Deferred"
 import type * as Effect from "effect/Effect"
-import type * as FiberSet from "effect/FiberSet"
 import type * as PubSub from "effect/PubSub"
 import type * as Queue from "effect/Queue"
-import type * as Scope from "effect/Scope"
 import type pg from "pg"
 import type { LockMode } from "../../Lease.js"
 import type { LostReason } from "../../LockError.js"
 import type { Admission, LocalKeys } from "../localKeys.js"
+import type { Owner } from "../owner.js"
 import type * as driver from "../pgDriver.js"
 import type { TableRef } from "../sqlTable.js"
 
@@ -165,8 +164,8 @@ export interface Engine {
   /** Losses to report; driver events arrive outside any fiber, so they are told from one. */
   readonly lost: Queue.Queue<Holder>
   readonly hints: PubSub.PubSub<Hint>
-  readonly scope: Scope.Scope
-  readonly fibers: FiberSet.FiberSet<unknown, unknown>
+  /** Runs the engine's own work (session workers, openers, clean-ups of abandoned statements). */
+  readonly owner: Owner
   closing: boolean
   nextSessionId: number
   openingWait: number

@@ -118,7 +118,8 @@ export const blockingWait = (
         slice + engine.options.heartbeatTimeoutMillis
       )
       const settled = yield* request.interruptible(sent.outcome).pipe(
-        Effect.onInterrupt(() => abandonWait(engine, session, sent))
+        // The layer's work: a body's stall watch must not stop the cancel half-way (a zombie session).
+        Effect.onInterrupt(() => engine.owner.run(abandonWait(engine, session, sent)))
       )
       if (settled._tag === "Ok") {
         const token = tokenOf(settled)
