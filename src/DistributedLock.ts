@@ -114,22 +114,43 @@ const checkBackend = (
 }
 
 /**
+ * Options of `make`.
+ *
+ * - `releaseTimeout`: bound on one release (default 10 s); a caller waits for a release at most
+ *   twice this plus a second (it first lets a renewal in flight finish), whatever the backend does.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface MakeOptions {
+  readonly releaseTimeout?: Duration.DurationInput | undefined
+}
+
+/**
  * Builds the service over a backend. Starts one background fiber, scoped to the caller, that
  * renews every lease this service holds; it restarts after a defect (logged), so loss detection
- * never stops. A backend whose parameters the core cannot work with (a `renewBatchSize` that is
- * not a positive integer, for example) is a defect in that backend: `make` dies with an
+ * never stops. Releases run on a runtime the service captures here, never on the caller's fiber.
+ * Closing the scope is an ordered shutdown: new acquisitions are refused and waits end; holders
+ * are told `LockLost { reason: "shutdown" }`, which interrupts their guarded bodies, and the bodies
+ * are awaited (up to 10 s); acquisitions in flight settle; then every lease is given back. A
+ * backend whose parameters the core cannot work with (a `renewBatchSize` that is not a positive
+ * integer, for example) is a defect in that backend: `make` dies with an
  * `IllegalArgumentException` naming it.
  *
  * @since 0.1.0
  * @category constructors
  */
-export const make = <G extends Grant>(backend: LockBackend<G>): Effect.Effect<Service, never, Scope.Scope> =>
+export const make = <G extends Grant>(backend: LockBackend<G>, options?: MakeOptions): Effect.Effect<Service, never, Scope.Scope> =>
   Effect.gen(function*() {
     const problem = checkBackend(backend)
     if (problem !== undefined) {
       return yield* Effect.die(new Cause.IllegalArgumentException(`effect-lock backend "${backend.backend}": ${problem}`))
     }
-    const registry = yield* makeRegistry(backend, { releaseTimeout: RELEASE_TIMEOUT })
+    const releaseTimeout = decodeDuration(options?.releaseTimeout) ?? RELEASE_TIMEOUT
+    if (!Duration.isFinite(releaseTimeout) || Duration.toMillis(releaseTimeout) <= 0) {
+      return yield* Effect.die(new Cause.IllegalArgumentException(`releaseTimeout must be a positive, finite duration, got ${Duration.format(releaseTimeout)}`))
+    }
+    const registry = yield* makeRegistry(backend, { releaseTimeout })
     yield* Effect.forkScoped(registry.run)
     // Closing the service tells every holder its lease is gone (renewals stop here) and releases
     // it, rather than leaving bodies running on leases that will silently expire.
@@ -155,7 +176,7 @@ export const make = <G extends Grant>(backend: LockBackend<G>): Effect.Effect<Se
 export const layerBackend = <G extends Grant, E, R>(
   backend: Effect.Effect<LockBackend<G>, E, R>
 ): Layer.Layer<DistributedLock, E, Exclude<R, Scope.Scope>> =>
-  Layer.scoped(DistributedLock, Effect.flatMap(backend, make))
+  Layer.scoped(DistributedLock, Effect.flatMap(backend, (built) => make(built)))
 
 /** What one `acquire` / `tryAcquire` call asks for, worked out once before its attempts. */
 interface Take<G extends Grant> {

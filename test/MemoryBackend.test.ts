@@ -12,6 +12,7 @@ import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import type { LockMode } from "effect-lock/Lease"
+import type { Grant, LockBackend } from "effect-lock/LockBackend"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import * as Net from "node:net"
 import { monotonicMillis } from "../src/internal/clock.js"
@@ -40,6 +41,15 @@ const node = (shared: MemoryBackend.Store, faults: Faults = makeFaults(), ttl?: 
     DistributedLock.make(withFaults(backend, faults)))
 
 const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
+
+/** A store whose every release first runs `before` (a round trip, or a release that never ends), not instant. */
+const slowRelease = <G extends Grant>(backend: LockBackend<G>, before: Effect.Effect<void>): LockBackend<G> => ({
+  ...backend,
+  instantRelease: false,
+  acquire: (request) =>
+    Effect.map(backend.acquire(request), (result) =>
+      result._tag === "Granted" ? { ...result, grant: { ...result.grant, release: Effect.zipRight(before, result.grant.release) } } : result)
+})
 
 /** Waits (bounded, on the TestClock) until `condition` holds. */
 const until = (what: string, condition: Effect.Effect<boolean>) => waitUntil("test", what, condition)
@@ -458,6 +468,45 @@ describe("DistributedLock on the memory backend", () => {
       const refused = yield* Effect.flip(Effect.scoped(a.acquire("after-close")))
       expect(refused._tag).toBe("LockBackendError")
     }))
+
+  it.scoped("interrupting a holder while its release is under way neither cuts the release off nor reports it failed", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const logs: Array<string> = []
+      const captured = Logger.replace(Logger.defaultLogger, Logger.make(({ message }) => logs.push(String(message))))
+      const releasing = yield* Deferred.make<void>()
+      const gate = yield* Effect.makeLatch(false)
+      // A store whose release takes a round trip (as a database's does), held at the gate.
+      const a = yield* Effect.flatMap(MemoryBackend.makeBackend({ store: shared }), (backend) =>
+        DistributedLock.make(slowRelease(backend, Effect.zipRight(Deferred.succeed(releasing, undefined), gate.await)))).pipe(
+          Effect.provide(captured)
+        )
+      const holder = yield* Effect.fork(DistributedLock.withLock(Effect.void, "released-late").pipe(provide(a), Effect.provide(captured)))
+      yield* Deferred.await(releasing)
+      // The caller goes away (a client dropped its request) while the release is on its way.
+      const interrupting = yield* Effect.fork(Fiber.interrupt(holder))
+      yield* yieldTimes(50)
+      yield* gate.open
+      yield* Fiber.join(interrupting)
+      yield* until("the release reached the store", Effect.map(MemoryBackend.holders(shared), (held) => held.length === 0))
+      expect(logs.filter((line) => line.includes("failed"))).toEqual([])
+    }))
+
+  it.live("a release that never settles, even uninterruptibly, holds the scope's close for its bound only", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const logs: Array<string> = []
+      const captured = Logger.replace(Logger.defaultLogger, Logger.make(({ message }) => logs.push(String(message))))
+      const a = yield* Effect.flatMap(MemoryBackend.makeBackend({ store: shared }), (backend) =>
+        DistributedLock.make(slowRelease(backend, Effect.uninterruptible(Effect.never)), { releaseTimeout: Duration.millis(100) })).pipe(
+          Effect.provide(captured)
+        )
+      const started = Date.now()
+      yield* Effect.scoped(a.acquire("never-released")).pipe(Effect.provide(captured))
+      // The bound the core keeps for any release: twice releaseTimeout plus a second of slack.
+      expect(Date.now() - started).toBeLessThan(2 * 100 + 1_000 + 500)
+      expect(logs.some((line) => line.includes("releasing lock \"never-released\" failed"))).toBe(true)
+    }).pipe(Effect.scoped))
 
   it.scoped("a grant that arrives after its safety deadline is given back and the acquire tries again", () =>
     Effect.gen(function*() {

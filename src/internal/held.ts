@@ -542,17 +542,6 @@ export const makeRegistry = <G extends Grant>(
         )
       })
 
-    /** Waits for `fibers` to end, `millis` in all; true when they all did. */
-    const awaitAll = (fibers: ReadonlyArray<Fiber.RuntimeFiber<unknown, unknown>>, millis: number) =>
-      Effect.gen(function*() {
-        const until = (yield* monotonicMillis) + millis
-        for (const fiber of fibers) {
-          const left = until - (yield* monotonicMillis)
-          if (Option.isNone(yield* Owner.awaitWithin(fiber, Math.max(0, left)))) return false
-        }
-        return true
-      })
-
     const close = Effect.suspend(() => {
       // 1. No new grant is handed out, and waits of acquisitions in flight end now.
       closed = true
@@ -574,7 +563,7 @@ export const makeRegistry = <G extends Grant>(
         Effect.zipRight(Effect.forEach(held, (h) => declareLost(h, "shutdown"), { discard: true })),
         Effect.zipRight(Effect.suspend(() => {
           const bodies = held.flatMap((h) => (h.bodies === undefined ? [] : Array.from(h.bodies)))
-          return bodies.length === 0 ? Effect.void : Effect.flatMap(awaitAll(bodies, SHUTDOWN_BODY_WAIT_MS), (stopped) =>
+          return bodies.length === 0 ? Effect.void : Effect.flatMap(Owner.awaitAll(bodies, SHUTDOWN_BODY_WAIT_MS), (stopped) =>
             stopped ? Effect.void : Effect.logWarning(
               `effect-lock: guarded bodies still running ${SHUTDOWN_BODY_WAIT_MS} ms after the shutdown interrupted them; their locks are given back`
             ).pipe(Effect.annotateLogs("lock.backend", backend.backend)))
@@ -584,7 +573,7 @@ export const makeRegistry = <G extends Grant>(
         // 4. Every lease is given back, and every release under way is awaited before the
         // backend's finalizers close its connections.
         Effect.zipRight(Effect.forEach(held, release, { concurrency: RENEW_CONCURRENCY, discard: true })),
-        Effect.zipRight(Effect.suspend(() => awaitAll(Array.from(releasing), 2 * releaseTimeoutMillis + RELEASE_GRACE_MS)))
+        Effect.zipRight(Effect.suspend(() => Owner.awaitAll(Array.from(releasing), 2 * releaseTimeoutMillis + RELEASE_GRACE_MS)))
       )
     })
 

@@ -18,8 +18,8 @@ import * as Effect from "effect/Effect"
 import type * as Exit from "effect/Exit"
 import type * as Fiber from "effect/Fiber"
 import * as FiberRef from "effect/FiberRef"
-import * as FiberSet from "effect/FiberSet"
 import * as Option from "effect/Option"
+import * as Runtime from "effect/Runtime"
 import type * as Scope from "effect/Scope"
 import * as Supervisor from "effect/Supervisor"
 
@@ -56,24 +56,62 @@ export interface Owner {
   readonly run: <A, E>(self: Effect.Effect<A, E>) => Effect.Effect<A, E>
 }
 
+/**
+ * How long closing the layer waits for its fibers to stop once interrupted: a fiber that holds
+ * interruption off (a release stuck in an uninterruptible step) must not hold the close forever.
+ */
+const CLOSE_WAIT_MS = 2_000
+
 /** The owner of the background work of the layer whose scope this runs in. */
 export const make: Effect.Effect<Owner, never, Scope.Scope> = Effect.gen(function*() {
-  const fibers = yield* FiberSet.make<unknown, unknown>()
-  const runFork = yield* FiberSet.runtime(fibers)<never>().pipe(
+  const runtime = yield* Effect.runtime<never>().pipe(
     // Captured without the builder's supervisor (a layer built inside a guarded body would hand
     // its stall watch on) and without its transaction.
     Effect.locally(FiberRef.currentSupervisor, Supervisor.none),
     outsideTransaction
   )
+  const runFork = Runtime.runFork(runtime)
+  const fibers = new Set<Fiber.RuntimeFiber<unknown, unknown>>()
+  let closed = false
+  yield* Effect.addFinalizer(() =>
+    Effect.withFiberRuntime((closer) => {
+      closed = true
+      const running = Array.from(fibers)
+      for (const fiber of running) fiber.unsafeInterruptAsFork(closer.id())
+      return Effect.asVoid(awaitAll(running, CLOSE_WAIT_MS))
+    })
+  )
   // Interruptible whatever the builder's region was: the layer's close must be able to stop it.
-  const unsafeFork = <A, E>(self: Effect.Effect<A, E>) =>
-    runFork(Effect.interruptible(self)) as Fiber.RuntimeFiber<A, E>
+  const unsafeFork = <A, E>(self: Effect.Effect<A, E>): Fiber.RuntimeFiber<A, E> => {
+    // A layer that has closed starts nothing more: the fiber is born interrupted.
+    const fiber = runFork(closed ? Effect.interrupt : Effect.interruptible(self))
+    fibers.add(fiber)
+    fiber.addObserver(() => fibers.delete(fiber))
+    return fiber
+  }
   const fork = <A, E>(self: Effect.Effect<A, E>) => Effect.sync(() => unsafeFork(self))
   // Awaited, not joined: joining would copy the layer fiber's FiberRefs into the caller.
   const run = <A, E>(self: Effect.Effect<A, E>) =>
     Effect.flatMap(fork(self), (fiber) => Effect.flatten(awaitFiber(fiber)))
   return { unsafeFork, fork, run }
 })
+
+/** Waits for `fibers` to end, `millis` in all (stall-safe, forking nothing); true when they all did. */
+export const awaitAll = (
+  fibers: ReadonlyArray<Fiber.RuntimeFiber<unknown, unknown>>,
+  millis: number
+): Effect.Effect<boolean> =>
+  Effect.suspend(() => {
+    const until = performance.now() + millis
+    const next = (i: number): Effect.Effect<boolean> =>
+      i >= fibers.length
+        ? Effect.succeed(true)
+        : Effect.flatMap(
+          awaitWithin(fibers[i]!, Math.max(0, until - performance.now())),
+          (done) => (Option.isSome(done) ? next(i + 1) : Effect.succeed(false))
+        )
+    return next(0)
+  })
 
 /**
  * The exit of `fiber`, waited for without a fiber of the caller's: a caller inside a guarded body
