@@ -150,8 +150,8 @@ export const make = <G extends Grant>(backend: LockBackend<G>, options?: MakeOpt
     if (!Duration.isFinite(releaseTimeout) || Duration.toMillis(releaseTimeout) <= 0) {
       return yield* Effect.die(new Cause.IllegalArgumentException(`releaseTimeout must be a positive, finite duration, got ${Duration.format(releaseTimeout)}`))
     }
+    // Starts the renewal loop on the service's own runtime.
     const registry = yield* makeRegistry(backend, { releaseTimeout })
-    yield* Effect.forkScoped(registry.run)
     // Closing the service tells every holder its lease is gone (renewals stop here) and releases
     // it, rather than leaving bodies running on leases that will silently expire.
     yield* Effect.addFinalizer(() => registry.close)

@@ -151,8 +151,6 @@ export interface Registry<G extends Grant> {
    * in flight to settle (bounded); then gives every lease back and waits for the give-backs.
    */
   readonly close: Effect.Effect<void>
-  /** The renewal loop: restarts after a defect (logged), so loss detection never stops. */
-  readonly run: Effect.Effect<never>
 }
 
 export const makeRegistry = <G extends Grant>(
@@ -297,13 +295,14 @@ export const makeRegistry = <G extends Grant>(
         leases.delete(held.id)
         const renewing = held.renewing
         const back = giveBack(held.name, held.grant, held.labels)
-        // An in-process store's release is one synchronous step: nothing to own or to bound.
-        if (backend.instantRelease === true && renewing === undefined) return back
         // Bounded: a renewal is itself cut off at its budget, this is only a backstop.
         const work = renewing === undefined
           ? back
           : Effect.zipRight(timeoutOption(Deferred.await(renewing), wholeMillis(releaseTimeoutMillis)), back)
-        const done = owned(work, 2 * releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, String(held.grant.token), held.labels)
+        // An in-process store's release is one synchronous step: nothing to own or to bound.
+        const done = backend.instantRelease === true && renewing === undefined
+          ? back
+          : owned(work, 2 * releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, String(held.grant.token), held.labels)
         return isTraced(fiber)
           ? Effect.withSpan(done, "effect-lock.release", {
             captureStackTrace: false,
@@ -521,12 +520,14 @@ export const makeRegistry = <G extends Grant>(
         )
       })
 
-    const run: Effect.Effect<never> = Effect.forever(
+    // The renewal loop, the service's own work: it restarts after a defect (logged), so loss
+    // detection never stops while the service lives.
+    yield* owner.fork(Effect.forever(
       tick.pipe(
         Effect.tap(() => Effect.sync(() => (defects = 0))),
         Effect.catchAllCause(restart)
       )
-    )
+    ))
 
     // Counted and uncounted in uninterruptible steps: an interruption between the count and the
     // finalizer that undoes it would leave closing waiting for an acquisition that is gone.
@@ -588,7 +589,6 @@ export const makeRegistry = <G extends Grant>(
       isClosed: () => closed,
       closing: Deferred.await(closingSignal),
       taking,
-      close,
-      run
+      close
     }
   })

@@ -1,25 +1,27 @@
 /**
- * What PgLease and SqliteLease read alike: their options' durations, their configuration errors,
+ * What PgLease and SqliteLease read alike: their configuration errors
  * and the rows of their `holders` statement (the same columns on both databases).
  */
-import * as Duration from "effect/Duration"
+import type * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as Option from "effect/Option"
+import * as Either from "effect/Either"
 import * as FencingToken from "../FencingToken.js"
 import type { LockMode } from "../Lease.js"
 import { LockBackendError } from "../LockError.js"
+import { durationOption, type DurationRules } from "./validate.js"
 
 /** A configuration error of the backend named `backend` (e.g. `PgLease`), saying what is wrong. */
 export const configError = (backend: string) => (reason: string) =>
   new LockBackendError({ operation: "configure", cause: new Error(`${backend}: ${reason}`) })
 
-/** An optional duration option: `fallback` when absent, a configuration error when not a duration. */
-export const durationOption = (fail: (reason: string) => LockBackendError) =>
-(input: Duration.DurationInput | undefined, fallback: Duration.Duration, what: string) =>
-  input === undefined ? Effect.succeed(fallback) : Option.match(Duration.decodeUnknown(input), {
-    onNone: () => Effect.fail(fail(`${what} is not a duration: ${String(input)}`)),
-    onSome: Effect.succeed
-  })
+/** A duration option of the backend `fail` names, refused at build (naming the option) when it is not one it can run on. */
+export const durationOf = (fail: (reason: string) => LockBackendError) =>
+(
+  option: string,
+  input: Duration.DurationInput | undefined,
+  fallback: Duration.Duration,
+  rules?: DurationRules
+): Either.Either<Duration.Duration, LockBackendError> => Either.mapLeft(durationOption(option, input, fallback, rules), fail)
 
 /** A live lease as stored in a lease table (documented on `PgLease.StoredLease`). */
 export interface StoredLease {

@@ -7,7 +7,6 @@ import type { PgClient } from "@effect/sql-pg/PgClient"
 import * as Context from "effect/Context"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as Either from "effect/Either"
 import { identity } from "effect/Function"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
@@ -20,7 +19,7 @@ import * as LeaseOptions from "./leaseOptions.js"
 import * as Backend from "./pgLeaseBackend.js"
 import * as Lane from "./pgLeaseLane.js"
 import * as Sql from "./pgLeaseSql.js"
-import { durationOption, type DurationRules, MAX_TIMER } from "./validate.js"
+import { TIMER } from "./validate.js"
 import * as Owner from "./owner.js"
 
 /** The options of `PgLease.layer`; documented there. */
@@ -58,16 +57,7 @@ export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tabl
   return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
 }
 
-/** A duration option, refused at build (naming it) when it is not one the backend can run on. */
-const duration = (
-  option: string,
-  input: Duration.DurationInput | undefined,
-  fallback: Duration.Duration,
-  rules?: DurationRules
-) => Either.mapLeft(durationOption(option, input, fallback, rules), configError)
-
-/** The bounds and intervals below each end up in a Node timer (a statement's bound, a poll, a check). */
-const timer: DurationRules = { max: MAX_TIMER }
+const duration = LeaseOptions.durationOf(configError)
 
 export const makeBackend = (
   options?: Options,
@@ -83,11 +73,11 @@ export const makeBackend = (
       return yield* configError(`connections must be a whole number of at least 1, got ${String(connections)}`)
     }
     // All before any connection is opened: a bad option fails the build at once.
-    const statementTimeout = yield* duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, timer)
+    const statementTimeout = yield* duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER)
     // A positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here.
     const defaultTtl = yield* duration("ttl", options?.ttl, DEFAULT_TTL)
-    const pollInterval = yield* duration("pollInterval", options?.pollInterval, DEFAULT_POLL, timer)
-    const checkInterval = yield* duration("listenCheckInterval", options?.listenCheckInterval, DEFAULT_CHECK, timer)
+    const pollInterval = yield* duration("pollInterval", options?.pollInterval, DEFAULT_POLL, TIMER)
+    const checkInterval = yield* duration("listenCheckInterval", options?.listenCheckInterval, DEFAULT_CHECK, TIMER)
     const sql = yield* SqlClientTag
     const pg = yield* Effect.serviceOption(PgClientTag)
     const pool = options?.pool ?? (Option.isSome(pg) ? "own" : "application")

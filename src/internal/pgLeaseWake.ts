@@ -10,6 +10,7 @@
  * hears: while anyone waits, it sends itself a ping every check interval and expects the echo.
  * A missed echo, or the stream ending, marks it untrusted, wakes every waiter (they fall back to
  * polling), and restarts the listener with backoff. */
+import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -192,7 +193,14 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
       started = true
       // Started by the first waiter, maybe inside its `sql.withTransaction` or a guarded body: the
       // listener is the layer's, so it inherits neither that transaction nor the body's stall watch.
-      return Effect.asVoid(owner.fork(supervise))
+      // Should it die (a defect), the next waiter starts it again, and waiters poll meanwhile; it
+      // ends on its own only when it gave up listening for good (`auto`), and stays so.
+      return Effect.asVoid(owner.fork(Effect.onExit(supervise, (exit) =>
+        Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
+          ? Effect.zipRight(distrust, Effect.sync(() => {
+            started = false
+          }))
+          : Effect.void)))
     })
 
     const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, import("effect/Scope").Scope> =>

@@ -7,7 +7,6 @@ import type { SqliteClient } from "@effect/sql-sqlite-node/SqliteClient"
 import * as Context from "effect/Context"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as Either from "effect/Either"
 import { identity } from "effect/Function"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
@@ -22,7 +21,7 @@ import * as LeaseOptions from "./leaseOptions.js"
 import * as Lanes from "./sqliteLeaseLane.js"
 import * as PermitSql from "./sqliteLeasePermitSql.js"
 import * as Sql from "./sqliteLeaseSql.js"
-import { durationOption, type DurationRules, MAX_TIMER } from "./validate.js"
+import { TIMER } from "./validate.js"
 import * as Wake from "./sqliteLeaseWake.js"
 import * as Owner from "./owner.js"
 
@@ -58,16 +57,7 @@ export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tabl
   return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
 }
 
-/** A duration option, refused at build (naming it) when it is not one the backend can run on. */
-const duration = (
-  option: string,
-  input: Duration.DurationInput | undefined,
-  fallback: Duration.Duration,
-  rules?: DurationRules
-) => Either.mapLeft(durationOption(option, input, fallback, rules), configError)
-
-/** The bounds and intervals below end up in a Node timer (a statement's bound, a poll). */
-const timer: DurationRules = { max: MAX_TIMER }
+const duration = LeaseOptions.durationOf(configError)
 
 /** The database file: the option, else the application's `SqliteClient`'s (never an in-memory one). */
 const resolveFilename = (filename: string | undefined): Effect.Effect<string, LockBackendError> =>
@@ -118,11 +108,11 @@ export const makeBackend = (
 ): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     const tables = yield* resolveTables(options?.table)
-    const statementTimeout = yield* duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, timer)
+    const statementTimeout = yield* duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER)
     // Zero is SQLite's "never wait for the write lock": each try fails at once and is retried
     // asynchronously. The cap keeps it within busy_timeout's C int of milliseconds.
-    const busyTimeout = yield* duration("busyTimeout", options?.busyTimeout, DEFAULT_BUSY_TIMEOUT, { ...timer, allowZero: true })
-    const pollInterval = yield* duration("pollInterval", options?.pollInterval, DEFAULT_POLL, timer)
+    const busyTimeout = yield* duration("busyTimeout", options?.busyTimeout, DEFAULT_BUSY_TIMEOUT, { ...TIMER, allowZero: true })
+    const pollInterval = yield* duration("pollInterval", options?.pollInterval, DEFAULT_POLL, TIMER)
     // A positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here.
     const ttl = yield* duration("ttl", options?.ttl, DEFAULT_TTL)
     if (Duration.greaterThanOrEqualTo(busyTimeout, statementTimeout)) {

@@ -23,6 +23,11 @@ import * as Option from "effect/Option"
  * watch leaves them alone: the body fiber waiting for them is itself checked when it resumes, and
  * a helper stopped by the watch would end the step with an interruption — even where the caller
  * made the step uninterruptible (a write already on its way, a `Fence.check` in it).
+ *
+ * Why these helpers stay now that a layer's own work runs on the layer's runtime (`owner.ts`):
+ * their users — `Fence.check` and `withXactLock` — send the *caller's* statements in the
+ * caller's transaction (its connection is in the caller's context), so that work cannot move to
+ * a layer's runtime; it stays the caller's, bounded here without the caller's stall watch.
  */
 export const boundHelper: FiberRef.FiberRef<boolean> = FiberRef.unsafeMake(false)
 

@@ -126,3 +126,6 @@ export const validateMode = (name: string, mode: LockMode | undefined): Effect.E
   const problem = modeProblem(name, mode)
   return problem === undefined ? Effect.succeed(mode ?? "exclusive") : Effect.fail(problem)
 }
+
+/** The rules of a duration that ends up in a Node timer (a statement's bound, a poll, a check). */
+export const TIMER: DurationRules = { max: MAX_TIMER }

@@ -210,6 +210,18 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
 
   const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
 
+  /** `service` holds `name` from now on; the effect returned lets it go and waits for the release. */
+  const holdFor = (service: DistributedLock.Service, name: string) =>
+    Effect.gen(function*() {
+      const letGo = yield* Effect.makeLatch(false)
+      const holding = yield* Deferred.make<void>()
+      const holder = yield* Effect.fork(
+        Effect.scoped(Effect.zipRight(Effect.zipRight(service.acquire(name), Deferred.succeed(holding, undefined)), letGo.await))
+      )
+      yield* Deferred.await(holding)
+      return Effect.zipRight(letGo.open, Fiber.join(holder))
+    })
+
   const title = budget === undefined ? "the backend contract" : `the backend contract, yielding every ${budget} ops`
   describe(`${label}: ${title}`, { concurrent: target.clock === "live" }, () => {
     test("a held lock excludes other processes until it is released", () =>
@@ -370,12 +382,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const c = yield* node()
         const outer = freshName("outer")
         const inner = freshName("inner")
-        const letGo = yield* Effect.makeLatch(false)
-        const holding = yield* Deferred.make<void>()
-        const holder = yield* Effect.fork(
-          Effect.scoped(Effect.zipRight(Effect.zipRight(b.acquire(inner), Deferred.succeed(holding, undefined)), letGo.await))
-        )
-        yield* Deferred.await(holding)
+        const letGo = yield* holdFor(b, inner)
         // The body waits for `inner`; its fibers carry the body's stall watch.
         const run = yield* Effect.fork(
           DistributedLock.withLock(Effect.scoped(DistributedLock.acquire(inner)), outer).pipe(provide(a))
@@ -384,8 +391,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* target.revoke(outer)
         const error = yield* Effect.flip(Fiber.join(run))
         expect(error).toMatchObject({ _tag: "LockLost", name: outer })
-        yield* letGo.open
-        yield* Fiber.join(holder)
+        yield* letGo
         // A place left behind would keep `c` waiting until it expired (5 s on the lease stores).
         const token = yield* Effect.scoped(Effect.map(c.acquire(inner, { timeout: Duration.seconds(3) }), (l) => l.token))
         expect(token > 0n).toBe(true)
@@ -407,12 +413,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const c = yield* node()
         const outer = freshName("outer-grant")
         const inner = freshName("inner-grant")
-        const letGo = yield* Effect.makeLatch(false)
-        const holding = yield* Deferred.make<void>()
-        const holder = yield* Effect.fork(
-          Effect.scoped(Effect.zipRight(Effect.zipRight(b.acquire(inner), Deferred.succeed(holding, undefined)), letGo.await))
-        )
-        yield* Deferred.await(holding)
+        const letGo = yield* holdFor(b, inner)
         const outerHeld = yield* Deferred.make<void>()
         const granted = yield* Deferred.make<void>()
         const answer = yield* Effect.makeLatch(false)
@@ -431,14 +432,13 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* Deferred.await(outerHeld)
         yield* queued(aFaults, inner)
         // The store grants `inner` to the body; the answer is on its way when the outer lease goes.
-        yield* letGo.open
+        yield* letGo
         yield* Deferred.await(granted)
         yield* target.revoke(outer)
         yield* until("the outer lease is known lost", Effect.map(a.inspect, (held) => !held.some((l) => l.name === outer)))
         yield* answer.open
         const error = yield* Effect.flip(Fiber.join(run))
         expect(error).toMatchObject({ _tag: "LockLost", name: outer })
-        yield* Fiber.join(holder)
         const token = yield* Effect.scoped(Effect.map(c.acquire(inner, { timeout: Duration.seconds(3) }), (l) => l.token))
         expect(token > 0n).toBe(true)
       }))
