@@ -271,15 +271,17 @@ const main = async () => {
     if (pgStore !== undefined) {
       const victim = await currentHolder()
       const killAt = Date.now()
+      // Set before the kill is sent: the next holder's grant can be reported before the terminate's
+      // answer is, and its takeover is measured from the moment the kill began.
+      pendingDisruption = { cause: "session kill", at: killAt, from: victim.worker }
       const killed = await query<{ n: number }>(
         pgStore.url,
         `select count(pg_terminate_backend(pid))::int as n from pg_stat_activity
          where datname = current_database() and application_name = $1`,
         [applicationName(victim.worker)]
       )
-      pendingDisruption = { cause: "session kill", at: Date.now(), from: victim.worker }
       lastKill = { worker: victim.worker, at: killAt }
-      timeline.kills.push({ worker: victim.worker, at: pendingDisruption.at, label: `session kill: worker ${victim.worker}'s ${killed[0]!.n} session(s)` })
+      timeline.kills.push({ worker: victim.worker, at: killAt, label: `session kill: worker ${victim.worker}'s ${killed[0]!.n} session(s)` })
       say(`>>> killing worker ${victim.worker}'s ${killed[0]!.n} database session(s) while it holds token ${victim.token}`)
     } else {
       // SQLite has no sessions to kill: the holder process itself dies (a crash), and is restarted.
