@@ -50,6 +50,7 @@ contractSuite("PgAdvisory", {
   makeBackend: Effect.suspend(() => PgAdvisory.makeBackend({ url: db.url, applicationName: "adv-contract", maxSessions: 3 })),
   storeHolders: (name) => requests(name, true),
   waiting: (name) => Effect.map(requests(name, false), (n) => n > 0),
+  waitingCount: (name) => requests(name, false),
   sessionBound: true,
   revoke: terminateHolders,
   advance: (duration) => Effect.sleep(duration),

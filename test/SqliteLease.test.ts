@@ -66,6 +66,7 @@ contractSuite("SqliteLease", {
   storeHolders: (name) => Effect.sync(() => file.liveHolders(name)),
   // Queued in the store itself: a live waiting place in the queue table.
   waiting: (name) => Effect.sync(() => file.livePlaces(name) > 0),
+  waitingCount: (name) => Effect.sync(() => file.livePlaces(name)),
   advance: (duration) => Effect.sleep(duration),
   revoke: (name) => Effect.provide(SqliteLease.revoke(name), SqliteClient.layer({ filename: file.path })),
   maxNameBytes: SqliteLease.defaults.maxNameBytes,

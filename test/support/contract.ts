@@ -51,6 +51,8 @@ export interface ContractTarget {
    * Without it, "queued" means the acquire is inside the backend's `waitUntilDeadline`.
    */
   readonly waiting?: (name: string) => Effect.Effect<boolean, unknown>
+  /** How many requests for `name` are queued in the store itself; with `waiting`. */
+  readonly waitingCount?: (name: string) => Effect.Effect<number, unknown>
   /**
    * Takes the lock `name` away from its holder, as an operator would (a lease row revoked, the
    * holding session terminated): its holder learns of the loss on its own.
@@ -211,12 +213,12 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
   const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
 
   /** `service` holds `name` from now on; the effect returned lets it go and waits for the release. */
-  const holdFor = (service: DistributedLock.Service, name: string) =>
+  const holdFor = (service: DistributedLock.Service, name: string, options?: DistributedLock.AcquireOptions) =>
     Effect.gen(function*() {
       const letGo = yield* Effect.makeLatch(false)
       const holding = yield* Deferred.make<void>()
       const holder = yield* Effect.fork(
-        Effect.scoped(Effect.zipRight(Effect.zipRight(service.acquire(name), Deferred.succeed(holding, undefined)), letGo.await))
+        Effect.scoped(Effect.zipRight(Effect.zipRight(service.acquire(name, options), Deferred.succeed(holding, undefined)), letGo.await))
       )
       yield* Deferred.await(holding)
       return Effect.zipRight(letGo.open, Fiber.join(holder))
@@ -372,6 +374,72 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           expect(error.name).toBe(name)
         }
         yield* stopped.await
+      }))
+
+    test("waiters are served first in, first out", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("fifo")
+        const letGo = yield* holdFor(a, name)
+        const order: Array<string> = []
+        const waiters: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
+        const all: Array<Faults> = []
+        for (const label of ["b", "c", "d"]) {
+          const faults = makeFaults()
+          const process = yield* node(faults)
+          all.push(faults)
+          waiters.push(yield* Effect.fork(Effect.scoped(Effect.zipRight(process.acquire(name), Effect.sync(() => order.push(label))))))
+          // Each is queued before the next one arrives.
+          const count = all.length
+          yield* until(
+            `${count} acquires of "${name}" queued`,
+            target.waitingCount === undefined
+              ? Effect.sync(() => all.filter((f) => waitingFor(f, name) > 0).length >= count)
+              : Effect.map(target.waitingCount(name), (n) => n >= count)
+          )
+        }
+        yield* letGo
+        yield* Effect.forEach(waiters, Fiber.join, { discard: true })
+        expect(order).toEqual(["b", "c", "d"])
+      }))
+
+    test("a try never overtakes a waiter: with the lock just let go and the waiter not yet back, a try finds it busy", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const bFaults = makeFaults()
+        const b = yield* node(bFaults)
+        const c = yield* node()
+        const name = freshName("no-overtake")
+        const letGo = yield* holdFor(a, name)
+        // The waiter's next look after a wait is held back: a slow wake-up, its place still queued.
+        // (Session locks wait in the server's own queue, which hands the lock straight to its
+        // first waiter: there is no such window, and their waits are no backend waits to hold.)
+        const back = yield* Effect.makeLatch(false)
+        if (target.sessionBound !== true) bFaults.afterWait = back.await
+        const waiter = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name), (lease) => lease.token)))
+        yield* queued(bFaults, name)
+        yield* letGo
+        const tried = yield* Effect.scoped(c.tryAcquire(name))
+        expect(Option.isNone(tried)).toBe(true)
+        yield* back.open
+        expect((yield* Fiber.join(waiter)) > 0n).toBe(true)
+      }))
+
+    sharedTest("a new shared request queues behind a waiting exclusive one", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const bFaults = makeFaults()
+        const b = yield* node(bFaults)
+        const c = yield* node()
+        const name = freshName("shared-behind")
+        const letGo = yield* holdFor(a, name, { mode: "shared" })
+        const exclusive = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name), (lease) => lease.token)))
+        yield* queued(bFaults, name)
+        // Compatible with the holder, but an exclusive request waits ahead of it.
+        const joined = yield* Effect.scoped(c.tryAcquire(name, { mode: "shared" }))
+        expect(Option.isNone(joined)).toBe(true)
+        yield* letGo
+        expect((yield* Fiber.join(exclusive)) > 0n).toBe(true)
       }))
 
     test("a waiter inside a body whose lease is lost gives its place up at once: the next process gets the lock", () =>

@@ -14,6 +14,8 @@ export interface Faults {
   renewHook: (names: ReadonlyArray<string>) => Effect.Effect<void>
   /** Runs after the store granted, before the grant is handed back (a network round trip). */
   afterGrant: Effect.Effect<void>
+  /** Runs after each of the backend's waits ends, before it looks again (a slow wake-up). */
+  afterWait: Effect.Effect<void>
   /**
    * When set, the next grant is reported lost (`revoked`) by a separate fiber that first yields
    * this many times: a session dying right after its grant, racing the hand-over. One-shot.
@@ -33,6 +35,7 @@ export const makeFaults = (): Faults => ({
   renewDelay: Effect.void,
   renewHook: () => Effect.void,
   afterGrant: Effect.void,
+  afterWait: Effect.void,
   loseAfterGrant: undefined,
   lossesReported: 0,
   events: [],
@@ -67,7 +70,7 @@ export const withFaults = <G extends Grant>(backend: LockBackend<G>, faults: Fau
           Effect.sync(() => faults.waiting.set(request.name, waitingFor(faults, request.name) + 1)),
           () => request.waitUntilDeadline(step),
           () => Effect.sync(() => faults.waiting.set(request.name, waitingFor(faults, request.name) - 1))
-        )
+        ).pipe(Effect.zipLeft(Effect.suspend(() => faults.afterWait)))
     }
     return Effect.flatMap(Effect.tap(backend.acquire(tracked), () => faults.afterGrant), (result): Effect.Effect<AcquireResult<G>> => {
       if (result._tag !== "Granted") return Effect.succeed(result)
