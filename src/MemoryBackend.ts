@@ -39,23 +39,12 @@ interface Holder {
   expiresAt: number
 }
 
-/** An acquire waiting for the lock: its place in the queue, kept across its looks. */
-interface Waiter {
-  readonly mode: LockMode
-  /** Completed to make it look again; a fresh one per wait. */
-  woken: Deferred.Deferred<void>
-}
-
 interface Entry {
   /** Last token handed out for this name; entries are kept forever so tokens never repeat. */
   counter: bigint
   readonly holders: Map<number, Holder>
-  /**
-   * Acquires waiting, in arrival order: served first in, first out, as on PgLease. A request is
-   * granted only when nothing ahead of it stands in its way (see `blockedAhead`), so a try never
-   * overtakes a waiter, and a shared request queues behind a waiting exclusive one.
-   */
-  readonly queue: Array<Waiter>
+  /** Acquires waiting for a holder to leave; all are woken when one does, and look again. */
+  waiters: Set<Deferred.Deferred<void>> | undefined
 }
 
 const StoreTypeId: unique symbol = Symbol.for("effect-lock/MemoryBackend/Store")
@@ -121,23 +110,12 @@ export const holders = (store: Store): Effect.Effect<ReadonlyArray<StoredLease>>
     return Effect.succeed(out)
   })
 
-/**
- * Wakes the waiters at the head of the queue that now fit (a holder or a waiter ahead left): the
- * first one, and the shared ones right behind a shared first one. Synchronous.
- */
+/** Wakes every waiter of `entry` (a holder left); each looks again. Synchronous. */
 const wakeWaiters = (entry: Entry): void => {
-  for (let i = 0; i < entry.queue.length; i++) {
-    const waiter = entry.queue[i]!
-    if (!compatible(entry, waiter.mode) || (i > 0 && waiter.mode === "exclusive")) return
-    Deferred.unsafeDone(waiter.woken, Exit.void)
-    if (waiter.mode === "exclusive") return
-  }
-}
-
-/** Whether a waiter ahead of position `index` stands in the way of a `mode` request. */
-const blockedAhead = (entry: Entry, index: number, mode: LockMode): boolean => {
-  for (let i = 0; i < index; i++) if (mode === "exclusive" || entry.queue[i]!.mode === "exclusive") return true
-  return false
+  const waiters = entry.waiters
+  if (waiters === undefined) return
+  entry.waiters = undefined
+  for (const waiter of waiters) Deferred.unsafeDone(waiter, Exit.void)
 }
 
 /** Tells each of `gone` its lease is lost, after the store already changed. */
@@ -193,7 +171,7 @@ export const semaphores = (store: Store): Effect.Effect<ReadonlyArray<StoredSema
 const entryOf = (store: Store, name: string): Entry => {
   const entries = store[StoreTypeId].entries
   let entry = entries.get(name)
-  if (entry === undefined) entries.set(name, entry = { counter: 0n, holders: new Map(), queue: [] })
+  if (entry === undefined) entries.set(name, entry = { counter: 0n, holders: new Map(), waiters: undefined })
   return entry
 }
 
@@ -245,7 +223,7 @@ const MAX_NAME_BYTES = 1024
 type Look =
   | { readonly _tag: "Granted"; readonly grant: MemoryGrant }
   | { readonly _tag: "Busy" }
-  | { readonly _tag: "Wait"; readonly waiter: Waiter; readonly sleepMillis: number }
+  | { readonly _tag: "Wait"; readonly woken: Deferred.Deferred<void>; readonly sleepMillis: number }
 
 /**
  * Builds the backend (the SPI), for wrapping or for `DistributedLock.make`; its `semaphore` is
@@ -268,25 +246,9 @@ export const makeBackend = (
         if (entry !== undefined && entry.holders.delete(owner)) wakeWaiters(entry)
       })
 
-    /**
-     * One synchronous look: grant, report busy, or take (or keep) a place in the queue, as of
-     * `now`. `place`: this request's place from an earlier look.
-     */
-    const look = (
-      entry: Entry,
-      request: AcquireRequest,
-      owner: number,
-      now: number,
-      fiberId: FiberId.FiberId,
-      place: Waiter | undefined
-    ): Look => {
-      const index = place === undefined ? entry.queue.length : entry.queue.indexOf(place)
-      if (compatible(entry, request.mode) && !blockedAhead(entry, index, request.mode)) {
-        if (place !== undefined) {
-          entry.queue.splice(index, 1)
-          // A shared grant may let the shared waiters right behind it in too.
-          if (request.mode === "shared") wakeWaiters(entry)
-        }
+    /** One synchronous look: grant, report busy, or register as a waiter, as of `now`. */
+    const look = (entry: Entry, request: AcquireRequest, owner: number, now: number, fiberId: FiberId.FiberId): Look => {
+      if (compatible(entry, request.mode)) {
         const ttlMillis = Duration.toMillis(request.ttl)
         entry.counter += 1n
         const token = FencingToken.make(entry.counter)
@@ -304,47 +266,28 @@ export const makeBackend = (
         }
       }
       if (request.attempt === "once") return { _tag: "Busy" }
-      // Queued in the same step as the check: a holder leaving after it wakes this waiter.
-      const waiter = place ?? { mode: request.mode, woken: Deferred.unsafeMake<void>(fiberId) }
-      if (place === undefined) entry.queue.push(waiter)
-      else waiter.woken = Deferred.unsafeMake<void>(fiberId)
+      // Registered in the same step as the check: a holder leaving after it wakes this waiter.
+      const woken = Deferred.unsafeMake<void>(fiberId)
+      ;(entry.waiters ??= new Set()).add(woken)
       let nextExpiry = Number.POSITIVE_INFINITY
       for (const holder of entry.holders.values()) nextExpiry = Math.min(nextExpiry, holder.expiresAt)
-      return { _tag: "Wait", waiter, sleepMillis: Math.max(0, nextExpiry - now) }
+      return { _tag: "Wait", woken, sleepMillis: Math.max(0, nextExpiry - now) }
     }
 
-    /** Looks until granted, busy or past the deadline; `ticket.place` is the request's place once it has one. */
-    const attempt = (
-      request: AcquireRequest,
-      owner: number,
-      ticket: { place: Waiter | undefined }
-    ): Effect.Effect<AcquireResult<MemoryGrant>> =>
+    const attempt = (request: AcquireRequest, owner: number): Effect.Effect<AcquireResult<MemoryGrant>> =>
       Effect.withFiberRuntime((fiber) => {
         const entry = entryOf(store, request.name)
         const now = fiberMillis(fiber)
         const expired = purgeExpired(entry, now)
-        const seen = look(entry, request, owner, now, fiber.id(), ticket.place)
+        const seen = look(entry, request, owner, now, fiber.id())
         const told = tellLost(expired, "stolen")
-        if (seen._tag === "Granted") ticket.place = undefined
         if (seen._tag !== "Wait") return expired === undefined ? Effect.succeed(seen) : Effect.as(told, seen)
-        ticket.place = seen.waiter
-        // Wake when a holder or a waiter ahead leaves, or when the earliest lease runs out.
-        const wait = request.waitUntilDeadline(Effect.raceFirst(Deferred.await(seen.waiter.woken), sleepMillis(seen.sleepMillis)))
+        // Wake when a holder leaves or when the earliest lease runs out, whichever is first.
+        const wait = request.waitUntilDeadline(
+          Effect.raceFirst(Deferred.await(seen.woken), sleepMillis(seen.sleepMillis))
+        ).pipe(Effect.ensuring(Effect.sync(() => entry.waiters?.delete(seen.woken))))
         return Effect.flatMap(Effect.zipRight(told, wait), (woke) =>
-          Option.isNone(woke) ? Effect.succeed({ _tag: "TimedOut" } as const) : attempt(request, owner, ticket))
-      })
-
-    /** A request that leaves without a grant gives its place up; those behind it may now fit. */
-    const leave = (name: string, ticket: { place: Waiter | undefined }): Effect.Effect<void> =>
-      Effect.sync(() => {
-        const place = ticket.place
-        if (place === undefined) return
-        ticket.place = undefined
-        const entry = state.entries.get(name)
-        const index = entry === undefined ? -1 : entry.queue.indexOf(place)
-        if (entry === undefined || index < 0) return
-        entry.queue.splice(index, 1)
-        wakeWaiters(entry)
+          Option.isNone(woke) ? Effect.succeed({ _tag: "TimedOut" } as const) : attempt(request, owner))
       })
 
     const renewOne = (grant: MemoryGrant, now: number): RenewOutcome => {
@@ -384,12 +327,7 @@ export const makeBackend = (
       }),
       renewBatchSize: 10_000,
       instantRelease: true,
-      acquire: (request) =>
-        Effect.suspend(() => {
-          const ticket: { place: Waiter | undefined } = { place: undefined }
-          // However the request ends without a grant (timed out, interrupted), its place goes.
-          return Effect.ensuring(attempt(request, state.nextOwner++, ticket), leave(request.name, ticket))
-        }),
+      acquire: (request) => Effect.suspend(() => attempt(request, state.nextOwner++)),
       renew: (grants) =>
         Effect.withFiberRuntime((fiber) => {
           const now = fiberMillis(fiber)
