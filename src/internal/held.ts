@@ -532,7 +532,8 @@ export const makeRegistry = <G extends Grant>(
     // Counted and uncounted in uninterruptible steps: an interruption between the count and the
     // finalizer that undoes it would leave closing waiting for an acquisition that is gone.
     const taking = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
-      Effect.uninterruptibleMask((restore) => {
+      // An in-process store gives a late grant back in the same step: nothing for closing to wait for.
+      backend.instantRelease === true ? self : Effect.uninterruptibleMask((restore) => {
         takes++
         return Effect.ensuring(
           restore(self),

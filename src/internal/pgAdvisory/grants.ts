@@ -274,11 +274,15 @@ export const tryGrant = (
     const shared = request.mode === "shared"
     const sent = submitTry(session, keyText, request.name, shared)
     // A single attempt whose deadline already passed still gets its turn (only `once` asks).
+    // Without a deadline nothing but the statement's own bound (a try never blocks) ends the
+    // wait for its turn: no race of fibers on the uncontended path.
     const turn = request.attempt === "once"
       ? Effect.flatMap(monotonicMillis, (now) =>
         Option.isSome(request.deadline) && request.deadline.value <= now
           ? Effect.asSome(request.interruptible(sent.outcome))
           : request.waitUntilDeadline(sent.outcome))
+      : Option.isNone(request.deadline)
+      ? Effect.asSome(request.interruptible(sent.outcome))
       : request.waitUntilDeadline(sent.outcome)
     return turn.pipe(
       // Taken back at once if it is still queued; else undone as the layer's work, out of reach
