@@ -35,7 +35,7 @@ const RESTART_PAUSE_MAX_MS = 1_000
  * body still running then (it holds interruption off) has its lock given back all the same,
  * logged, so that a shutdown ends.
  */
-export const SHUTDOWN_BODY_WAIT_MS = 10_000
+const SHUTDOWN_BODY_WAIT_MS = 10_000
 /** How long closing the service waits for acquisitions in flight to settle (each is bounded by its backend). */
 const SHUTDOWN_TAKE_WAIT_MS = 10_000
 /** Slack of a caller's wait for a release over the release's own bounds. */

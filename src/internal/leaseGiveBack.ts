@@ -22,9 +22,8 @@ import type { LockBackendError } from "../LockError.js"
 import { monotonicMillis, sleepMillis } from "./clock.js"
 import type { Lane } from "./leaseLane.js"
 import type { WakeHub } from "./leaseWaiters.js"
-import type { Owner } from "./owner.js"
+import * as Owner from "./owner.js"
 import { sqliteCodeOf, sqlStateOf } from "./sqlState.js"
-import { within } from "./stallSafe.js"
 
 /** Attempts of a release before it gives up and leaves the lease to expire. */
 const RELEASE_RETRIES = 2
@@ -65,7 +64,7 @@ export const make = (
   statementTimeout: Duration.Duration,
   dialect: GiveBackDialect,
   hub: WakeHub | undefined,
-  owner: Owner
+  owner: Owner.Owner
 ): Effect.Effect<GiveBack, never, Scope.Scope> =>
   Effect.gen(function*() {
     /** One give-back statement; true when it freed a lease. */
@@ -84,7 +83,7 @@ export const make = (
     yield* Effect.addFinalizer(() =>
       Effect.suspend(() => {
         const fibers = Array.from(running)
-        return within(Effect.forEach(fibers, Fiber.await, { discard: true }), shutdownWait).pipe(
+        return Owner.awaitAll(fibers, Duration.toMillis(shutdownWait)).pipe(
           Effect.zipRight(Effect.forEach(fibers, Fiber.interrupt, { discard: true }))
         )
       })

@@ -229,6 +229,21 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
       return Effect.zipRight(letGo.open, Fiber.join(holder))
     })
 
+  /**
+   * Three processes for the nested-lock cases: `a` will hold `outer` and wait for `inner` inside
+   * it, which `b` holds until `letGo`; `c` asks for `inner` afterwards.
+   */
+  const nested = (label: string) =>
+    Effect.gen(function*() {
+      const aFaults = makeFaults()
+      const a = yield* node(aFaults)
+      const b = yield* node()
+      const c = yield* node()
+      const inner = freshName(`inner-${label}`)
+      const letGo = yield* holdFor(b, inner)
+      return { a, aFaults, c, outer: freshName(`outer-${label}`), inner, letGo }
+    })
+
   const title = budget === undefined ? "the backend contract" : `the backend contract, yielding every ${budget} ops`
   describe(`${label}: ${title}`, { concurrent: target.clock === "live" }, () => {
     test("a held lock excludes other processes until it is released", () =>
@@ -457,13 +472,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
 
     test("a waiter inside a body whose lease is lost gives its place up at once: the next process gets the lock", () =>
       Effect.gen(function*() {
-        const aFaults = makeFaults()
-        const a = yield* node(aFaults)
-        const b = yield* node()
-        const c = yield* node()
-        const outer = freshName("outer")
-        const inner = freshName("inner")
-        const letGo = yield* holdFor(b, inner)
+        const { a, aFaults, c, inner, letGo, outer } = yield* nested("waiter")
         // The body waits for `inner`; its fibers carry the body's stall watch.
         const run = yield* Effect.fork(
           DistributedLock.withLock(Effect.scoped(DistributedLock.acquire(inner)), outer).pipe(provide(a))
@@ -488,13 +497,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
 
     test("a grant that arrives while its body's lease is lost is given back: the next process gets the lock", () =>
       Effect.gen(function*() {
-        const aFaults = makeFaults()
-        const a = yield* node(aFaults)
-        const b = yield* node()
-        const c = yield* node()
-        const outer = freshName("outer-grant")
-        const inner = freshName("inner-grant")
-        const letGo = yield* holdFor(b, inner)
+        const { a, aFaults, c, inner, letGo, outer } = yield* nested("grant")
         const outerHeld = yield* Deferred.make<void>()
         const granted = yield* Deferred.make<void>()
         const answer = yield* Effect.makeLatch(false)
