@@ -24,7 +24,7 @@ import type { FencingToken } from "./FencingToken.js"
 import type { Lease } from "./Lease.js"
 import type { Grant, LockAndSemaphoreBackend, LockBackend, PermitGrant, SemaphoreBackend } from "./LockBackend.js"
 import { HttpStatusAnnotation, LockBackendError, type LockLost } from "./LockError.js"
-import { heldOf } from "./internal/held.js"
+import { heldOf } from "./internal/core/registry.js"
 
 /**
  * The name is in use (held or waited for) with another `limit` than the one asked for. Two

@@ -56,10 +56,10 @@ import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as FencingToken from "./FencingToken.js"
 import { LockBackendError, StaleFencingToken } from "./LockError.js"
-import { sqlStateOf } from "./internal/sqlState.js"
-import { detachedWithin } from "./internal/stallSafe.js"
-import { durationOption, MAX_TIMER } from "./internal/validate.js"
-import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, parseTable, type TableRef } from "./internal/sqlTable.js"
+import { sqlStateOf } from "./internal/sql/state.js"
+import { detachedWithin } from "./internal/runtime/stallSafe.js"
+import { durationOption, MAX_TIMER } from "./internal/core/validate.js"
+import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, parseTable, type TableRef } from "./internal/sql/tables.js"
 
 /**
  * The default table name.

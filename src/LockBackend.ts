@@ -33,7 +33,7 @@ export interface AcquireRequest {
   readonly ttl: Duration.Duration
   /**
    * Time past which the caller no longer wants the lock, in milliseconds on the Clock's monotonic
-   * timeline (`currentTimeNanos` / 1e6, as `internal/clock.ts` reads it); `None` waits forever.
+   * timeline (`currentTimeNanos` / 1e6, as `internal/core/clock.ts` reads it); `None` waits forever.
    */
   readonly deadline: Option.Option<number>
   /** Runs a step interruptibly. The step must clean up after itself if interrupted. */

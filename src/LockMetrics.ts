@@ -4,7 +4,7 @@
  *
  * @since 0.1.0
  */
-import * as internal from "./internal/metrics.js"
+import * as internal from "./internal/core/metrics.js"
 
 /**
  * Time from asking for a lock to holding it, in milliseconds (histogram).

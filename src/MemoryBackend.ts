@@ -19,9 +19,9 @@ import type * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import type * as DistributedLock from "./DistributedLock.js"
 import * as DistributedSemaphore from "./DistributedSemaphore.js"
-import { fiberMillis, sleepMillis } from "./internal/clock.js"
-import * as Permits from "./internal/memoryPermits.js"
-import { durationOption } from "./internal/validate.js"
+import { fiberMillis, sleepMillis } from "./internal/core/clock.js"
+import * as Permits from "./internal/memory/permits.js"
+import { durationOption } from "./internal/core/validate.js"
 import * as FencingToken from "./FencingToken.js"
 import type { LockMode } from "./Lease.js"
 import type { AcquireRequest, AcquireResult, Grant, LockAndSemaphoreBackend, RenewOutcome } from "./LockBackend.js"
@@ -59,7 +59,7 @@ const StoreTypeId: unique symbol = Symbol.for("effect-lock/MemoryBackend/Store")
 export interface Store {
   readonly [StoreTypeId]: {
     readonly entries: Map<string, Entry>
-    /** Semaphores, a namespace of their own (see `internal/memoryPermits.ts`). */
+    /** Semaphores, a namespace of their own (see `internal/memory/permits.ts`). */
     readonly permits: Permits.PermitEntries
     nextOwner: number
   }

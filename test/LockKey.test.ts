@@ -1,6 +1,6 @@
 import { describe, expect, it } from "@effect/vitest"
 import { createHash } from "node:crypto"
-import { advisoryKey } from "../src/internal/lockKey.js"
+import { advisoryKey } from "../src/internal/core/lockKey.js"
 
 // Frozen wire format: SHA-256("effect-lock:v1" ‖ 0x00 ‖ namespace ‖ 0x00 ‖ name), first 8 bytes
 // big-endian, signed. The vectors were computed independently (Python hashlib + struct ">q").

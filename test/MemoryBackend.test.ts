@@ -15,7 +15,7 @@ import type { LockMode } from "effect-lock/Lease"
 import type { Grant, LockBackend } from "effect-lock/LockBackend"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import * as Net from "node:net"
-import { monotonicMillis } from "../src/internal/clock.js"
+import { monotonicMillis } from "../src/internal/core/clock.js"
 import { contractSuite, freshName, stallSuite, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./support/faults.js"
 

@@ -8,10 +8,10 @@ import { describe, expect, it } from "@effect/vitest"
 import { Duration, Effect, Fiber, Option, TestClock } from "effect"
 import type { AcquireRequest } from "../src/LockBackend.js"
 import type { LostReason } from "../src/LockError.js"
-import { makeWith } from "../src/internal/pgAdvisory/engine.js"
-import type { BackendOptions } from "../src/internal/pgAdvisory/state.js"
-import type { Driver } from "../src/internal/pgDriver.js"
-import { parseTable, type TableRef } from "../src/internal/sqlTable.js"
+import { makeWith } from "../src/internal/advisory/engine.js"
+import type { BackendOptions } from "../src/internal/advisory/state.js"
+import type { Driver } from "../src/internal/pg/driver.js"
+import { parseTable, type TableRef } from "../src/internal/sql/tables.js"
 
 type Callback = (error: Error | null, result?: { rows: Array<Record<string, unknown>> }) => void
 

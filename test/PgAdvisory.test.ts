@@ -9,7 +9,7 @@ import { LockBackendError, LockLost, type LostReason, LockTimeout, UnsafeConnect
 import * as LockMetrics from "../src/LockMetrics.js"
 import * as MemoryBackend from "../src/MemoryBackend.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
-import { makeLocalKeys } from "../src/internal/localKeys.js"
+import { makeLocalKeys } from "../src/internal/advisory/localKeys.js"
 import { spawnSync } from "node:child_process"
 import * as Net from "node:net"
 import { fileURLToPath } from "node:url"

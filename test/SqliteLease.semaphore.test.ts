@@ -10,7 +10,7 @@ import { Context, Duration, Effect, Exit, Fiber, Layer, Option, Scope } from "ef
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import type { SemaphoreBackend } from "effect-lock/LockBackend"
-import * as Make from "effect-lock/internal/sqliteLeaseMake"
+import * as Make from "effect-lock/internal/lease/sqlite/make"
 import * as SqliteLease from "effect-lock/SqliteLease"
 import { useSqliteFile } from "./fixtures/sqlite-db.js"
 import { freshName } from "./support/contract.js"

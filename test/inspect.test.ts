@@ -6,7 +6,7 @@ import * as PgAdvisory from "effect-lock/PgAdvisory"
 import * as PgLease from "effect-lock/PgLease"
 import * as Os from "node:os"
 import pg from "pg"
-import { keyFromLockTag, lockTagOfKey } from "../src/internal/inspectAdvisory.js"
+import { keyFromLockTag, lockTagOfKey } from "../src/internal/advisory/inspect.js"
 import { PgTest, useTestDatabase } from "./support/pg.js"
 import { eventually as pollUntil } from "./support/eventually.js"
 

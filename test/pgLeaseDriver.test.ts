@@ -6,7 +6,7 @@
  */
 import { describe, expect, it } from "@effect/vitest"
 import { Effect } from "effect"
-import * as Driver from "effect-lock/internal/pgLeaseDriver"
+import * as Driver from "effect-lock/internal/pg/leaseDriver"
 import { useTestDatabase } from "./support/pg.js"
 
 const db = useTestDatabase("lease_driver")

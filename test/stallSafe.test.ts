@@ -1,6 +1,6 @@
 import { describe, expect, it } from "@effect/vitest"
 import { Deferred, Duration, Effect, Option } from "effect"
-import { timeoutOption } from "effect-lock/internal/stallSafe"
+import { timeoutOption } from "effect-lock/internal/runtime/stallSafe"
 import pg from "pg"
 import { adminUrl } from "./support/pg.js"
 

@@ -4,7 +4,7 @@
  * (they do not pass through the app's `SqlClient`: renewals have connections of their own). A
  * server-side count (pg_stat_database) is taken alongside.
  */
-import type { Lane } from "../../src/internal/pgLeaseLane.js"
+import type { Lane } from "../../src/internal/lease/pg/lane.js"
 import * as Effect from "effect/Effect"
 import { now } from "./timing.js"
 

@@ -250,7 +250,7 @@ const render = (result: SqliteResult): string =>
     "each process is a separate Node process with one SqliteLease layer (its own connection) or one raw better-sqlite3 connection.",
     "",
     "**Uncontended cycles/s** (acquire + release of per-process names; the whole group's total). Raw: the same two statements " +
-    "(`src/internal/sqliteLeaseSql.ts`) in a synchronous loop.",
+    "(`src/internal/lease/sqlite/sql.ts`) in a synchronous loop.",
     "",
     Report.table(
       ["Processes", "SqliteLease", "range", "raw better-sqlite3", "range", "ratio"],

@@ -12,7 +12,7 @@
  *   exit
  *
  * `node --import tsx sqliteWorker.ts <lib|raw> <file> <pollMs>`: `lib` runs SqliteLease through
- * DistributedLock; `raw` sends the same two statements (src/internal/sqliteLeaseSql.ts) on one
+ * DistributedLock; `raw` sends the same two statements (src/internal/lease/sqlite/sql.ts) on one
  * better-sqlite3 connection with the same busy_timeout, and does no waiting (cycles only).
  * Prints "ready" once set up.
  */
@@ -28,7 +28,7 @@ import * as Crypto from "node:crypto"
 import * as Os from "node:os"
 import * as Readline from "node:readline"
 import * as DistributedLock from "../../src/DistributedLock.js"
-import * as Sql from "../../src/internal/sqliteLeaseSql.js"
+import * as Sql from "../../src/internal/lease/sqlite/sql.js"
 import * as SqliteLease from "../../src/SqliteLease.js"
 
 const [mode, filename, pollArg] = process.argv.slice(2)

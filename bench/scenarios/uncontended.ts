@@ -16,9 +16,9 @@ import type pg from "pg"
 import * as Crypto from "node:crypto"
 import * as Os from "node:os"
 import * as DistributedLock from "../../src/DistributedLock.js"
-import { advisoryKey } from "../../src/internal/lockKey.js"
-import * as AdvisorySql from "../../src/internal/pgAdvisory/sql.js"
-import * as LeaseSql from "../../src/internal/pgLeaseSql.js"
+import { advisoryKey } from "../../src/internal/core/lockKey.js"
+import * as AdvisorySql from "../../src/internal/advisory/sql.js"
+import * as LeaseSql from "../../src/internal/lease/pg/sql.js"
 import * as MemoryBackend from "../../src/MemoryBackend.js"
 import * as PgAdvisory from "../../src/PgAdvisory.js"
 import * as PgLease from "../../src/PgLease.js"
@@ -40,7 +40,7 @@ const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => 
 
 /**
  * What PgAdvisory sends per uncontended cycle — its own SQL text, imported from
- * src/internal/pgAdvisory/sql.ts so the mirror cannot drift: `tryBatchSql`, the try-lock fused
+ * src/internal/advisory/sql.ts so the mirror cannot drift: `tryBatchSql`, the try-lock fused
  * with the fencing-counter upsert (its batch statement, which carries every try queued on a
  * session, here with one key as a single caller sends it), then `releaseSql`, the unlock that
  * notifies only when a notification-only waiter registered interest (here nobody does). Extended
@@ -54,7 +54,7 @@ const releaseSql = AdvisorySql.releaseSql("exclusive")
 const interestKeyOf = (key: string) => advisoryKey(key, AdvisorySql.INTEREST_NAMESPACE).toString()
 
 /**
- * What withXactLock sends per uncontended cycle (src/internal/pgAdvisory/xact.ts,
+ * What withXactLock sends per uncontended cycle (src/internal/advisory/xact.ts,
  * `lockInTransaction`) with an empty body: the try succeeds, so no setting is touched.
  */
 const xactStatements = (key: string): ReadonlyArray<readonly [string, ReadonlyArray<unknown>]> => [
@@ -351,7 +351,7 @@ const render = (result: UncontendedResult): string => {
     "also takes uncontended locks on one session (its home session), but sends the tries queued behind a running " +
     "statement together as one statement (one commit); this row shows what one session does without that.",
     "- *raw pg: PgLease's statements*: the acquire statement and the owner-scoped release (which notifies only " +
-    "waiters at the head of the queue) from `src/internal/pgLeaseSql.ts`, same parameters. PgLease runs them on " +
+    "waiters at the head of the queue) from `src/internal/lease/pg/sql.ts`, same parameters. PgLease runs them on " +
     "`connections` of its own (set to the worker count here).",
     "- *withXactLock's statements*: `BEGIN`, `pg_try_advisory_xact_lock`, `COMMIT` — what the combinator sends " +
     "uncontended with an empty body.",

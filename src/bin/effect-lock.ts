@@ -8,7 +8,7 @@
 import { makeRunMain, type Teardown } from "@effect/platform/Runtime"
 import * as Cause from "effect/Cause"
 import * as Exit from "effect/Exit"
-import { ExitCode, main } from "../internal/inspectCli.js"
+import { ExitCode, main } from "./inspect.js"
 
 /** Conventional status of a process ended by SIGINT. */
 const INTERRUPTED = 130

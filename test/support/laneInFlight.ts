@@ -4,7 +4,7 @@
  * give-back follows it). Renewals, which only extend what is held, are not counted.
  */
 import * as Effect from "effect/Effect"
-import type { Lane } from "effect-lock/internal/leaseLane"
+import type { Lane } from "effect-lock/internal/lease/lane"
 
 export const laneInFlight = () => {
   const inFlight = new Map<string | undefined, number>()

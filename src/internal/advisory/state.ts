@@ -1,0 +1,173 @@
+/**
+ * The records the advisory engine keeps: sessions, the jobs queued on them, the locks the server
+ * granted them and the leases handed to the core. Plain mutable records, changed only in single
+ * synchronous steps (one `Effect.sync`), so no other fiber ever sees half an update.
+ */
+import type * as Deferred from "effect/Deferred"
+import type * as Effect from "effect/Effect"
+import type * as PubSub from "effect/PubSub"
+import type * as Queue from "effect/Queue"
+import type pg from "pg"
+import type { LockMode } from "../../Lease.js"
+import type { LostReason } from "../../LockError.js"
+import type { Admission, LocalKeys } from "./localKeys.js"
+import type { Owner } from "../runtime/owner.js"
+import type * as driver from "../pg/driver.js"
+import type { TableRef } from "../sql/tables.js"
+
+/** Resolved options. */
+export interface BackendOptions {
+  readonly connect: driver.ConnectConfig
+  readonly maxSessions: number
+  readonly namespace: string
+  readonly fencingTable: TableRef
+  /** Create the fencing table when it is missing (false: it must exist, see `migration`). */
+  readonly createTables: boolean
+  readonly heartbeatIntervalMillis: number
+  readonly heartbeatTimeoutMillis: number
+  /**
+   * Interval of a permit waiter's fallback re-try (jittered ±20%), for releases that send no
+   * notification (a crashed holder). Not a public option: tests stretch it to prove that
+   * wake-ups come from notifications. Default `permits.ts`' `PERMIT_FALLBACK_RETRY_MS`.
+   */
+  readonly permitRetryMillis?: number | undefined
+}
+
+/** What the server said to one statement. */
+export type Settled =
+  | { readonly _tag: "Ok"; readonly rows: ReadonlyArray<Row> }
+  | { readonly _tag: "Failed"; readonly failure: driver.StatementFailure }
+  /** No answer within the statement's bound: the session is destroyed. */
+  | { readonly _tag: "NoAnswer" }
+  /** The answer came from another backend than the session's: a pooler moved it. Destroyed. */
+  | { readonly _tag: "Moved"; readonly pid: number }
+
+export type Row = Readonly<Record<string, unknown>>
+
+/** A try-lock waiting for its session; adjacent ones are sent as one statement. */
+export interface TryJob {
+  readonly _tag: "Try"
+  readonly keyText: string
+  readonly name: string
+  readonly shared: boolean
+  /** `queued` jobs can still be taken back (`dropped`), with no effect on the server. */
+  state: "queued" | "started" | "dropped"
+  readonly done: Deferred.Deferred<Settled>
+}
+
+/** Any other statement, run alone. */
+export interface StatementJob {
+  readonly _tag: "Statement"
+  readonly text: string
+  readonly values: ReadonlyArray<unknown> | undefined
+  readonly timeoutMillis: number
+  state: "queued" | "started" | "dropped"
+  readonly done: Deferred.Deferred<Settled>
+}
+
+/** Tells the worker of a destroyed session to settle what is left and stop. */
+export interface StopJob {
+  readonly _tag: "Stop"
+}
+
+export type Job = TryJob | StatementJob | StopJob
+
+export interface Session {
+  readonly id: number
+  readonly role: "home" | "wait"
+  readonly client: pg.Client
+  /** `pg_backend_pid()` at open; every answer must come from it. */
+  readonly pid: number
+  state: "open" | "dead"
+  /** Reserved for (or in) a blocking lock wait: nothing else may be sent to it. */
+  waiting: boolean
+  /** Jobs submitted and not yet settled. */
+  pending: number
+  /**
+   * Try-locks whose outcome is not yet recorded (or undone): the session may hold a lock nobody
+   * has written down yet, so it must not be reserved for a blocking wait.
+   */
+  claims: number
+  readonly grants: Set<ServerGrant>
+  /**
+   * What this session holds for each semaphore (by the semaphore's key, in decimal) on behalf of
+   * this process's permit holders and waiters (see `permits.ts`). Changed in the same synchronous
+   * step as submitting the statement that changes it at the server, so that, statements of a
+   * session running in order, it always describes the server's state when the next statement runs.
+   */
+  readonly permitUses: Map<string, PermitUse>
+  readonly jobs: Queue.Queue<Job>
+  /**
+   * The statement on the wire: when it was sent (monotonic Clock ms) and its bound. The engine's
+   * watchdog destroys the session once it is overdue (one timer for all sessions, not one per
+   * statement).
+   */
+  inflight: { readonly since: number; readonly bound: number } | undefined
+}
+
+/** One lock the server granted to one session. */
+export interface ServerGrant {
+  readonly key: bigint
+  readonly keyText: string
+  readonly mode: LockMode
+  readonly session: Session
+  readonly holders: Set<Holder>
+  /** Unlocked, being unlocked, or gone with its session: no one may join it. */
+  closed: boolean
+}
+
+/** One semaphore's locks on one session, held for this process (see `Session.permitUses`). */
+export interface PermitUse {
+  /** The limit of this process's holders and waiters of the semaphore on the session. */
+  limit: number
+  /** Holds of the limit marker (session locks count): one per holder and one per registered waiter. */
+  markers: number
+  /** Slots held, each by one holder. */
+  readonly slots: Set<number>
+}
+
+/** One lease handed to the core. Shared holders of one key may share a ServerGrant. */
+export interface Holder {
+  readonly grant: ServerGrant
+  /**
+   * The key's admission in `Engine.local`, given back on release. Permit holders carry their
+   * semaphore's key here but hold no admission (their per-name gate is given back after each
+   * attempt); their release never reads it.
+   */
+  readonly admission: Admission
+  readonly onLost: (reason: LostReason) => Effect.Effect<void>
+  state: "held" | "lost" | "released"
+  /**
+   * Handed to the core in a `Granted` result. Only then is its loss reported: a holder of an
+   * attempt that failed (and was retried) stands for no lease, and reporting its loss would
+   * condemn the fresh grant of a later attempt of the same request.
+   */
+  handed: boolean
+}
+
+/** Wake-ups for requests that wait in-process. */
+export type Hint =
+  /** A wait session came free, or the set of sessions changed. */
+  | { readonly _tag: "Changed" }
+  /** A lock on this key was released (here, or elsewhere as a notification said). */
+  | { readonly _tag: "Released"; readonly keyText: string }
+
+/** Everything the engine's pieces share; one per layer. */
+export interface Engine {
+  readonly options: BackendOptions
+  readonly driver: driver.Driver
+  readonly clientConfig: pg.ClientConfig
+  readonly statementTimeoutMillis: number
+  readonly local: LocalKeys
+  readonly sessions: Array<Session>
+  readonly sharedGrants: Map<string, ServerGrant>
+  /** Losses to report; driver events arrive outside any fiber, so they are told from one. */
+  readonly lost: Queue.Queue<Holder>
+  readonly hints: PubSub.PubSub<Hint>
+  /** Runs the engine's own work (session workers, openers, clean-ups of abandoned statements). */
+  readonly owner: Owner
+  closing: boolean
+  nextSessionId: number
+  openingWait: number
+  homeOpening: Deferred.Deferred<void, import("../../LockError.js").LockBackendError> | undefined
+}

@@ -1,0 +1,275 @@
+/**
+ * `withXactLock`'s machinery: a transaction advisory lock inside `sql.withTransaction`, with a
+ * client-side bound on every statement it sends itself.
+ *
+ * Two things of @effect/sql shape it (PG-FACTS.md): an interrupted statement is cancelled through
+ * the pool (`pg_cancel_backend`, which waits for a free connection), and COMMIT/ROLLBACK run
+ * uninterruptibly as defects on failure. So the lock statements are raced against their bound
+ * *disconnected* (giving up never waits for the cancel), and the transaction itself runs in a
+ * child fiber that a watchdog stops waiting for once the body has ended and the COMMIT or
+ * ROLLBACK has had its bound: a killed or frozen connection ends in `LockBackendError` within
+ * the bound instead of hanging the caller. The stuck statement finishes in the background when
+ * the connection finally dies or answers (the pool then gets its connection back).
+ */
+import type * as SqlClient from "@effect/sql/SqlClient"
+import type { SqlError } from "@effect/sql/SqlError"
+import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import type { LockMode } from "../../Lease.js"
+import { LockBackendError, LockTimeout } from "../../LockError.js"
+import { monotonicMillis } from "../core/clock.js"
+import { sqlStateOf } from "../sql/state.js"
+import { detachedRaceFirst, detachedWithin, sleepThenReadIO } from "../runtime/stallSafe.js"
+
+/** Default bound on each statement withXactLock sends itself, and on COMMIT/ROLLBACK. */
+export const DEFAULT_STATEMENT_TIMEOUT_MS = 5_000
+/** Longest single lock wait: interruption and the deadline are checked between slices. */
+const XACT_SLICE_MS = 1_000
+/** The slice's own statement_timeout: past its lock_timeout, so that only lock_timeout ends a slice. */
+const XACT_SLICE_STATEMENT_TIMEOUT_MS = XACT_SLICE_MS + 1_000
+/** Savepoint a slice waits in: ROLLBACK TO it undoes a timed-out wait and keeps the transaction usable. */
+const XACT_SAVEPOINT = "effect_lock_wait"
+/**
+ * A slice that ended without the lock: its lock_timeout struck (55P03), or a cancel hit it
+ * (57014: a stray cancel, or the slice's own statement_timeout). Both are retried within the deadline.
+ */
+const SLICE_ENDED = new Set(["55P03", "57014"])
+
+const millisText = (ms: number) => `${Math.max(1, Math.ceil(ms))}ms`
+
+class BodyFailure<E> {
+  readonly _tag = "effect-lock/PgAdvisory/BodyFailure"
+  constructor(readonly error: E) {}
+}
+
+class BodyDefect {
+  readonly _tag = "effect-lock/PgAdvisory/BodyDefect"
+  constructor(readonly defect: unknown) {}
+}
+
+export interface XactRequest {
+  readonly name: string
+  readonly key: bigint
+  readonly mode: LockMode
+  readonly timeout: Duration.Duration | undefined
+  readonly statementTimeoutMillis: number
+}
+
+/**
+ * One statement of the machinery, bounded: past `bound` it fails with `LockBackendError`
+ * without waiting for the statement's cancellation (see the module comment).
+ */
+const bounded = <A>(
+  statement: Effect.Effect<A, SqlError>,
+  request: XactRequest,
+  bound: number
+): Effect.Effect<A, SqlError | LockBackendError> =>
+  Effect.flatMap(
+    // Daemons, not children of the caller: an uninterruptible caller's held-back interruption (a
+    // guarded body whose lease was lost) would otherwise cut the statement off at once.
+    detachedWithin(Effect.disconnect(statement), bound),
+    Option.match({
+      onNone: () =>
+        Effect.fail(
+          new LockBackendError({
+            operation: "acquire",
+            name: request.name,
+            cause: new Error(`a statement of the transaction lock got no answer within ${bound} ms`)
+          })
+        ),
+      onSome: Effect.succeed
+    })
+  )
+
+/**
+ * Takes the transaction advisory lock.
+ *
+ * Uncontended, it is one `pg_try_advisory_xact_lock` and the session's settings are never
+ * touched. Contended, it waits in **slices** inside the caller's transaction (so it works behind
+ * transaction-mode PgBouncer): with a transaction-local `lock_timeout` of at most
+ * `XACT_SLICE_MS` (and a `statement_timeout` covering it, so a pool's shorter one cannot cut the
+ * wait into a `LockBackendError`), each slice runs `pg_advisory_xact_lock` in a savepoint; when
+ * the slice times out, `ROLLBACK TO SAVEPOINT` undoes it and the next slice starts.
+ *
+ * Every statement here runs **uninterruptibly**, and interruption is honoured between them. An
+ * interruptible statement would be cancelled by @effect/sql-pg through its pool
+ * (`pg_cancel_backend`), which needs a free connection: with the pool full it took 5 s and left
+ * the wait running, and the transaction's ROLLBACK then queued behind a wait with no end
+ * (PG-FACTS.md). A slice always ends by itself, so an interrupt takes effect within one slice.
+ *
+ * When granted, the savepoint is released (the lock moves to the transaction) and the session's
+ * own lock_timeout and statement_timeout are put back for the body.
+ *
+ * The price: between two slices (one round trip) the waiter is out of the server's lock queue,
+ * so a waiter that queued later can be served first. Waits are not FIFO across slices.
+ */
+const lockInTransaction = (
+  sql: SqlClient.SqlClient,
+  request: XactRequest,
+  progress: Progress
+): Effect.Effect<void, LockTimeout | LockBackendError> =>
+  Effect.uninterruptibleMask((restore) =>
+    Effect.gen(function*() {
+      const { key, mode, name, statementTimeoutMillis: bound, timeout } = request
+      const start = yield* monotonicMillis
+      const shared = mode === "shared" ? "_shared" : ""
+      const keyText = key.toString()
+      const backendError = (cause: SqlError | LockBackendError) =>
+        cause instanceof LockBackendError ? cause : new LockBackendError({ operation: "acquire", name, cause })
+      // Without the client's row transforms: the column names below are read as written.
+      const run = <A extends object = never>(text: string, values?: ReadonlyArray<unknown>) =>
+        bounded(sql.unsafe<A>(text, values).withoutTransform, request, bound).pipe(Effect.mapError(backendError))
+      const timedOut: Effect.Effect<never, LockTimeout> = Effect.flatMap(
+        monotonicMillis,
+        (now) => new LockTimeout({ name, waited: Duration.millis(now - start) })
+      )
+      /** Interruption takes effect here, between statements. */
+      const checkpoint = restore(Effect.void)
+
+      // The first statement is bounded by the watchdog of `run` (no race of its own: the
+      // uncontended path stays one statement); the contended path's statements bound themselves.
+      yield* Deferred.succeed(progress.began, undefined)
+      const tried = yield* sql.unsafe<{ granted: boolean }>(
+        `select pg_try_advisory_xact_lock${shared}($1::bigint) as granted`,
+        [keyText]
+      ).withoutTransform.pipe(Effect.mapError(backendError))
+      progress.tried = true
+      if (tried[0]?.granted === true) return
+      const millis = timeout === undefined || !Duration.isFinite(timeout) ? undefined : Duration.toMillis(timeout)
+      if (millis !== undefined && millis <= 0) return yield* new LockTimeout({ name, waited: Duration.zero })
+      const deadline = millis === undefined ? undefined : start + millis
+      /** What is left of the caller's timeout, in ms (Infinity without one). */
+      const remaining = Effect.map(monotonicMillis, (now) => deadline === undefined ? Infinity : deadline - now)
+
+      yield* checkpoint
+      const first = yield* remaining
+      if (first <= 0) return yield* timedOut
+      // The slices' settings are set outside the savepoint, so ROLLBACK TO keeps them.
+      const outerSlice = Math.min(first, XACT_SLICE_MS)
+      const previous = yield* run<{ lock_timeout: string; statement_timeout: string }>(
+        "select current_setting('lock_timeout') as lock_timeout, current_setting('statement_timeout') as statement_timeout, " +
+          "set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+        [millisText(outerSlice), millisText(XACT_SLICE_STATEMENT_TIMEOUT_MS)]
+      )
+      yield* run(`SAVEPOINT ${XACT_SAVEPOINT}`)
+      let left = first
+      while (true) {
+        // A shorter last slice: set inside the savepoint, so the next ROLLBACK TO reverts it.
+        if (left < outerSlice) yield* run("select set_config('lock_timeout', $1, true)", [millisText(left)])
+        // A slice ends by itself within its statement_timeout; past that plus the bound, the
+        // connection is presumed dead or frozen.
+        const slice = yield* bounded(
+          sql.unsafe(`select pg_advisory_xact_lock${shared}($1::bigint)`, [keyText]),
+          request,
+          XACT_SLICE_STATEMENT_TIMEOUT_MS + bound
+        ).pipe(Effect.either)
+        if (slice._tag === "Right") break
+        if (slice.left instanceof LockBackendError) return yield* slice.left
+        const code = sqlStateOf(slice.left)
+        if (code === undefined || !SLICE_ENDED.has(code)) return yield* Effect.fail(backendError(slice.left))
+        yield* run(`ROLLBACK TO SAVEPOINT ${XACT_SAVEPOINT}`)
+        yield* checkpoint
+        left = yield* remaining
+        if (left <= 0) return yield* timedOut
+      }
+      // Granted in the savepoint: RELEASE hands the lock to the transaction. The body's statements
+      // run with the session's own lock_timeout and statement_timeout, not the lock wait's.
+      yield* run(`RELEASE SAVEPOINT ${XACT_SAVEPOINT}`)
+      yield* run("select set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)", [
+        previous[0]?.lock_timeout ?? "0",
+        previous[0]?.statement_timeout ?? "0"
+      ])
+    })
+  )
+
+/** What the watchdog of `run` watches. */
+interface Progress {
+  /** The transaction began (BEGIN answered; the pool's wait for a connection is the pool's to bound). */
+  readonly began: Deferred.Deferred<void>
+  /** The first lock statement answered. */
+  tried: boolean
+  /** The body ended (or the lock failed): the COMMIT or ROLLBACK is on its way. */
+  readonly ended: Deferred.Deferred<void>
+}
+
+/**
+ * Runs `self` in a transaction holding the lock. The transaction runs in a daemon fiber watched
+ * by one timer at a time: the first lock statement must answer within `statementTimeoutMillis`
+ * of the transaction's start, and once the body has ended (or the lock failed) the COMMIT or
+ * ROLLBACK within the same bound; else the caller gets a `LockBackendError` and the daemon is
+ * left to finish in the background. An interrupted caller waits for the ROLLBACK within the bound.
+ */
+export const run = <A, E, R>(
+  sql: SqlClient.SqlClient,
+  self: Effect.Effect<A, E, R>,
+  request: XactRequest
+): Effect.Effect<A, E | LockTimeout | LockBackendError, R> =>
+  Effect.uninterruptibleMask((restore) =>
+    Effect.gen(function*() {
+      const { name, statementTimeoutMillis: bound } = request
+      const progress: Progress = { began: yield* Deferred.make<void>(), tried: false, ended: yield* Deferred.make<void>() }
+      // The body's failures and defects are marked so they pass through unchanged; everything
+      // else that fails or dies here belongs to the transaction machinery.
+      const body = self.pipe(
+        Effect.mapError((error) => new BodyFailure(error)),
+        Effect.catchAllDefect((defect) => Effect.die(new BodyDefect(defect)))
+      )
+      const transaction = sql.withTransaction(
+        Effect.zipRight(lockInTransaction(sql, request, progress), body).pipe(
+          Effect.ensuring(Deferred.succeed(progress.ended, undefined))
+        )
+      ).pipe(
+        Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
+          if (error instanceof BodyFailure) return Effect.fail(error.error as E)
+          if (error instanceof LockTimeout || error instanceof LockBackendError) return Effect.fail(error)
+          return Effect.fail(new LockBackendError({ operation: "transaction", name, cause: error }))
+        }),
+        // COMMIT and ROLLBACK die in @effect/sql (a killed connection is a defect there).
+        Effect.catchAllDefect((defect) =>
+          defect instanceof BodyDefect
+            ? Effect.die(defect.defect)
+            : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect }))
+        )
+      )
+      // A daemon, not a child: a parent fiber waits for its children when it exits, and a stuck
+      // COMMIT/ROLLBACK (uninterruptible in @effect/sql) would hold the caller with it.
+      const fiber = yield* Effect.forkDaemon(restore(transaction))
+      const watchdog = Effect.gen(function*() {
+        yield* Deferred.await(progress.began)
+        yield* sleepThenReadIO(Duration.millis(bound))
+        if (!progress.tried) return "the transaction lock's first statement"
+        yield* Deferred.await(progress.ended)
+        yield* sleepThenReadIO(Duration.millis(bound))
+        return "the transaction's COMMIT or ROLLBACK"
+      })
+      const outcome = yield* restore(
+        // Detached, not children: an uninterruptible caller's held-back interruption (a guarded
+        // body whose lease was lost) would otherwise end the wait for the transaction at once.
+        detachedRaceFirst(
+          Effect.map(Fiber.await(fiber), (exit) => ({ _tag: "Done", exit }) as const),
+          Effect.map(watchdog, (what) => ({ _tag: "Overdue", what }) as const)
+        )
+      ).pipe(
+        // Interrupted: the transaction is rolled back; its ROLLBACK gets the same bound.
+        Effect.onInterrupt(() => Effect.asVoid(detachedWithin(Fiber.interrupt(fiber), bound)))
+      )
+      if (outcome._tag === "Done") {
+        // As `Fiber.join` would: the body's FiberRef changes carry over to the caller.
+        yield* Fiber.inheritAll(fiber)
+        return yield* Exit.matchEffect(outcome.exit, { onFailure: Effect.failCause, onSuccess: Effect.succeed })
+      }
+      yield* Fiber.interruptFork(fiber)
+      return yield* new LockBackendError({
+        operation: "transaction",
+        name,
+        cause: new Error(
+          `${outcome.what} got no answer within ${bound} ms: the connection is dead or frozen` +
+            (progress.tried ? ", and whether the transaction committed is unknown" : "")
+        )
+      })
+    })
+  )

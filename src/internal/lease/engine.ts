@@ -1,0 +1,240 @@
+/**
+ * The lease engine: lease rows in a SQL database, whatever the database. It is PgLease's and
+ * SqliteLease's backend, assembled from its pieces — the lane its statements travel on, first-use
+ * table creation, grant attempts and give-backs, renewal, and wake-ups for waiters — over a
+ * `Dialect`: the SQL text of each operation (one statement per operation), what a failed table
+ * creation means, and which of this process's waiters a give-back's answer names.
+ *
+ * What the engine relies on from a dialect's statements (their parameters are positional, the
+ * same list on every database; a lane encodes what its driver cannot bind, e.g. arrays):
+ * - `acquire` ($1 name, $2 owner of this attempt's grant, $3 waiter (the request's place), $4 mode,
+ *   $5 ttl ms, $6 place ttl ms, $7 application, $8 host, $9 pid, $10 take a place): at most one
+ *   row `{ token: string | null, wait: number | null }` — the token granted, else the ms until
+ *   something could change without a wake-up (null when unknown). Grants go in arrival order.
+ * - `release` (the dialect's `releaseParams`): owner-scoped give-back of a lease and/or a place;
+ *   one row whose `released` counts the leases it freed.
+ * - `renew` ($1 names, $2 owners, $3 tokens as text, $4 ttls ms, $5 modes; parallel arrays): one
+ *   row `{ idx, outcome }` per lease, `renewed` | `stolen` | `expired` | `revoked`.
+ * - `ensureTable`: idempotent DDL statements, run in order.
+ * - `permits` (semaphores, `DistributedSemaphore`; see `leasePermits`): `acquire` ($1 name,
+ *   $2 owner, $3 waiter, $4 limit, $5 permits, $6 ttl ms, $7 place ttl ms, $8 application,
+ *   $9 host, $10 pid, $11 take a place) answers at most one row
+ *   `{ token: string | null, current: number | null, wait: number | null }` — the first token
+ *   granted, else the limit the name is in use with when it is not the request's, else the ms
+ *   until something could change; `release` and `renew` as for locks (renew's `$3` carries each
+ *   grant's first token); `ensureTable` creates the semaphore table on its first use.
+ * Expiry is the database's clock only; a statement never runs inside the caller's transaction.
+ */
+import * as Exit from "effect/Exit"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Option from "effect/Option"
+import * as Random from "effect/Random"
+import type * as Scope from "effect/Scope"
+import * as Crypto from "node:crypto"
+import type { AcquireRequest, AcquireResult, LockAndSemaphoreBackend } from "../../LockBackend.js"
+import type { LockBackendError } from "../../LockError.js"
+import { monotonicMillis } from "../core/clock.js"
+import * as Attempt from "./attempt.js"
+import * as GiveBack from "./giveBack.js"
+import type { Lane } from "./lane.js"
+import type { Owner } from "../runtime/owner.js"
+import * as Permits from "./permits.js"
+import * as Renew from "./renew.js"
+import type { WakeHub } from "./waiters.js"
+import { CREATE_ATTEMPTS } from "../sql/tables.js"
+
+/** Longest lock name, in UTF-8 bytes; a btree entry could take ~2700, this leaves room. */
+export const MAX_NAME_BYTES = 1024
+export const MIN_TTL = Duration.seconds(1)
+/**
+ * While notifications are proven to arrive, a waiter still re-reads the row at least every
+ * this many check intervals, in case a wake-up was lost on a healthy-looking listener. A dead
+ * listener is caught sooner, by its next check, which wakes every waiter.
+ */
+const TRUSTED_POLL_FACTOR = 6
+/** A waiter retries at least this often: each retry keeps its place (which lasts `PLACE_TTL`). */
+const PLACE_REFRESH_MILLIS = Duration.toMillis(Attempt.PLACE_TTL) * 0.3
+/** The look again after taking a place: this many times the taking statement's duration, plus a floor. */
+const FOLLOW_UP_FACTOR = 3
+const FOLLOW_UP_MIN_MILLIS = 5
+
+/** What differs between databases; see the module doc for what each statement must do. */
+export interface Dialect {
+  /** Short name for spans, metrics and `inspect` (`pg-lease`, `sqlite-lease`). */
+  readonly backend: string
+  readonly acquire: string
+  readonly release: string
+  readonly renew: string
+  /** Creates the tables if needed: idempotent statements, run in order. */
+  readonly ensureTable: ReadonlyArray<string>
+  /** The release statement's parameters: `owner`'s lease and/or `waiter`'s place of `name`. */
+  readonly releaseParams: (name: string, owner: string | null, waiter: string | null) => ReadonlyArray<unknown>
+  /** Ids of the places a release's answer found at the head (to wake in process), if it names them. */
+  readonly wokenBy: (rows: ReadonlyArray<object>) => ReadonlyArray<string>
+  /** A failed table creation worth another attempt (a concurrent creator won a race). */
+  readonly retryCreate: (error: LockBackendError) => boolean
+  /** Reads the database's wall clock: one row `{ now }`, milliseconds since the epoch. */
+  readonly now: string
+  /** The semaphores' statements, and the creation of their table (apart from the lock tables'). */
+  readonly permits: Permits.PermitDialect
+}
+
+export interface Settings extends Attempt.AttemptSettings {
+  readonly defaultTtl: Duration.Duration
+  readonly pollInterval: Duration.Duration
+  readonly checkInterval: Duration.Duration
+  /** Create the table on first use. */
+  readonly createTable: boolean
+}
+
+/**
+ * Builds the backend on `lane`, locks and semaphores (sharing the lane, the tables' creation and
+ * the wake-ups). The tables are created on the first acquire, not here, so an application can
+ * start while the database is down. `hub`: where waiters are woken from (undefined: they only poll).
+ */
+export const make = (
+  lane: Lane,
+  settings: Settings,
+  dialect: Dialect,
+  hub: WakeHub | undefined,
+  owner: Owner
+): Effect.Effect<LockAndSemaphoreBackend<Attempt.LeaseGrant, Permits.PermitLeaseGrant>, never, Scope.Scope> =>
+  Effect.gen(function*() {
+    const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect, hub, owner)
+    const ready = yield* tableReadiness(lane, settings, dialect)
+    const attempt = Attempt.make(settings, { lane, giveBack, ready, owner, text: dialect.acquire })
+    const renew = Renew.make(lane, dialect.renew, settings.statementTimeout)
+    const acquire = acquirer(settings, hub, attempt, giveBack, lockKey)
+
+    const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect.permits, hub, owner)
+    // Created apart from the lock tables: locks never wait for (or need the privilege to create) it.
+    const permitReady = yield* tableReadiness(lane, settings, { ensureTable: dialect.permits.ensureTable, retryCreate: dialect.retryCreate })
+    const permitAttempt = Permits.attempt(settings, { lane, giveBack: permitGiveBack, ready: permitReady, owner, text: dialect.permits.acquire })
+
+    // The clock every replica shares: schedules compare occurrence times on it.
+    const now = Effect.map(
+      owner.run(lane.run<{ now: number | string }>("now", undefined, dialect.now, [], settings.statementTimeout)),
+      ({ rows }) => Number(rows[0]?.now)
+    )
+    return {
+      backend: dialect.backend,
+      maxNameBytes: MAX_NAME_BYTES,
+      defaultTtl: settings.defaultTtl,
+      minTtl: MIN_TTL,
+      renewBatchSize: Renew.RENEW_BATCH_SIZE,
+      acquire,
+      renew,
+      now,
+      semaphore: {
+        backend: dialect.backend,
+        maxNameBytes: MAX_NAME_BYTES,
+        defaultTtl: settings.defaultTtl,
+        minTtl: MIN_TTL,
+        renewBatchSize: Renew.RENEW_BATCH_SIZE,
+        acquire: acquirer(settings, hub, permitAttempt, permitGiveBack, semaphoreKey),
+        renew: Renew.make(lane, dialect.permits.renew, settings.statementTimeout)
+      }
+    }
+  })
+
+/** Waiters of a lock subscribe to wake-ups under its name (a revoke wakes them all by it). */
+const lockKey = (name: string) => name
+/**
+ * Waiters of a semaphore subscribe under a key no lock name can have (lock names never contain
+ * NUL): a lock revoked by name never wakes a semaphore's waiters, nor the reverse.
+ */
+const semaphoreKey = (name: string) => `\u0000${name}`
+
+/**
+ * Acquires with `attempt`: one attempt for a request that does not wait, else attempts until
+ * granted or the deadline; the first attempt that finds it busy also takes this request's place
+ * in the queue, and later ones keep it. Subscribed to wake-ups (under `key(name)`) before the
+ * first attempt, and the wake-up count is taken before each attempt and waited on after it: a
+ * wake-up that lands at any moment after subscribing ends the next wait at once. Leaving without
+ * a grant gives the place up at once (else it would block those behind it until it expires).
+ */
+const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string }>(
+  settings: Settings,
+  hub: WakeHub | undefined,
+  attempt: Attempt.AttemptFn<Q, G, X>,
+  giveBack: GiveBack.GiveBack,
+  key: (name: string) => string
+) => {
+  const pollMillis = Duration.toMillis(settings.pollInterval)
+
+  const sleepFor = (wakeAt: number | undefined, deadline: Option.Option<number>) =>
+    Effect.gen(function*() {
+      // With a listener that proves it hears, a waiter sleeps until something could change
+      // unannounced (a crashed holder or waiter ahead sends nothing) or a long re-check.
+      // Otherwise it polls, jittered. Either way it retries before its place could expire.
+      const trusted = hub !== undefined && wakeAt !== undefined && (yield* hub.trusted)
+      const jitter = yield* Random.next
+      const cap = trusted ? Duration.toMillis(settings.checkInterval) * TRUSTED_POLL_FACTOR : pollMillis * (0.5 + jitter / 2)
+      const now = yield* monotonicMillis
+      const untilChange = wakeAt === undefined ? Number.POSITIVE_INFINITY : wakeAt - now
+      // Never past the deadline: the next attempt then reports the timeout.
+      const untilDeadline = Option.match(deadline, { onNone: () => Number.POSITIVE_INFINITY, onSome: (at) => at - now })
+      return Duration.millis(Math.max(0, Math.min(cap, PLACE_REFRESH_MILLIS, untilChange, untilDeadline)))
+    })
+
+  const waitFor = (request: Q, waiter: string) =>
+    Effect.gen(function*() {
+      const subscription = hub === undefined ? undefined : yield* hub.subscribe(key(request.name), waiter)
+      let first = true
+      while (true) {
+        const mark = subscription === undefined ? 0 : yield* subscription.mark
+        const result = yield* attempt(request, waiter, first)
+        if (!isBusy(result)) return result
+        // A release that started before this request's place was committed cannot see it, so
+        // it wakes nobody for it: after taking its place, a waiter looks again once such a
+        // release has had time to commit (a few of its own statement times).
+        const followUp = first ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS) : undefined
+        first = false
+        const delay = Duration.min(yield* sleepFor(result.wakeAt, request.deadline), followUp ?? Duration.infinity)
+        // Only waits are interruptible or cut at the deadline; they grant nothing.
+        const woke = yield* request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay))
+        if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
+      }
+    }).pipe(
+      Effect.scoped,
+      Effect.onExit((exit) => (Exit.isSuccess(exit) && isGranted(exit.value) ? Effect.void : giveBack.leave(request.name, waiter)))
+    )
+
+  return (request: Q): Effect.Effect<AcquireResult<G> | X, LockBackendError> =>
+    Effect.suspend(() => {
+      // This request's place in the queue, kept across its attempts (each has its own owner).
+      const waiter = Crypto.randomUUID()
+      if (request.attempt === "wait") return waitFor(request, waiter)
+      return Effect.map(attempt(request, waiter, true), (result) => (isBusy(result) ? { _tag: "Busy" } as const : result))
+    })
+}
+
+const isBusy = (result: { readonly _tag: string }): result is Attempt.Busy => result._tag === "Busy"
+const isGranted = (result: { readonly _tag: string }): boolean => result._tag === "Granted"
+
+/** Creates the tables once per backend, on first use; a failure is retried by the next acquire. */
+const tableReadiness = (
+  lane: Lane,
+  settings: Settings,
+  dialect: Pick<Dialect, "ensureTable" | "retryCreate">
+): Effect.Effect<Effect.Effect<void, LockBackendError>> =>
+  Effect.gen(function*() {
+    let ready = !settings.createTable
+    const lock = yield* Effect.makeSemaphore(1)
+    const create = Effect.forEach(
+      dialect.ensureTable,
+      (text) =>
+        lane.run("create-table", undefined, text, [], settings.statementTimeout).pipe(
+          Effect.retry({ times: CREATE_ATTEMPTS - 1, while: dialect.retryCreate })
+        ),
+      { discard: true }
+    ).pipe(
+      Effect.tap(() =>
+        Effect.sync(() => {
+          ready = true
+        })
+      )
+    )
+    return Effect.suspend(() => (ready ? Effect.void : lock.withPermits(1)(Effect.suspend(() => (ready ? Effect.void : create)))))
+  })

@@ -1,0 +1,149 @@
+/**
+ * Giving back: the holder's release, a waiter's place when it stops waiting, and everything an
+ * attempt may have taken when nobody reads its outcome (interrupted, past its deadline, failed
+ * ambiguously). One statement does all three, owner-scoped — it frees a lease only while this
+ * acquisition's random owner holds it — so a retry, or a give-back landing late, never frees
+ * someone else's lease; and when it frees the lock it wakes the waiters now at the head.
+ *
+ * An attempt whose outcome is unknown (no answer within its bound: its connection was destroyed,
+ * but the server may still be running its statement, waiting behind a row lock, say) can still
+ * commit its grant after a give-back has found nothing to free. Its give-back is therefore
+ * repeated, spaced out, until it frees the lease or the lease would have expired anyway: a grant
+ * committed late is freed within one spacing of its commit, never left held until its ttl.
+ */
+import * as Cause from "effect/Cause"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import type * as Scope from "effect/Scope"
+import type { LockBackendError } from "../../LockError.js"
+import { monotonicMillis, sleepMillis } from "../core/clock.js"
+import type { Lane } from "./lane.js"
+import type { WakeHub } from "./waiters.js"
+import * as Owner from "../runtime/owner.js"
+import { sqliteCodeOf, sqlStateOf } from "../sql/state.js"
+
+/** Attempts of a release before it gives up and leaves the lease to expire. */
+const RELEASE_RETRIES = 2
+const RELEASE_RETRY_SPACING = Duration.millis(50)
+/** How long closing the layer waits for give-backs still running, beyond one statement bound. */
+const SHUTDOWN_GIVE_BACK = Duration.seconds(3)
+/** Spacing of an abandoned attempt's repeated give-backs: from the first to the longest. */
+const ABANDON_FIRST_SPACING_MS = 50
+const ABANDON_MAX_SPACING_MS = 1_000
+
+/** What giving back needs of the dialect. */
+export interface GiveBackDialect {
+  readonly release: string
+  readonly releaseParams: (name: string, owner: string | null, waiter: string | null) => ReadonlyArray<unknown>
+  readonly wokenBy: (rows: ReadonlyArray<object>) => ReadonlyArray<string>
+}
+
+export interface GiveBack {
+  /** The holder's release: retried, at most `statementTimeout` in all. */
+  readonly release: (name: string, owner: string) => Effect.Effect<void, LockBackendError>
+  /** Leaves the waiting place `waiter` (in the background; a place left behind expires by itself). */
+  readonly leave: (name: string, waiter: string) => Effect.Effect<void>
+  /**
+   * Once `attempt` settles, gives back what it may have taken (its grant, its waiting place),
+   * retried with backoff until the lease would have expired anyway. Returns at once.
+   */
+  readonly abandon: (
+    attempt: Fiber.Fiber<unknown, LockBackendError>,
+    name: string,
+    owner: string,
+    waiter: string,
+    ttlMillis: number
+  ) => Effect.Effect<void>
+}
+
+export const make = (
+  lane: Lane,
+  statementTimeout: Duration.Duration,
+  dialect: GiveBackDialect,
+  hub: WakeHub | undefined,
+  owner: Owner.Owner
+): Effect.Effect<GiveBack, never, Scope.Scope> =>
+  Effect.gen(function*() {
+    /** One give-back statement; true when it freed a lease. */
+    const giveBack = (name: string, grantOwner: string | null, waiter: string | null, bound = statementTimeout) =>
+      lane.run<{ released?: unknown }>("release", name, dialect.release, dialect.releaseParams(name, grantOwner, waiter), bound).pipe(
+        // Waiters of this process that the release found at the head are woken without a round trip.
+        Effect.tap(({ rows }) => hub === undefined ? Effect.void : Effect.sync(() => hub.wake(dialect.wokenBy(rows)))),
+        Effect.map(({ rows }) => Number(rows[0]?.released ?? 0) > 0)
+      )
+
+    // Background give-backs are awaited (bounded) when the layer closes: cut short, they would
+    // leave a row held until its ttl runs out. Added before the lane's finalizers run, so the lane
+    // is still open; attempts still in flight are bounded by one statement bound, awaited too.
+    const running = new Set<Fiber.RuntimeFiber<void>>()
+    const shutdownWait = Duration.sum(statementTimeout, SHUTDOWN_GIVE_BACK)
+    yield* Effect.addFinalizer(() =>
+      Effect.suspend(() => {
+        const fibers = Array.from(running)
+        return Owner.awaitAll(fibers, Duration.toMillis(shutdownWait)).pipe(
+          Effect.zipRight(Effect.forEach(fibers, Fiber.interrupt, { discard: true }))
+        )
+      })
+    )
+    /** Runs `self` as the layer's work, tracked for shutdown: it outlives the caller (and its transaction). */
+    const background = (self: Effect.Effect<void>) =>
+      Effect.flatMap(owner.fork(self), (fiber) =>
+        Effect.sync(() => {
+          running.add(fiber)
+          fiber.addObserver(() => running.delete(fiber))
+        }))
+
+    const totalMillis = Duration.toMillis(statementTimeout)
+    const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> =>
+      Effect.gen(function*() {
+        const deadline = (yield* monotonicMillis) + totalMillis
+        for (let attempt = 0;; attempt++) {
+          // Each try gets what is left of the whole bound; owner-scoped and idempotent, so a
+          // retry after an ambiguous failure is safe.
+          const left = deadline - (yield* monotonicMillis)
+          const outcome = yield* Effect.either(giveBack(name, owner, null, Duration.millis(Math.max(1, left))))
+          if (outcome._tag === "Right") return
+          const spent = deadline - (yield* monotonicMillis) <= Duration.toMillis(RELEASE_RETRY_SPACING)
+          if (attempt >= RELEASE_RETRIES || spent) return yield* outcome.left
+          yield* Effect.sleep(RELEASE_RETRY_SPACING)
+        }
+      })
+
+    const leave = (name: string, waiter: string) => background(Effect.ignore(giveBack(name, null, waiter)))
+
+    const abandon: GiveBack["abandon"] = (attempt, name, grantOwner, waiter, ttlMillis) =>
+      background(Effect.gen(function*() {
+        // The lease the attempt may have taken lasts at most its ttl from now (it was sent before).
+        const expiresBy = (yield* monotonicMillis) + ttlMillis
+        const exit = yield* Fiber.await(attempt)
+        // Answered, or refused by the server: whatever it took is committed already. Otherwise
+        // its statement may still commit later, and an empty give-back proves nothing yet.
+        const unknown = outcomeUnknown(exit)
+        let spacing = ABANDON_FIRST_SPACING_MS
+        while (true) {
+          const freed = yield* Effect.either(giveBack(name, grantOwner, waiter))
+          if (freed._tag === "Right" && (freed.right || !unknown)) return
+          const left = expiresBy - (yield* monotonicMillis)
+          if (left <= 0) return
+          yield* sleepMillis(Math.min(spacing, left))
+          spacing = Math.min(ABANDON_MAX_SPACING_MS, spacing * 2)
+        }
+      }))
+
+    return { release, leave, abandon }
+  })
+
+/**
+ * Whether an attempt that ended so may still commit a grant at the store: interrupted or cut off
+ * at its bound (its connection destroyed while the server may still run it), or failed without
+ * the store's word. A SQLSTATE is PostgreSQL refusing the statement, an `SQLITE_` code SQLite
+ * refusing it (its statements run in process): either way nothing of it committed.
+ */
+const outcomeUnknown = (exit: Exit.Exit<unknown, LockBackendError>): boolean => {
+  if (Exit.isSuccess(exit)) return false
+  const failure = Cause.failureOption(exit.cause)
+  return Option.isNone(failure) || (sqlStateOf(failure.value) === undefined && sqliteCodeOf(failure.value) === undefined)
+}

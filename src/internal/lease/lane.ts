@@ -1,0 +1,40 @@
+/**
+ * The lane a lease backend's statements travel on (PgLease's own connections or the
+ * application's pool; SqliteLease's own connection), as the lease engine sees it: a lock
+ * statement, a renewal statement, and optionally a way to listen for wake-ups. Each lane keeps
+ * its statements from queueing behind the application's, and renewals behind anything.
+ */
+import type * as Duration from "effect/Duration"
+import type * as Effect from "effect/Effect"
+import type { LockBackendError } from "../../LockError.js"
+
+/** Rows of a statement, with the monotonic time (ms) just before it was sent. */
+export interface Sent<A> {
+  readonly rows: ReadonlyArray<A>
+  readonly sentAt: number
+}
+
+export interface Lane {
+  readonly kind: "own" | "application"
+  /** A lock statement, failing with `LockBackendError { operation }` when it has not answered within `bound`. */
+  readonly run: <A extends object>(
+    operation: string,
+    name: string | undefined,
+    text: string,
+    params: ReadonlyArray<unknown>,
+    bound: Duration.Duration
+  ) => Effect.Effect<Sent<A>, LockBackendError>
+  /** A renewal statement, on connections no other statement uses; same bound rule. */
+  readonly renew: <A extends object>(
+    text: string,
+    params: ReadonlyArray<unknown>,
+    bound: Duration.Duration
+  ) => Effect.Effect<Sent<A>, LockBackendError>
+  /**
+   * LISTEN on a channel, handing each payload to `deliver` as it arrives; fails (never hangs)
+   * once its connection is known dead. Undefined when this lane cannot listen.
+   */
+  readonly listen: ((channel: string, deliver: (payload: string) => void) => Effect.Effect<void, LockBackendError>) | undefined
+  /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
+  readonly prepareRenewals: Effect.Effect<void>
+}

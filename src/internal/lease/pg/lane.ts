@@ -1,0 +1,258 @@
+/**
+ * The lane PgLease's statements travel on, so that they never queue behind the application's
+ * statements — and renewals never behind anything.
+ *
+ * - `own` (the default when a `PgClient` is in the context): connections the backend opens
+ *   itself from the `PgClient`'s settings. Lock statements (acquire, release, give-back, table
+ *   creation, wake-up pings) share a small pool of `connections` (opened on demand, closed after
+ *   idling); renewals run on connections nothing else uses (one, a second only while the first
+ *   is busy or stuck); the LISTEN connection is a fourth kind. A statement that does not answer
+ *   within its bound has its connection destroyed, never reused: a frozen server or a silently
+ *   dropped connection costs one connection and one bound, and the next statement gets a fresh one.
+ * - `application`: every statement through the application's `SqlClient` (the only choice with a
+ *   plain `SqlClient`). Renewals use one connection reserved from the application's pool and kept
+ *   while the backend lives, so a saturated pool does not starve them; a stuck renewal there
+ *   cannot be destroyed (no Effect API does), only given back to the pool and replaced.
+ */
+import type { SqlClient } from "@effect/sql/SqlClient"
+import type { Connection as SqlConnection } from "@effect/sql/SqlConnection"
+import type { PgClientConfig } from "@effect/sql-pg/PgClient"
+import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as ExecutionStrategy from "effect/ExecutionStrategy"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as FiberId from "effect/FiberId"
+import * as Option from "effect/Option"
+import * as Redacted from "effect/Redacted"
+import * as Schedule from "effect/Schedule"
+import * as Scope from "effect/Scope"
+import * as Stream from "effect/Stream"
+import type pg from "pg"
+import { LockBackendError } from "../../../LockError.js"
+import { monotonicMillis } from "../../core/clock.js"
+import * as Driver from "../../pg/leaseDriver.js"
+import type { Lane, Sent } from "../lane.js"
+import { awaitWithin, type Owner } from "../../runtime/owner.js"
+import { withinOrFail } from "../../runtime/stallSafe.js"
+
+export type { Lane, Sent } from "../lane.js"
+
+/** Connections for renewals: one in use normally, a second while the first is busy or stuck. */
+export const RENEW_CONNECTIONS = 2
+/** Idle own connections are closed after this long. */
+const IDLE_TIMEOUT = Duration.seconds(30)
+
+const timedOut = (operation: string, name: string | undefined, bound: Duration.Duration) => () =>
+  new LockBackendError({
+    operation,
+    ...(name === undefined ? {} : { name }),
+    cause: new Error(`the ${operation} statement did not complete within ${Duration.format(bound)}`)
+  })
+
+const failed = (operation: string, name: string | undefined) => (cause: unknown) =>
+  cause instanceof LockBackendError ? cause : new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause })
+
+// --- own connections ------------------------------------------------------------------------------
+
+/** The connection settings of the backend's own connections, from the application's `PgClient`. */
+export const clientConfig = (config: PgClientConfig, applicationName: string, connectTimeout: Duration.Duration): pg.ClientConfig => ({
+  ...(config.url === undefined ? {} : { connectionString: Redacted.value(config.url) }),
+  ...(config.host === undefined ? {} : { host: config.host }),
+  ...(config.port === undefined ? {} : { port: config.port }),
+  ...(config.database === undefined ? {} : { database: config.database }),
+  ...(config.username === undefined ? {} : { user: config.username }),
+  ...(config.password === undefined ? {} : { password: Redacted.value(config.password) }),
+  ...(config.ssl === undefined ? {} : { ssl: config.ssl }),
+  ...(config.stream === undefined ? {} : { stream: config.stream }),
+  application_name: applicationName,
+  connectionTimeoutMillis: Duration.toMillis(connectTimeout),
+  // So that a peer that vanished is eventually noticed even on an idle connection.
+  keepAlive: true,
+  keepAliveInitialDelayMillis: 5_000
+})
+
+/** The error of a statement that failed or did not answer within its bound. */
+const statementError = (operation: string, name: string | undefined, bound: Duration.Duration) => (cause: unknown) =>
+  cause instanceof Driver.StatementTimeout ? timedOut(operation, name, bound)() : failed(operation, name)(cause)
+
+const statementOn = <A extends object>(
+  pool: Driver.Pool,
+  operation: string,
+  name: string | undefined,
+  text: string,
+  params: ReadonlyArray<unknown>,
+  bound: Duration.Duration
+): Effect.Effect<Sent<A>, LockBackendError> =>
+  // Taken before waiting for a connection: earlier than the send, so never later than the server's now().
+  Effect.flatMap(monotonicMillis, (sentAt) =>
+    pool.statement<A>(text, params, Duration.toMillis(bound)).pipe(
+      Effect.map((rows): Sent<A> => ({ rows, sentAt })),
+      Effect.mapError(statementError(operation, name, bound))
+    ))
+
+/**
+ * LISTEN on a connection of its own, payloads handed over synchronously from the driver's event:
+ * fails as soon as the connection errors or ends, and destroys the connection when it stops (an
+ * UNLISTEN on a dead socket could hang).
+ */
+const listenOn = (driver: Driver.Driver, config: pg.ClientConfig, bound: Duration.Duration) =>
+(channel: string, deliver: (payload: string) => void): Effect.Effect<void, LockBackendError> =>
+  Effect.scoped(Effect.gen(function*() {
+    const millis = Duration.toMillis(bound)
+    const connection = yield* Effect.acquireRelease(
+      Effect.mapError(Driver.connect(driver, config, millis), statementError("listen", undefined, bound)),
+      Driver.destroy
+    )
+    const lost = yield* Deferred.make<never, LockBackendError>()
+    const dead = () =>
+      Deferred.unsafeDone(lost, Exit.fail(new LockBackendError({ operation: "listen", cause: new Error("the LISTEN connection was lost") })))
+    const client = connection.client
+    client.on("notification", (message) => {
+      if (message.channel === channel && message.payload !== undefined && message.payload !== "") deliver(message.payload)
+    })
+    client.on("error", dead)
+    client.on("end", dead)
+    if (connection.broken) dead()
+    yield* Driver.query(connection, `listen ${quoteIdentifier(channel)}`, [], millis).pipe(
+      Effect.mapError(statementError("listen", undefined, bound))
+    )
+    return yield* Deferred.await(lost)
+  }))
+
+const quoteIdentifier = (identifier: string) => `"${identifier.replace(/"/g, "\"\"")}"`
+
+/** The lane of connections the backend owns. */
+export const own = (
+  config: pg.ClientConfig,
+  connections: number,
+  listenBound: Duration.Duration
+): Effect.Effect<Lane & { readonly openConnections: () => number }, LockBackendError, Scope.Scope> =>
+  Effect.gen(function*() {
+    const driver = yield* Driver.load
+    const lock = yield* ownPool(driver, config, connections)
+    const renewals = yield* ownPool(driver, config, RENEW_CONNECTIONS)
+    return {
+      kind: "own",
+      run: (operation, name, text, params, bound) => statementOn(lock, operation, name, text, params, bound),
+      renew: (text, params, bound) => statementOn(renewals, "renew", undefined, text, params, bound),
+      listen: listenOn(driver, config, listenBound),
+      // Own renewal connections open on demand, in a few ms, whatever the application does.
+      prepareRenewals: Effect.void,
+      openConnections: () => lock.size() + renewals.size()
+    }
+  })
+
+/** A pool of own connections, closed with the scope; idle connections are closed after `IDLE_TIMEOUT`. */
+const ownPool = (driver: Driver.Driver, config: pg.ClientConfig, size: number) =>
+  Effect.gen(function*() {
+    const pool = yield* Effect.acquireRelease(Effect.sync(() => Driver.makePool(driver, config, size)), (pool) => Effect.sync(pool.close))
+    const idleMillis = Duration.toMillis(IDLE_TIMEOUT)
+    yield* Effect.forkScoped(Effect.repeat(Effect.sync(() => pool.reap(idleMillis)), Schedule.spaced(Duration.millis(idleMillis / 2))))
+    return pool
+  })
+
+// --- the application's SqlClient ------------------------------------------------------------------
+
+/**
+ * The lane over the application's `SqlClient`; `listen` is the `PgClient`'s when there is one.
+ * Statements run as the layer's work (`owner`): outside any transaction of the caller, and
+ * awaited by the caller for at most their bound, without waiting for the driver's cancel.
+ */
+export const application = (
+  sql: SqlClient,
+  listen: ((channel: string) => Stream.Stream<string, unknown>) | undefined,
+  owner: Owner
+): Effect.Effect<Lane, never, Scope.Scope> =>
+  Effect.gen(function*() {
+    const scope = yield* Effect.scope
+    const run: Lane["run"] = <A extends object>(
+      operation: string,
+      name: string | undefined,
+      text: string,
+      params: ReadonlyArray<unknown>,
+      bound: Duration.Duration
+    ) =>
+      Effect.flatMap(
+        owner.fork(
+          Effect.flatMap(monotonicMillis, (sentAt) =>
+            Effect.map(sql.unsafe<A>(text, params).withoutTransform, (rows): Sent<A> => ({ rows, sentAt }))).pipe(
+              Effect.mapError(failed(operation, name))
+            )
+        ),
+        (fiber) =>
+          Effect.flatMap(awaitWithin(fiber, Duration.toMillis(bound)), (done) =>
+            Option.isSome(done)
+              ? done.value
+              // Past its bound: cancelled in the background (sql-pg cancels the query), not awaited.
+              : Effect.zipRight(Fiber.interruptFork(fiber), Effect.fail(timedOut(operation, name, bound)()))).pipe(
+              Effect.onInterrupt(() => Fiber.interruptFork(fiber))
+            )
+      )
+
+    // The reserved renewal connection. Reserving runs in a fiber of the lane's own that is never
+    // interrupted: sql-pg leaks the pool slot of a reserve interrupted while it waits.
+    let reserved: { readonly connection: SqlConnection; readonly scope: Scope.CloseableScope } | undefined
+    let reserving: Deferred.Deferred<{ readonly connection: SqlConnection; readonly scope: Scope.CloseableScope }, LockBackendError> | undefined
+    const reservation = Effect.suspend(() => {
+      if (reserved !== undefined) return Effect.succeed(reserved)
+      if (reserving !== undefined) return Deferred.await(reserving)
+      const pending = Deferred.unsafeMake<{ readonly connection: SqlConnection; readonly scope: Scope.CloseableScope }, LockBackendError>(
+        FiberId.none
+      )
+      reserving = pending
+      const reserve = Effect.gen(function*() {
+        const own = yield* Scope.fork(scope, ExecutionStrategy.sequential)
+        const connection = yield* Scope.extend(sql.reserve, own).pipe(
+          Effect.tapError(() => Scope.close(own, Exit.void)),
+          Effect.mapError(failed("renew", undefined))
+        )
+        return { connection, scope: own }
+      }).pipe(
+        Effect.exit,
+        Effect.flatMap((exit) =>
+          Effect.sync(() => {
+            reserving = undefined
+            if (Exit.isSuccess(exit)) reserved = exit.value
+          }).pipe(Effect.zipRight(Deferred.done(pending, exit)))
+        )
+      )
+      return Effect.zipRight(owner.fork(Effect.uninterruptible(reserve)), Deferred.await(pending))
+    })
+    const drop = (held: { readonly scope: Scope.CloseableScope }) =>
+      Effect.suspend(() => {
+        if (reserved !== held) return Effect.void
+        reserved = undefined
+        // Back to the application's pool: a connection cannot be destroyed through @effect/sql.
+        return owner.fork(Scope.close(held.scope, Exit.void))
+      })
+
+    const renew: Lane["renew"] = <A extends object>(text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+      withinOrFail(
+        Effect.flatMap(reservation, (held) =>
+          Effect.flatMap(monotonicMillis, (sentAt) =>
+            Effect.disconnect(held.connection.execute(text, params, undefined)).pipe(
+              Effect.map((rows): Sent<A> => ({ rows: rows as ReadonlyArray<A>, sentAt })),
+              Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : drop(held)))
+            ))).pipe(Effect.mapError(failed("renew", undefined))),
+        bound,
+        timedOut("renew", undefined, bound)
+      )
+
+    return {
+      kind: "application",
+      run,
+      renew,
+      // Reserved at the first grant, before the application's pool may be saturated.
+      prepareRenewals: Effect.suspend(() =>
+        reserved !== undefined || reserving !== undefined ? Effect.void : Effect.asVoid(owner.fork(Effect.ignore(reservation)))
+      ),
+      listen: listen === undefined
+        ? undefined
+        : (channel, deliver) =>
+          Stream.runForEach(listen(channel), (payload) => Effect.sync(() => deliver(payload))).pipe(
+            Effect.mapError(failed("listen", undefined))
+          )
+    }
+  })

@@ -1,0 +1,415 @@
+/**
+ * The SQL of the PgLease backend: identifiers, the DDL, and one statement per operation. Every
+ * lock operation is a single autocommit statement (no session state, no explicit transaction, and
+ * never inside the caller's), so it is correct behind PgBouncer in `pool_mode = transaction`.
+ * Every time comparison uses the server's `now()`; the client's clock never reaches the tables.
+ *
+ * Two tables. The lease table has one row per lock name: the exclusive holder (`owner`,
+ * `expires_at`), the fencing counter `token`, and for shared holders a count and a bound
+ * (`shared_count`, `shared_until`: no shared holder's lease runs past it; `shared_since`: the
+ * token that started the current group of shared holders). The queue table
+ * (`<table>_queue`) has one row per waiting request — its place (`seq`, in arrival order) held
+ * while it is refreshed (`expires_at`) — and one row per shared holder (`token` set).
+ *
+ * Exclusion is decided on the lease row only: every grant updates it, so concurrent grants
+ * serialize on its row lock and each re-checks the row as the previous one left it (READ
+ * COMMITTED re-evaluates an UPDATE's conditions on the newest row version; a subquery on another
+ * table would read the statement's older snapshot). The queue only decides who may try: a grant
+ * goes to a request with no live waiter ahead of it — for an exclusive request any waiter, for a
+ * shared one an exclusive waiter — so waiters are served in arrival order and new shared requests
+ * queue behind a waiting exclusive one.
+ */
+import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "../../sql/tables.js"
+
+export { parseTable, type TableRef }
+
+/** The queue table's name: the lease table's with this suffix, in the same schema. */
+const QUEUE_SUFFIX = "_queue"
+/**
+ * The semaphore table's name (`DistributedSemaphore`, see `pgLeasePermitSql`): the lease table's
+ * with this suffix, in the same schema. Shorter than the queue's, so it adds no length limit.
+ */
+const SEM_SUFFIX = "_sem"
+
+/** The tables of one lease table name. */
+export interface Tables {
+  readonly leases: TableRef
+  readonly queue: TableRef
+  /** One row per semaphore name: its limit, token counter, holders and waiters. */
+  readonly sem: TableRef
+}
+
+/** The tables from a validated lease table (whose name leaves room for the suffixes). */
+export const tablesOf = (table: Tables | TableRef): Tables => {
+  if ("leases" in table) return table
+  const queue = parseTable(`${table.text}${QUEUE_SUFFIX}`)
+  if (typeof queue === "string") throw new TypeError(`PgLease: ${queue}`)
+  const sem = parseTable(`${table.text}${SEM_SUFFIX}`)
+  if (typeof sem === "string") throw new TypeError(`PgLease: ${sem}`)
+  return { leases: table, queue, sem }
+}
+
+/** The tables for a user-given name, or why it is refused. */
+export const parseTables = (input: string): Tables | string => {
+  const leases = parseTable(input)
+  if (typeof leases === "string") return leases
+  if (Buffer.byteLength(leases.relname + QUEUE_SUFFIX, "utf8") > MAX_IDENTIFIER_BYTES) {
+    return `"${leases.relname}" is longer than ${MAX_IDENTIFIER_BYTES - QUEUE_SUFFIX.length} bytes (its queue table adds "${QUEUE_SUFFIX}")`
+  }
+  const queue = parseTable(`${leases.text}${QUEUE_SUFFIX}`)
+  if (typeof queue === "string") return queue
+  const sem = parseTable(`${leases.text}${SEM_SUFFIX}`)
+  return typeof sem === "string" ? sem : { leases, queue, sem }
+}
+
+/** Checks a NOTIFY channel name: non-empty, at most 63 bytes (longer names fail in pg_notify). */
+export const checkChannel = (channel: string): string | undefined => {
+  if (typeof channel !== "string" || channel.length === 0) return "the channel must be a non-empty string"
+  if (Buffer.byteLength(channel, "utf8") > MAX_IDENTIFIER_BYTES) {
+    return `the channel "${channel}" is longer than ${MAX_IDENTIFIER_BYTES} bytes`
+  }
+  return undefined
+}
+
+const quote = (identifier: string) => `"${identifier.replace(/"/g, "\"\"")}"`
+const ms = (param: string) => `${param}::bigint * interval '1 millisecond'`
+
+/**
+ * The tables, idempotently (also upgrading a lease table made before shared mode and the queue),
+ * the semaphore table included. Rows of the lease and semaphore tables are never deleted — a
+ * released row keeps its token — so tokens increase forever per name; deleting one would restart
+ * its name at token 1, below tokens a `Fence` has seen.
+ */
+export const createTable = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return `${createTableSql(tables)};
+${createSemTableSql(tables)}`
+}
+
+/** The lock tables: the lease table and its queue. */
+const createTableSql = ({ leases, queue }: Tables): string =>
+  `create table if not exists ${leases.sql} (
+  name text primary key,
+  owner uuid,
+  token bigint not null,
+  expires_at timestamptz,
+  acquired_at timestamptz,
+  holder_application text,
+  holder_host text,
+  holder_pid integer,
+  shared_count integer not null default 0,
+  shared_until timestamptz,
+  shared_since bigint,
+  constraint ${quote(`${leases.relname.slice(0, 50)}_owner_expiry`)} check ((owner is null) = (expires_at is null))
+);
+alter table ${leases.sql} add column if not exists shared_count integer not null default 0;
+alter table ${leases.sql} add column if not exists shared_until timestamptz;
+alter table ${leases.sql} add column if not exists shared_since bigint;
+create table if not exists ${queue.sql} (
+  owner uuid primary key,
+  name text not null,
+  mode text not null check (mode in ('exclusive', 'shared')),
+  seq bigint generated by default as identity,
+  expires_at timestamptz not null,
+  token bigint,
+  enqueued_at timestamptz not null,
+  holder_application text,
+  holder_host text,
+  holder_pid integer
+);
+create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq)`
+
+/** The semaphore table (`pgLeasePermitSql`): one row per semaphore name. */
+const createSemTableSql = ({ sem }: Tables): string =>
+  `create table if not exists ${sem.sql} (
+  name text primary key,
+  permit_limit integer not null,
+  token bigint not null,
+  holders jsonb not null default '[]',
+  waiters jsonb not null default '[]',
+  revoked bigint not null default 0
+)`
+
+/**
+ * First-use creation as ONE statement (so it also runs behind a transaction pooler): an up-to-date
+ * schema costs three catalog lookups and needs no privilege; otherwise creators serialize on a
+ * transaction advisory lock (concurrent `create table if not exists` can fail on the catalog's
+ * unique index) and create or upgrade.
+ */
+export const ensureTable = (table: Tables | TableRef): string => ensureTableText(tablesOf(table))
+
+const DDL_NAMESPACE = "effect-lock/PgLease/ddl"
+
+const ensureTableText = (tables: Tables): string =>
+  ensureTableSql(tables.leases, createTableSql(tables), DDL_NAMESPACE, {
+    // Either table missing, or a lease table from before shared mode: create or upgrade.
+    missing: `to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null
+    or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.leases.sql}') and attname = 'shared_since' and not attisdropped)`
+  })
+
+/**
+ * First-use creation of the semaphore table, as `ensureTable` for the lock tables and under the
+ * same advisory lock; apart from it, so that locks never need the semaphore table (nor the
+ * privilege to create it, on a deployment whose lock tables predate it).
+ */
+export const ensureSemTable = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return ensureTableSql(tables.sem, createSemTableSql(tables), DDL_NAMESPACE, { lockOn: tables.leases })
+}
+
+/** How many of the oldest places a release looks at to find whom to wake. */
+const HEAD_CANDIDATES = 16
+
+/**
+ * The live waiters to wake once `name` ($1) is free: the oldest, and with it every shared waiter
+ * ahead of the oldest exclusive one (they can all hold it together). `when` gates the read.
+ * The places are read locked (`for update`): a waiter leaving or granted at this moment is waited
+ * for and skipped, rather than woken from a stale snapshot while the next one sleeps on.
+ */
+const heads = (queue: TableRef, when: string) =>
+  `waiting as (
+  select owner, mode, seq from ${queue.sql}
+  where name = $1::text and token is null and expires_at > now() and ${when}
+  order by seq limit ${HEAD_CANDIDATES}
+  for update
+), heads as (
+  select owner from waiting
+  where seq = (select min(seq) from waiting)
+    or (mode = 'shared' and seq < coalesce((select min(seq) from waiting where mode = 'exclusive'), 9223372036854775807))
+)`
+
+/**
+ * One grant attempt. A request with no live waiter ahead of it takes the lock if the lease row
+ * allows: exclusive when no lease is live (bumping the token and taking the row), shared when no
+ * exclusive lease is live (bumping the token, counting itself in and recording its own row). A
+ * granted waiter leaves the queue in the same statement. Otherwise a waiting request takes its
+ * place at the back of the queue, or keeps it (refreshed once less than half its time is left,
+ * so most retries write nothing), and learns how long until something could change without a
+ * notification: the holder's lease or the place of a waiter ahead running out (a crashed one
+ * sends nothing). Nothing is locked or written when the snapshot already shows the lock taken.
+ *
+ * Parameters: $1 name, $2 owner (of this attempt's grant), $3 waiter (this request's place),
+ * $4 mode, $5 ttl ms, $6 place ttl ms, $7 application, $8 host, $9 pid, $10 take a place.
+ * Columns are single lowercase words so client-side name transforms cannot rename them.
+ */
+export const acquire = (table: Tables | TableRef): string => acquireSql(tablesOf(table))
+
+const acquireSql = ({ leases, queue }: Tables): string =>
+  `with me as (
+  select seq from ${queue.sql} where owner = $3::uuid and token is null and expires_at > now()
+), ahead as (
+  select min(w.expires_at) as until from ${queue.sql} w
+  where w.name = $1::text and w.token is null and w.expires_at > now() and w.owner <> $3::uuid
+    and (not exists (select 1 from me) or w.seq < (select seq from me))
+    and ($4::text = 'exclusive' or w.mode = 'exclusive')
+), free as (
+  select 1 as free where (select until from ahead) is null and not exists (
+    select 1 from ${leases.sql} h
+    where h.name = $1::text and ((h.owner is not null and h.expires_at > now()) or ($4::text = 'exclusive' and h.shared_until > now())))
+), exclusive as (
+  insert into ${leases.sql} as l (name, owner, token, expires_at, acquired_at, holder_application, holder_host, holder_pid)
+  select $1::text, $2::uuid, 1, now() + ${ms("$5")}, now(), $7::text, $8::text, $9::integer
+  from free where $4::text = 'exclusive'
+  on conflict (name) do update
+    set owner = excluded.owner,
+        token = l.token + 1,
+        expires_at = excluded.expires_at,
+        acquired_at = excluded.acquired_at,
+        holder_application = excluded.holder_application,
+        holder_host = excluded.holder_host,
+        holder_pid = excluded.holder_pid,
+        shared_count = 0,
+        shared_until = null,
+        shared_since = null
+    where (l.owner is null or l.expires_at <= now()) and (l.shared_until is null or l.shared_until <= now())
+  returning l.token
+), shared as (
+  insert into ${leases.sql} as l (name, token, shared_count, shared_until, shared_since)
+  select $1::text, 1, 1, now() + ${ms("$5")}, 1
+  from free where $4::text = 'shared'
+  on conflict (name) do update
+    set owner = null,
+        expires_at = null,
+        token = l.token + 1,
+        shared_count = case when l.shared_until > now() then l.shared_count + 1 else 1 end,
+        shared_until = greatest(l.shared_until, excluded.shared_until),
+        -- A new group of shared holders starts at this grant's token once the last one's bound passed.
+        shared_since = case when l.shared_until > now() then l.shared_since else l.token + 1 end
+    where l.owner is null or l.expires_at <= now()
+  returning l.token
+), granted as (
+  select token from exclusive union all select token from shared
+), holding as (
+  insert into ${queue.sql} (owner, name, mode, expires_at, token, enqueued_at, holder_application, holder_host, holder_pid)
+  select $2::uuid, $1::text, 'shared', now() + ${ms("$5")}, token, now(), $7::text, $8::text, $9::integer from shared
+), dequeued as (
+  delete from ${queue.sql} where owner = $3::uuid and token is null and exists (select 1 from granted)
+), enqueued as (
+  insert into ${queue.sql} as q (owner, name, mode, expires_at, enqueued_at, holder_application, holder_host, holder_pid)
+  select $3::uuid, $1::text, $4::text, now() + ${ms("$6")}, now(), $7::text, $8::text, $9::integer
+  where $10::boolean and not exists (select 1 from granted) and not exists (
+    select 1 from ${queue.sql} m where m.owner = $3::uuid and m.token is null and m.expires_at > now() + ${ms("$6")} / 2)
+  on conflict (owner) do update
+    set expires_at = excluded.expires_at,
+        seq = case when q.expires_at <= now() then nextval(pg_get_serial_sequence('${queue.sql}', 'seq')) else q.seq end,
+        enqueued_at = case when q.expires_at <= now() then now() else q.enqueued_at end
+)
+select (select token::text from granted) as token,
+  case when exists (select 1 from granted) then null else greatest(0, extract(epoch from least(
+    (select case when h.owner is not null and h.expires_at > now() then h.expires_at end from ${leases.sql} h where h.name = $1::text),
+    (select case when $4::text = 'exclusive' and h.shared_until > now() then h.shared_until end from ${leases.sql} h where h.name = $1::text),
+    (select until from ahead)
+  ) - now()) * 1000)::float8 end as wait`
+
+/**
+ * Renews a whole batch in one statement: every exclusive lease still ours and unexpired gets
+ * `now() + ttl`; every shared one still live gets it on its own row, and the name's shared bound
+ * moves with it (on the lease row, re-checked there: never once an exclusive lease was granted).
+ * For the others it tells why, from the rows as the statement found them: a newer exclusive
+ * holder (`stolen`); still ours but expired (`expired`); freed or deleted without a new grant
+ * (`revoked`, e.g. by an operator). Known imprecision, accepted: a takeover that commits after
+ * the statement's snapshot is reported `expired` rather than `stolen` — lost either way.
+ *
+ * Parameters: $1 names, $2 owners, $3 tokens, $4 ttls in ms, $5 modes (parallel arrays).
+ */
+export const renew = (table: Tables | TableRef): string => renewSql(tablesOf(table))
+
+const renewSql = ({ leases, queue }: Tables): string =>
+  `with input as (
+  select * from unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::text[])
+    with ordinality as i(name, owner, token, ttl, mode, idx)
+), renewed as (
+  update ${leases.sql} as l
+  set expires_at = now() + i.ttl * interval '1 millisecond'
+  from input i
+  where i.mode = 'exclusive' and l.name = i.name and l.owner = i.owner and l.expires_at > now()
+  returning l.name, l.owner
+), live_shared as (
+  select i.name, max(i.ttl) as ttl from input i
+  where i.mode = 'shared' and exists (
+    select 1 from ${queue.sql} q where q.owner = i.owner and q.name = i.name and q.token is not null and q.expires_at > now())
+  group by i.name
+), bound as (
+  update ${leases.sql} as l
+  set shared_until = greatest(l.shared_until, now() + s.ttl * interval '1 millisecond')
+  from live_shared s
+  where l.name = s.name and (l.owner is null or l.expires_at <= now()) and l.shared_count > 0
+  returning l.name
+), renewed_shared as (
+  update ${queue.sql} as q
+  set expires_at = now() + i.ttl * interval '1 millisecond'
+  from input i
+  where i.mode = 'shared' and q.owner = i.owner and q.name = i.name and q.token is not null and q.expires_at > now()
+    and i.name in (select name from bound)
+  returning q.owner
+)
+select i.idx::integer as idx,
+  case
+    when r.owner is not null or rs.owner is not null then 'renewed'
+    when h.name is null then 'revoked'
+    when h.owner is not null and h.owner <> i.owner and h.token > i.token then 'stolen'
+    when i.mode = 'exclusive' and h.owner = i.owner then 'expired'
+    when i.mode = 'exclusive' and h.token > i.token then 'stolen'
+    when i.mode = 'shared' and exists (select 1 from ${queue.sql} q where q.owner = i.owner and q.token is not null) then 'expired'
+    else 'revoked'
+  end as outcome
+from input i
+left join renewed r on r.name = i.name and r.owner = i.owner
+left join renewed_shared rs on rs.owner = i.owner
+left join ${leases.sql} h on h.name = i.name
+order by i.idx`
+
+/**
+ * Gives back what one request holds of `name`: the exclusive lease of `owner`, or its shared
+ * lease (counted out only if it belongs to the current group of shared holders — granted at or
+ * after `shared_since`: once a group's bound passed, the next grant started a new count without
+ * it), and the waiting place of `waiter`. All owner-scoped: a holder whose
+ * lease expired and was taken can never free the new holder's. When this frees the lock, or a
+ * place is left while no exclusive lease is live, the waiters now at the head are notified, in
+ * the same statement (sent on commit): only they retry. Queue rows expired for over a minute
+ * (crashed waiters and shared holders) are removed in passing.
+ *
+ * Parameters: $1 name, $2 owner (or null), $3 waiter (or null), $4 channel.
+ */
+export const release = (table: Tables | TableRef): string => releaseSql(tablesOf(table))
+
+const releaseSql = ({ leases, queue }: Tables): string =>
+  `with exclusive as (
+  update ${leases.sql} set owner = null, expires_at = null
+  where name = $1::text and owner = $2::uuid
+  returning 1
+), shared as (
+  delete from ${queue.sql} where owner = $2::uuid and name = $1::text and token is not null
+  returning token
+), counted as (
+  update ${leases.sql}
+  set shared_count = shared_count - 1,
+      shared_until = case when shared_count <= 1 then null else shared_until end
+  where name = $1::text and shared_count > 0 and exists (select 1 from shared where shared.token >= shared_since)
+  returning shared_count
+), placed as (
+  delete from ${queue.sql} where owner = $3::uuid and token is null
+  returning 1
+), tidied as (
+  -- Rows of crashed waiters and shared holders, long expired: removed in passing, never waited for.
+  delete from ${queue.sql} where owner in (
+    select owner from ${queue.sql} where name = $1::text and expires_at < now() - interval '1 minute'
+    for update skip locked)
+), freed as (
+  select 1 where exists (select 1 from exclusive) or exists (select 1 from counted where shared_count = 0)
+    or (exists (select 1 from placed) and not exists (
+      select 1 from ${leases.sql} h where h.name = $1::text and h.owner is not null and h.expires_at > now()))
+), ${heads(queue, "exists (select 1 from freed)")}
+select (select count(*) from exclusive) + (select count(*) from shared) as released,
+  (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from heads) as woken`
+
+/**
+ * Frees a lock whoever holds it, exclusive or shared (an operator's tool), and wakes every waiter
+ * of it; holders learn at their next renewal.
+ *
+ * Parameters: $1 name, $2 channel, $3 payload.
+ */
+export const revoke = (table: Tables | TableRef): string => revokeSql(tablesOf(table))
+
+const revokeSql = ({ leases, queue }: Tables): string =>
+  `with exclusive as (
+  update ${leases.sql} set owner = null, expires_at = null, shared_count = 0, shared_until = null, shared_since = null
+  where name = $1::text and (owner is not null or shared_count > 0)
+  returning 1
+), shared as (
+  -- A holder releasing right now is skipped rather than waited for (its release removes its row).
+  delete from ${queue.sql} where owner in (
+    select owner from ${queue.sql} where name = $1::text and token is not null for update skip locked)
+  returning 1
+), revoked as (
+  select exists (select 1 from exclusive) or exists (select 1 from shared) as revoked
+)
+select revoked, case when revoked then pg_notify($2::text, $3::text)::text end as notified from revoked`
+
+/** The live leases (exclusive and shared) of the tables, or of one name when $1 is not null. */
+export const holders = (table: Tables | TableRef): string => holdersSql(tablesOf(table))
+
+const holdersSql = ({ leases, queue }: Tables): string =>
+  `with live as (
+  select name, 'exclusive' as mode, token, expires_at, acquired_at, holder_application, holder_host, holder_pid
+  from ${leases.sql} where owner is not null and expires_at > now() and ($1::text is null or name = $1::text)
+  union all
+  select name, 'shared', token, expires_at, enqueued_at, holder_application, holder_host, holder_pid
+  from ${queue.sql} where token is not null and expires_at > now() and ($1::text is null or name = $1::text)
+)
+select l.name, l.mode, l.token::text as token,
+  (extract(epoch from l.expires_at) * 1000)::float8 as expires,
+  (extract(epoch from l.acquired_at) * 1000)::float8 as acquired,
+  l.holder_application as application, l.holder_host as host, l.holder_pid as pid,
+  (select (extract(epoch from min(w.enqueued_at)) * 1000)::float8 from ${queue.sql} w
+   where w.name = l.name and w.token is null and w.expires_at > now()) as waiting
+from live l
+order by l.name, l.token`
+
+/** A wake-up sent through the lock lane, to check that the LISTEN connection still hears. */
+export const ping = "select pg_notify($1::text, $2::text)"
+
+/** Payload prefixes on the channel: a revoked lock's name (wake all its waiters), a waiter to wake, a health check. */
+export const RELEASED_PREFIX = "r"
+export const WAITER_PREFIX = "w"
+export const PING_PREFIX = "p"

@@ -1,0 +1,219 @@
+/**
+ * Wake-ups for PgLease waiters: one LISTEN stream per backend on a dedicated connection (the
+ * lane's own, or sql-pg's `PgClient.listen`), fanned out in process: a notification naming a
+ * waiter wakes that waiter (releases name the waiters at the head of the queue), one naming a
+ * lock wakes all its waiters (a revoke).
+ *
+ * Notifications are hints. A LISTEN connection can die unnoticed (sql-pg's stream hangs silently
+ * when its backend dies), and behind PgBouncer in transaction mode LISTEN "succeeds" on a server
+ * connection that is handed to someone else. So the listener is trusted only while it proves it
+ * hears: while anyone waits, it sends itself a ping every check interval and expects the echo.
+ * A missed echo, or the stream ending, marks it untrusted, wakes every waiter (they fall back to
+ * polling), and restarts the listener with backoff. */
+import * as Cause from "effect/Cause"
+import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Queue from "effect/Queue"
+import * as Crypto from "node:crypto"
+import { monotonicMillis } from "../../core/clock.js"
+import { makeWaiters, type Subscription, type WakeHub } from "../waiters.js"
+import type { Owner } from "../../runtime/owner.js"
+import { PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./sql.js"
+import { within } from "../../runtime/stallSafe.js"
+
+/** How long after its ping statement returned the echo may take before the listener is distrusted. */
+const ECHO_TIMEOUT = Duration.seconds(1)
+/** A (re)started listener gets this many pings to hear its first echo (LISTEN runs asynchronously). */
+const STARTUP_PINGS = 5
+const STARTUP_ECHO_TIMEOUT = Duration.millis(300)
+/** Backoff between listener restarts. */
+const RESTART_BASE = Duration.seconds(1)
+const RESTART_MAX = Duration.seconds(30)
+/** In `auto` mode, listeners that never heard themselves this many times in a row mean "no LISTEN here". */
+const AUTO_GIVE_UP_AFTER = 3
+
+export interface WakeOptions {
+  /**
+   * Listens on the channel, handing every payload to `deliver` as it arrives; ends or fails only
+   * when the listener is lost.
+   */
+  readonly listen: (channel: string, deliver: (payload: string) => void) => Effect.Effect<void, unknown>
+  /** Sends `payload` on `channel` through the lock statements' lane. */
+  readonly notify: (channel: string, payload: string) => Effect.Effect<void, unknown>
+  readonly channel: string
+  /** Re-check interval while anyone waits. */
+  readonly checkInterval: Duration.Duration
+  /** `auto` gives up listening for good when the first listener never hears itself. */
+  readonly mode: "auto" | "always"
+}
+
+export type { Subscription, WakeHub } from "../waiters.js"
+
+/**
+ * Builds the hub. Nothing connects until the first subscription; from then on the listener
+ * lives as long as the layer (`owner`).
+ */
+export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub> =>
+  Effect.gen(function*() {
+    const waiters = makeWaiters()
+    const pings = new Map<string, Deferred.Deferred<void>>()
+    const kick = yield* Queue.sliding<void>(1)
+    const checkMillis = Duration.toMillis(options.checkInterval)
+    const nonceBase = Crypto.randomBytes(6).toString("hex")
+    let nonceCounter = 0
+    let started = false
+    let verifiedAt = Number.NEGATIVE_INFINITY
+    let healthy = false
+
+    const distrust = Effect.sync(() => {
+      const was = healthy
+      healthy = false
+      // Waiters sleeping on the promise of a notification re-check now and poll from here on.
+      if (was) waiters.wakeAll()
+    })
+
+    /** Handles a payload as it arrives, synchronously: a wake-up is never queued behind anything. */
+    const onPayload = (payload: string) => {
+      if (payload.startsWith(WAITER_PREFIX)) {
+        waiters.wakeWaiter(payload.slice(WAITER_PREFIX.length))
+      } else if (payload.startsWith(RELEASED_PREFIX)) {
+        waiters.wakeName(payload.slice(RELEASED_PREFIX.length))
+      } else if (payload.startsWith(PING_PREFIX)) {
+        const echo = pings.get(payload.slice(PING_PREFIX.length))
+        if (echo !== undefined) Deferred.unsafeDone(echo, Exit.void)
+      }
+    }
+
+    /** One ping: true when its echo came back, false when it did not, undefined when it could not be sent. */
+    const pingOnce = (echoTimeout: Duration.Duration): Effect.Effect<boolean | undefined> => {
+      const nonce = `${nonceBase}-${nonceCounter++}`
+      return Effect.gen(function*() {
+        const echo = yield* Deferred.make<void>()
+        pings.set(nonce, echo)
+        const sent = yield* within(options.notify(options.channel, PING_PREFIX + nonce), ECHO_TIMEOUT).pipe(
+          Effect.map((answered) => answered._tag === "Some"),
+          Effect.catchAllCause(() => Effect.succeed(false))
+        )
+        if (!sent) return undefined
+        // Stall-safe: an echo already in the socket when the timer fires still counts.
+        const heard = yield* within(Deferred.await(echo), echoTimeout)
+        return heard._tag === "Some"
+      }).pipe(Effect.ensuring(Effect.sync(() => pings.delete(nonce))))
+    }
+
+    let heardThisRound = false
+    const markVerified = Effect.flatMap(monotonicMillis, (now) =>
+      Effect.sync(() => {
+        verifiedAt = now
+        healthy = true
+        heardThisRound = true
+      }))
+
+    /**
+     * Pings a fresh listener until it hears itself (the LISTEN runs asynchronously after
+     * subscribing). `deaf`: pings went out through the pool and none came back.
+     */
+    const startup = Effect.gen(function*() {
+      let sent = 0
+      for (let i = 0; i < STARTUP_PINGS; i++) {
+        const ok = yield* pingOnce(STARTUP_ECHO_TIMEOUT)
+        if (ok === true) return "heard" as const
+        if (ok === false) sent++
+        else yield* Effect.sleep(STARTUP_ECHO_TIMEOUT)
+      }
+      return sent > 0 ? "deaf" as const : "unreachable" as const
+    })
+
+    /** Re-checks while anyone waits; returns when an echo is missed. */
+    const watch = Effect.gen(function*() {
+      while (true) {
+        if (waiters.size() === 0) yield* kick.take
+        const now = yield* monotonicMillis
+        const due = verifiedAt + checkMillis - now
+        if (due > 0) {
+          yield* Effect.raceFirst(Effect.sleep(Duration.millis(due)), kick.take)
+          continue
+        }
+        const ok = yield* pingOnce(ECHO_TIMEOUT)
+        if (ok === false) return
+        if (ok === true) yield* markVerified
+        // A ping that could not be sent says nothing about the listener (the pool is failing);
+        // trust decays with time meanwhile, so waiters poll.
+        else yield* Effect.sleep(options.checkInterval)
+      }
+    })
+
+    const listening = options.listen(options.channel, onPayload)
+
+    const supervise = Effect.gen(function*() {
+      let everHeard = false
+      let deafRounds = 0
+      let restart = RESTART_BASE
+      while (true) {
+        heardThisRound = false
+        let deaf = false
+        const listener = yield* Effect.fork(Effect.interruptible(listening))
+        yield* Effect.raceFirst(
+          Effect.asVoid(Fiber.await(listener)),
+          Effect.flatMap(startup, (outcome) => {
+            if (outcome === "heard") return Effect.zipRight(markVerified, watch)
+            deaf = outcome === "deaf"
+            return Effect.void
+          })
+        )
+        yield* distrust
+        // Not awaited: closing a listener on a dead socket may take a while.
+        yield* Fiber.interruptFork(listener)
+        if (heardThisRound) {
+          everHeard = true
+          deafRounds = 0
+          restart = RESTART_BASE
+        } else if (deaf) {
+          // Only "sent but never heard" says notifications cannot arrive here; a failing
+          // connection says nothing about that.
+          deafRounds++
+        }
+        if (!everHeard && options.mode === "auto" && deafRounds >= AUTO_GIVE_UP_AFTER) {
+          yield* Effect.logInfo(
+            `PgLease: notifications on channel "${options.channel}" do not arrive (a transaction pooler?); waiters poll`
+          )
+          return
+        }
+        yield* Effect.logDebug(`PgLease: restarting the listener on channel "${options.channel}"`)
+        yield* Effect.sleep(restart)
+        restart = Duration.min(RESTART_MAX, Duration.times(restart, 2))
+      }
+    })
+
+    const ensureStarted = Effect.suspend(() => {
+      if (started) return Effect.void
+      started = true
+      // Started by the first waiter, maybe inside its `sql.withTransaction` or a guarded body: the
+      // listener is the layer's, so it inherits neither that transaction nor the body's stall watch.
+      // Should it die (a defect), the next waiter starts it again, and waiters poll meanwhile; it
+      // ends on its own only when it gave up listening for good (`auto`), and stays so.
+      return Effect.asVoid(owner.fork(Effect.onExit(supervise, (exit) =>
+        Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
+          ? Effect.zipRight(distrust, Effect.sync(() => {
+            started = false
+          }))
+          : Effect.void)))
+    })
+
+    const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, import("effect/Scope").Scope> =>
+      waiters.subscribe(name, id, Effect.zipRight(ensureStarted, kick.offer(undefined)))
+
+    const trusted = Effect.map(
+      monotonicMillis,
+      (now) => healthy && now - verifiedAt <= checkMillis + Duration.toMillis(ECHO_TIMEOUT) * 2
+    )
+
+    const wake = (ids: ReadonlyArray<string>) => {
+      for (const id of ids) waiters.wakeWaiter(id)
+    }
+
+    return { subscribe, trusted, wake }
+  })

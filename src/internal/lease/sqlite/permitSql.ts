@@ -1,0 +1,220 @@
+/**
+ * The SQL of SqliteLease's semaphores (`DistributedSemaphore`): PgLease's semaphore table and
+ * statements (`pgLeasePermitSql`) in SQLite's dialect — one row per semaphore name in
+ * `<table>_sem` with its `permit_limit`, fencing counter `token`, `revoked` bound, and `holders`
+ * and `waiters` as JSON arrays (the same entries as on PostgreSQL; times are the database's, in
+ * whole milliseconds since the epoch).
+ *
+ * **Why it is exact.** A write statement takes SQLite's write lock before it reads, so each
+ * statement below decides on the newest row and nobody writes until it commits: the decision is
+ * still true when it is written. Acquire, release and revoke are one `insert … on conflict` or
+ * `update … returning` of the row; renew, which answers one outcome per lease of a batch, is one
+ * `insert … returning` into the operations table, whose trigger renews the entries.
+ *
+ * **Fairness** as on PostgreSQL: a request takes its permits when they fit into what is free
+ * after every live waiter ahead of it has taken its own; a newcomer is behind every waiter.
+ *
+ * Parameters are numbered (`?1` …) in the engine's order; arrays arrive as JSON text and booleans
+ * as 0/1 (the lane encodes them).
+ */
+import type { Tables } from "./sql.js"
+
+/** The database's time in whole milliseconds since the epoch (the same instant throughout a statement). */
+const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
+const NEVER = "9223372036854775807"
+/** Bumped when the trigger's text changes: a new version's trigger is created beside the old. */
+const TRIGGER_VERSION = "v1"
+
+/** Integer parameters of `acquire`, cast: better-sqlite3 binds a JS number as a REAL. */
+const LIMIT = "cast(?4 as integer)"
+const PERMITS = "cast(?5 as integer)"
+const TTL = "cast(?6 as integer)"
+const PLACE_TTL = "cast(?7 as integer)"
+const PID = "cast(?10 as integer)"
+
+const field = (element: string, name: string) => `json_extract(${element}, '$.${name}')`
+
+/** The live places at the head of the queue of the row (its columns in scope) that fit, up to the first that does not. */
+const heads = `(select json_group_array(x.place) from (
+    select ${field("w.value", "place")} as place, sum(${field("w.value", "permits")}) over (order by w.key) as upto
+    from json_each(waiters) w where ${field("w.value", "expires")} > ${NOW}
+  ) x
+  where x.upto <= permit_limit - coalesce((select sum(${field("h.value", "permits")}) from json_each(holders) h
+    where ${field("h.value", "expires")} > ${NOW}), 0))`
+
+/**
+ * One attempt at `permits` of the semaphore `name`, decided on the row as it is (see the module
+ * doc): a mismatch writes the row unchanged and returns its limit; permits that fit are granted
+ * (the counter moves by `permits`, this request's holder entry is appended, its place leaves the
+ * queue, expired entries are dropped); a waiting request takes its place at the back or keeps it.
+ * Only a grant, a mismatch, a new place or one past half its time writes; an attempt that changes
+ * nothing writes nothing and returns no row (busy, wait unknown).
+ *
+ * Parameters: ?1 name, ?2 owner, ?3 waiter, ?4 limit, ?5 permits, ?6 ttl ms, ?7 place ttl ms,
+ * ?8 application, ?9 host, ?10 pid, ?11 take a place (0/1).
+ */
+export const acquire = ({ sem }: Tables): string =>
+  `with n as (
+  select ${NOW} as now
+), r as (
+  select * from ${sem.sql} where name = ?1
+), hl as (
+  select j.key as i, j.value as e, ${field("j.value", "permits")} as permits
+  from r, json_each(r.holders) j, n where ${field("j.value", "expires")} > n.now
+), wl as (
+  select j.key as i, j.value as e, ${field("j.value", "place")} as place, ${field("j.value", "permits")} as permits,
+    ${field("j.value", "expires")} as expires
+  from r, json_each(r.waiters) j, n where ${field("j.value", "expires")} > n.now
+), me as (
+  select min(i) as at, max(expires) as expires from wl where place = ?3
+), d0 as (
+  select n.now, r.permit_limit as lim, coalesce(r.token, 0) as counter, coalesce(r.revoked, 0) as revoked,
+    r.holders as holders, r.waiters as waiters,
+    coalesce((select sum(permits) from hl), 0) as held,
+    exists (select 1 from hl) or exists (select 1 from wl) as inuse,
+    (select at from me) as mineat,
+    (select expires from me) as mineexpires,
+    coalesce((select sum(permits) from wl where place <> ?3 and i < coalesce((select at from me), ${NEVER})), 0) as ahead,
+    (select json_group_array(json(e) order by i) from hl) as liveholders,
+    (select json_group_array(json(e) order by i) from wl) as livewaiters,
+    (select json_group_array(json(e) order by i) from wl where place <> ?3) as others
+  from n left join r on true
+), d as (
+  -- Read under the write lock this statement took first: the newest row, unchanged until it commits.
+  select d0.*, inuse and lim <> ${LIMIT} as mismatch,
+    not (inuse and lim <> ${LIMIT}) and ahead + ${PERMITS} <= (case when inuse then lim else ${LIMIT} end) - held as fits
+  from d0
+)
+insert into ${sem.sql} (name, permit_limit, token, holders, waiters, revoked)
+select ?1,
+  case when mismatch then lim else ${LIMIT} end,
+  case when fits then counter + ${PERMITS} else counter end,
+  case when mismatch then holders
+    when fits then json_insert(liveholders, '$[#]', json_object('owner', ?2, 'permits', ${PERMITS}, 'token', counter + 1,
+      'expires', now + ${TTL}, 'acquired', now, 'application', ?8, 'host', ?9, 'pid', ${PID}))
+    else liveholders end,
+  case when mismatch then waiters
+    when fits then others
+    when not ?11 then livewaiters
+    when mineat is null then json_insert(livewaiters, '$[#]', json_object('place', ?3, 'permits', ${PERMITS}, 'expires', now + ${PLACE_TTL},
+      'since', now, 'application', ?8, 'host', ?9, 'pid', ${PID}))
+    else (select json_group_array(case when place = ?3 then json(json_set(e, '$.expires', d.now + ${PLACE_TTL})) else json(e) end order by i) from wl)
+  end,
+  revoked
+from d
+-- A mismatch writes the row unchanged, only so that the statement returns it (and its limit).
+where mismatch or fits or (?11 and (mineat is null or mineexpires <= now + ${PLACE_TTL} / 2))
+on conflict (name) do update set permit_limit = excluded.permit_limit, token = excluded.token, holders = excluded.holders,
+  waiters = excluded.waiters
+returning
+  -- Granted: this attempt's entry is the one it appended last; its tokens end at the counter.
+  case when json_extract(holders, '$[#-1].owner') = ?2 then cast(token - ${PERMITS} + 1 as text) end as token,
+  case when permit_limit <> ${LIMIT} then permit_limit end as current,
+  case when json_extract(holders, '$[#-1].owner') is not ?2 then cast(max(0, min(
+    coalesce((select min(${field("h.value", "expires")}) from json_each(holders) h where ${field("h.value", "expires")} > ${NOW}), ${NEVER}),
+    coalesce((select min(${field("w.value", "expires")}) from json_each(waiters) w
+      where ${field("w.value", "expires")} > ${NOW} and ${field("w.value", "place")} <> ?3), ${NEVER})
+  ) - ${NOW}) as real) end as wait`
+
+/**
+ * Gives back the holder entry of `owner` and/or the place of `waiter` (owner-scoped), dropping
+ * expired entries, and returns the waiters now at the head that fit, as a JSON array (this
+ * process wakes its own; others poll). No row when it held neither.
+ *
+ * Parameters: ?1 name, ?2 owner (or null), ?3 waiter (or null).
+ */
+export const release = ({ sem }: Tables): string =>
+  `update ${sem.sql} set
+  -- Owner-scoped: only this acquisition's own entry (and place) goes.
+  holders = (select json_group_array(json(j.value) order by j.key) from json_each(${sem.sql}.holders) j
+    where ${field("j.value", "expires")} > ${NOW} and ${field("j.value", "owner")} is not ?2),
+  waiters = (select json_group_array(json(j.value) order by j.key) from json_each(${sem.sql}.waiters) j
+    where ${field("j.value", "expires")} > ${NOW} and ${field("j.value", "place")} is not ?3)
+where name = ?1 and (
+  exists (select 1 from json_each(${sem.sql}.holders) j where ${field("j.value", "owner")} = ?2)
+  or exists (select 1 from json_each(${sem.sql}.waiters) j where ${field("j.value", "place")} = ?3))
+returning 1 as released, ${heads} as woken`
+
+/**
+ * Renews a whole batch in one statement: the outcomes are decided from the rows as they are
+ * (`materialized`, before anything is renewed) — our live entry (`renewed`), our entry there but
+ * expired (`expired`), gone with our tokens revoked (`revoked`), gone with a live holder granted
+ * after us (`stolen`), gone otherwise (`expired`) — and the trigger sets each renewed entry to
+ * now + ttl, dropping expired ones.
+ *
+ * Parameters (JSON arrays, parallel): ?1 names, ?2 owners, ?3 first tokens, ?4 ttls in ms, ?5 modes (ignored).
+ */
+export const renew = ({ sem, op }: Tables): string =>
+  `with n as (
+  select ${NOW} as now
+), input as materialized (
+  select cast(a.key as integer) as idx, a.value as name,
+    json_extract(?2, '$[' || a.key || ']') as owner,
+    cast(json_extract(?3, '$[' || a.key || ']') as integer) as token,
+    json_extract(?4, '$[' || a.key || ']') as ttl,
+    json_extract(?5, '$[' || a.key || ']') as mode
+  from json_each(?1) a
+), decided as materialized (
+  select i.idx, i.name, i.owner, i.ttl, n.now,
+    case
+      when exists (select 1 from json_each(s.holders) j where ${field("j.value", "owner")} = i.owner and ${
+    field("j.value", "expires")
+  } > n.now)
+        then 'renewed'
+      when s.name is null then 'revoked'
+      when exists (select 1 from json_each(s.holders) j where ${field("j.value", "owner")} = i.owner) then 'expired'
+      when s.revoked >= i.token then 'revoked'
+      when exists (select 1 from json_each(s.holders) j where ${field("j.value", "expires")} > n.now and ${
+    field("j.value", "token")
+  } > i.token)
+        then 'stolen'
+      else 'expired'
+    end as outcome
+  from input i cross join n left join ${sem.sql} s on s.name = i.name
+)
+insert into ${op.sql} (kind, idx, name, owner, ttl, now, outcome)
+select 'sem-renew', idx, name, owner, ttl, now, outcome from decided where true order by idx
+returning idx, outcome`
+
+/** The trigger carrying out a renewal's outcomes (see `renew`). */
+export const renewTrigger = (tables: Tables): string => {
+  const { sem, op } = tables
+  return `create trigger if not exists "${tables.prefix}_sem_renew_${TRIGGER_VERSION}" after insert on ${op.sql}
+when new.kind = 'sem-renew'
+begin
+  update ${sem.sql} set holders = (
+    select json_group_array(case when ${field("j.value", "owner")} = new.owner
+      then json(json_set(j.value, '$.expires', new.now + new.ttl)) else json(j.value) end order by j.key)
+    from json_each(${sem.sql}.holders) j where ${field("j.value", "expires")} > new.now)
+  where new.outcome = 'renewed' and name = new.name;
+  delete from ${op.sql} where rowid = new.rowid;
+end`
+}
+
+/**
+ * Takes every permit of `name` away (an operator's tool): holders learn at their next renewal
+ * (`revoked`); waiters take the permits at their next poll. Returns whether a permit was held
+ * (no row when none was).
+ *
+ * Parameters: ?1 name.
+ */
+export const revoke = ({ sem }: Tables): string =>
+  `-- Every token handed out so far is revoked: a holder's renewal says so rather than "expired".
+update ${sem.sql} set holders = '[]', revoked = token,
+  waiters = (select json_group_array(json(j.value) order by j.key) from json_each(${sem.sql}.waiters) j
+    where ${field("j.value", "expires")} > ${NOW})
+where name = ?1 and exists (select 1 from json_each(${sem.sql}.holders) j where ${field("j.value", "expires")} > ${NOW})
+returning 1 as revoked`
+
+/** The semaphores in use (live holders or waiters), of every name or of ?1 when it is not null. */
+export const semaphores = ({ sem }: Tables): string =>
+  `select s.name, s.permit_limit as lim,
+  (select json_group_array(json(j.value) order by j.key) from json_each(s.holders) j where ${field("j.value", "expires")} > ${NOW})
+    as holders,
+  (select json_group_array(json(j.value) order by j.key) from json_each(s.waiters) j where ${field("j.value", "expires")} > ${NOW})
+    as waiters
+from ${sem.sql} s
+where (?1 is null or s.name = ?1) and (
+  exists (select 1 from json_each(s.holders) j where ${field("j.value", "expires")} > ${NOW})
+  or exists (select 1 from json_each(s.waiters) j where ${field("j.value", "expires")} > ${NOW}))
+order by s.name`

@@ -1,0 +1,393 @@
+/**
+ * The SQL of the SqliteLease backend: the lease engine's statements (see `leaseEngine`) in
+ * SQLite's dialect, over the same two tables as PgLease — the lease table, one row per lock name
+ * (holder, fencing counter, shared count and bound), and its queue table (a row per waiting
+ * request, its place in arrival order, and a row per shared holder).
+ *
+ * **One statement per operation.** SQLite has no data-modifying CTEs, so an operation that
+ * writes several rows (a grant also leaves the queue; a release may count a shared holder out,
+ * drop its row and its place) is ONE `insert … returning` into an operations table (`<table>_op`)
+ * whose trigger carries the writes out and deletes the row again: the statement decides (it
+ * reads the tables and computes the token, the outcome or whom to wake, which it returns), the
+ * trigger applies that decision, all within the statement's own write transaction. No explicit
+ * transaction is ever open across two driver calls, so SQLite's single write lock is held for
+ * the few microseconds of one statement, never across an await.
+ *
+ * **Why no re-checks.** A write statement takes the database's write lock before it reads, so
+ * everything it reads is the newest state and nobody writes until it commits: the decision it
+ * makes is still true when its trigger applies it.
+ *
+ * **Time.** The database's clock, in whole milliseconds since the epoch
+ * (`unixepoch('subsec')`, SQLite ≥ 3.42; better-sqlite3 12 bundles 3.5x), the same instant for
+ * every use within one statement and its triggers. The client's clock never reaches the tables.
+ *
+ * Parameters are numbered (`?1` …), in the engine's order; arrays arrive as JSON text and
+ * booleans as 0/1 (the lane encodes them).
+ */
+import * as Permits from "./permitSql.js"
+import { parseTable, type TableRef } from "../../sql/tables.js"
+
+/** The tables of one lease table name (plain identifiers: SQLite's `schema.` means an attached file). */
+export interface Tables {
+  readonly leases: TableRef
+  readonly queue: TableRef
+  /** The operations table: always empty between statements. */
+  readonly op: TableRef
+  /** One row per semaphore name (`DistributedSemaphore`, see `sqliteLeasePermitSql`). */
+  readonly sem: TableRef
+  /** Prefix of the triggers' and index's names. */
+  readonly prefix: string
+}
+
+const QUEUE_SUFFIX = "_queue"
+const OP_SUFFIX = "_op"
+const SEM_SUFFIX = "_sem"
+/** Bumped when a trigger's text changes: a new version's triggers are created beside, the old dropped. */
+const TRIGGER_VERSION = "v1"
+
+/** The tables for a user-given name, or why it is refused. */
+export const parseTables = (input: string): Tables | string => {
+  if (typeof input === "string" && input.includes(".")) {
+    return `"${input}" names a schema; SqliteLease takes a plain table name (its file is the database)`
+  }
+  const leases = parseTable(input)
+  if (typeof leases === "string") return leases
+  const queue = parseTable(`${leases.text}${QUEUE_SUFFIX}`)
+  const op = parseTable(`${leases.text}${OP_SUFFIX}`)
+  const sem = parseTable(`${leases.text}${SEM_SUFFIX}`)
+  if (typeof queue === "string") return queue
+  if (typeof op === "string") return op
+  if (typeof sem === "string") return sem
+  return { leases, queue, op, sem, prefix: leases.relname }
+}
+
+const quote = (identifier: string) => `"${identifier}"`
+const trigger = (tables: Tables, kind: string) => quote(`${tables.prefix}_${kind}_${TRIGGER_VERSION}`)
+
+/** The database's time in whole milliseconds since the epoch. */
+const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
+/** Larger than any time or sequence number: the neutral value of `min` (SQLite's `min(a, null)` is null). */
+const NEVER = "9223372036854775807"
+
+/**
+ * The tables, the queue's index, the operations table and its triggers: idempotent statements,
+ * run in order. Rows of the lease table are never deleted — a released row keeps its token — so
+ * tokens increase forever per name; deleting one would restart its name at token 1, below
+ * tokens a `Fence` has seen.
+ */
+export const createTable = (tables: Tables): ReadonlyArray<string> => {
+  const { leases, queue, op, sem } = tables
+  return [
+    `create table if not exists ${leases.sql} (
+  name text not null primary key,
+  owner text,
+  token integer not null,
+  expires_at integer,
+  acquired_at integer,
+  holder_application text,
+  holder_host text,
+  holder_pid integer,
+  shared_count integer not null default 0,
+  shared_until integer,
+  shared_since integer,
+  check ((owner is null) = (expires_at is null))
+)`,
+    `create table if not exists ${queue.sql} (
+  owner text not null primary key,
+  name text not null,
+  mode text not null check (mode in ('exclusive', 'shared')),
+  seq integer not null,
+  expires_at integer not null,
+  token integer,
+  enqueued_at integer not null,
+  holder_application text,
+  holder_host text,
+  holder_pid integer
+)`,
+    `create index if not exists ${quote(`${tables.prefix}_queue_name_seq`)} on ${queue.sql} (name, seq)`,
+    `create table if not exists ${op.sql} (
+  kind text not null,
+  name text,
+  owner text,
+  waiter text,
+  mode text,
+  ttl integer,
+  place integer,
+  application text,
+  host text,
+  pid integer,
+  idx integer,
+  now integer not null,
+  token integer,
+  wait real,
+  released integer,
+  heads text,
+  outcome text
+)`,
+    acquireTrigger(tables),
+    releaseTrigger(tables),
+    renewTrigger(tables),
+    revokeTrigger(tables),
+    `create table if not exists ${sem.sql} (
+  name text not null primary key,
+  permit_limit integer not null,
+  token integer not null,
+  holders text not null default '[]',
+  waiters text not null default '[]',
+  revoked integer not null default 0
+)`,
+    Permits.renewTrigger(tables)
+  ]
+}
+
+/**
+ * A grant attempt. The statement decides: a request with no live waiter ahead of it (for a shared
+ * request, no exclusive waiter) takes the lock when no exclusive lease is live (and, for an
+ * exclusive request, no shared one), with the next token. Otherwise it reports how long until
+ * something could change unannounced (the holder's lease or the place of a waiter ahead running
+ * out). A row is written — and the trigger grants, or takes or refreshes this request's place —
+ * only when something changes: a grant, or a waiting request whose place is missing or past half
+ * its time. A retry that changes nothing writes nothing and returns no row (busy, wait unknown).
+ *
+ * Parameters: ?1 name, ?2 owner, ?3 waiter, ?4 mode, ?5 ttl ms, ?6 place ttl ms, ?7 application,
+ * ?8 host, ?9 pid, ?10 take a place (0/1).
+ */
+export const acquire = ({ leases, queue, op }: Tables): string =>
+  `with n as (
+  select ${NOW} as now
+), me as (
+  select seq, expires_at from ${queue.sql} where owner = ?3 and token is null
+), state as (
+  select n.now,
+    (select h.expires_at from ${leases.sql} h where h.name = ?1 and h.owner is not null and h.expires_at > n.now) as held,
+    (select h.shared_until from ${leases.sql} h where ?4 = 'exclusive' and h.name = ?1 and h.shared_until > n.now) as shared,
+    (select min(w.expires_at) from ${queue.sql} w
+      where w.name = ?1 and w.token is null and w.expires_at > n.now and w.owner <> ?3
+        and (not exists (select 1 from me where me.expires_at > n.now) or w.seq < (select seq from me))
+        and (?4 = 'exclusive' or w.mode = 'exclusive')) as ahead,
+    (select expires_at from me) as mine,
+    coalesce((select h.token from ${leases.sql} h where h.name = ?1), 0) + 1 as next
+  from n
+), decided as (
+  select now, mine,
+    case when held is null and shared is null and ahead is null then next end as token,
+    max(0, min(coalesce(held, ${NEVER}), coalesce(shared, ${NEVER}), coalesce(ahead, ${NEVER})) - now) as wait
+  from state
+)
+insert into ${op.sql} (kind, name, owner, waiter, mode, ttl, place, application, host, pid, now, token, wait)
+select 'acquire', ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, now, token, case when token is null then wait end
+from decided
+where token is not null or (?10 and (mine is null or mine <= now + ?6 / 2))
+returning cast(token as text) as token, cast(wait as real) as wait`
+
+const acquireTrigger = (tables: Tables): string => {
+  const { leases, queue, op } = tables
+  return `create trigger if not exists ${trigger(tables, "acquire")} after insert on ${op.sql}
+when new.kind = 'acquire'
+begin
+  insert into ${leases.sql} (name, owner, token, expires_at, acquired_at, holder_application, holder_host, holder_pid)
+  select new.name, new.owner, new.token, new.now + new.ttl, new.now, new.application, new.host, new.pid
+  where new.token is not null and new.mode = 'exclusive'
+  on conflict (name) do update
+    set owner = excluded.owner,
+        token = excluded.token,
+        expires_at = excluded.expires_at,
+        acquired_at = excluded.acquired_at,
+        holder_application = excluded.holder_application,
+        holder_host = excluded.holder_host,
+        holder_pid = excluded.holder_pid,
+        shared_count = 0,
+        shared_until = null,
+        shared_since = null;
+  insert into ${leases.sql} (name, token, shared_count, shared_until, shared_since)
+  select new.name, new.token, 1, new.now + new.ttl, new.token
+  where new.token is not null and new.mode = 'shared'
+  on conflict (name) do update
+    set owner = null,
+        expires_at = null,
+        token = excluded.token,
+        shared_count = case when shared_until > new.now then shared_count + 1 else 1 end,
+        shared_until = max(coalesce(shared_until, 0), excluded.shared_until),
+        -- A new group of shared holders starts at this grant's token once the last one's bound passed.
+        shared_since = case when shared_until > new.now then shared_since else excluded.token end;
+  insert into ${queue.sql} (owner, name, mode, seq, expires_at, token, enqueued_at, holder_application, holder_host, holder_pid)
+  select new.owner, new.name, 'shared', 0, new.now + new.ttl, new.token, new.now, new.application, new.host, new.pid
+  where new.token is not null and new.mode = 'shared';
+  delete from ${queue.sql} where new.token is not null and owner = new.waiter and token is null;
+  -- A new place goes to the back; a live one keeps its turn, an expired one starts again at the back.
+  insert into ${queue.sql} (owner, name, mode, seq, expires_at, enqueued_at, holder_application, holder_host, holder_pid)
+  select new.waiter, new.name, new.mode, coalesce((select max(seq) from ${queue.sql} where name = new.name), 0) + 1,
+    new.now + new.place, new.now, new.application, new.host, new.pid
+  where new.token is null
+  on conflict (owner) do update
+    set seq = case when expires_at <= new.now then excluded.seq else seq end,
+        enqueued_at = case when expires_at <= new.now then excluded.enqueued_at else enqueued_at end,
+        expires_at = excluded.expires_at;
+  delete from ${op.sql} where rowid = new.rowid;
+end`
+}
+
+/** How many of the oldest places a release looks at to find whom to wake. */
+const HEAD_CANDIDATES = 16
+
+/**
+ * Gives back what one request holds of `name`: the exclusive lease of `owner`, or its shared
+ * lease (counted out only if it belongs to the current group of shared holders), and the
+ * waiting place of `waiter` — all owner-scoped, so a holder whose lease expired and was taken
+ * can never free the new holder's. Returns how many leases it released and, when this frees the
+ * lock (or leaves a place while no exclusive lease is live), the waiters now at the head as a
+ * JSON array: the oldest, and every shared waiter ahead of the oldest exclusive one. Queue rows
+ * expired for over a minute (crashed waiters and shared holders) are removed in passing.
+ *
+ * Parameters: ?1 name, ?2 owner (or null), ?3 waiter (or null).
+ */
+export const release = ({ leases, queue, op }: Tables): string =>
+  `with n as (
+  select ${NOW} as now
+), waiting as (
+  select w.owner, w.mode, w.seq from ${queue.sql} w, n
+  where w.name = ?1 and w.token is null and w.expires_at > n.now and w.owner is not ?3
+  order by w.seq limit ${HEAD_CANDIDATES}
+), freed as (
+  select 1 where exists (select 1 from ${leases.sql} where name = ?1 and owner = ?2)
+    or exists (
+      select 1 from ${leases.sql} h join ${queue.sql} q on q.name = h.name
+      where h.name = ?1 and q.owner = ?2 and q.token is not null and h.shared_count = 1 and q.token >= h.shared_since)
+    or (exists (select 1 from ${queue.sql} where owner = ?3 and token is null)
+      and not exists (select 1 from ${leases.sql} h, n where h.name = ?1 and h.owner is not null and h.expires_at > n.now))
+), heads as (
+  select owner from waiting
+  where exists (select 1 from freed) and (seq = (select min(seq) from waiting)
+    or (mode = 'shared' and seq < coalesce((select min(seq) from waiting where mode = 'exclusive'), ${NEVER})))
+)
+insert into ${op.sql} (kind, name, owner, waiter, now, released, heads)
+select 'release', ?1, ?2, ?3, n.now,
+  (select count(*) from ${leases.sql} where name = ?1 and owner = ?2)
+    + (select count(*) from ${queue.sql} where owner = ?2 and name = ?1 and token is not null),
+  (select json_group_array(owner) from heads)
+from n
+returning released, heads as woken`
+
+const releaseTrigger = (tables: Tables): string => {
+  const { leases, queue, op } = tables
+  return `create trigger if not exists ${trigger(tables, "release")} after insert on ${op.sql}
+when new.kind = 'release'
+begin
+  update ${leases.sql} set owner = null, expires_at = null where name = new.name and owner = new.owner;
+  update ${leases.sql}
+  set shared_count = shared_count - 1,
+      shared_until = case when shared_count <= 1 then null else shared_until end
+  where name = new.name and shared_count > 0 and exists (
+    select 1 from ${queue.sql} q
+    where q.owner = new.owner and q.name = new.name and q.token is not null and q.token >= ${leases.sql}.shared_since);
+  delete from ${queue.sql} where owner = new.owner and name = new.name and token is not null;
+  delete from ${queue.sql} where owner = new.waiter and token is null;
+  -- Rows of crashed waiters and shared holders, long expired: removed in passing.
+  delete from ${queue.sql} where name = new.name and expires_at < new.now - 60000;
+  delete from ${op.sql} where rowid = new.rowid;
+end`
+}
+
+/**
+ * Renews a whole batch in one statement: every exclusive lease still ours and unexpired gets
+ * now + ttl; every shared one still live gets it on its own row, and the name's shared bound
+ * moves with it (never once an exclusive lease was granted). For the others it tells why: a
+ * newer exclusive holder (`stolen`); still ours but expired (`expired`); freed without a new
+ * grant (`revoked`, e.g. by an operator). The outcomes are decided before any lease is renewed
+ * (`materialized`), from the rows as the statement found them.
+ *
+ * Parameters (JSON arrays, parallel): ?1 names, ?2 owners, ?3 tokens, ?4 ttls in ms, ?5 modes.
+ */
+export const renew = ({ leases, queue, op }: Tables): string =>
+  `with n as (
+  select ${NOW} as now
+), input as materialized (
+  select cast(a.key as integer) as idx, a.value as name,
+    json_extract(?2, '$[' || a.key || ']') as owner,
+    cast(json_extract(?3, '$[' || a.key || ']') as integer) as token,
+    json_extract(?4, '$[' || a.key || ']') as ttl,
+    json_extract(?5, '$[' || a.key || ']') as mode
+  from json_each(?1) a
+), decided as materialized (
+  select i.idx, i.name, i.owner, i.ttl, i.mode, n.now,
+    case
+      when i.mode = 'exclusive' and h.owner = i.owner and h.expires_at > n.now then 'renewed'
+      when i.mode = 'shared' and (h.owner is null or h.expires_at <= n.now) and h.shared_count > 0 and exists (
+        select 1 from ${queue.sql} q where q.owner = i.owner and q.name = i.name and q.token is not null and q.expires_at > n.now)
+        then 'renewed'
+      when h.name is null then 'revoked'
+      when h.owner is not null and h.owner <> i.owner and h.token > i.token then 'stolen'
+      when i.mode = 'exclusive' and h.owner = i.owner then 'expired'
+      when i.mode = 'exclusive' and h.token > i.token then 'stolen'
+      when i.mode = 'shared' and exists (select 1 from ${queue.sql} q where q.owner = i.owner and q.token is not null) then 'expired'
+      else 'revoked'
+    end as outcome
+  from input i cross join n left join ${leases.sql} h on h.name = i.name
+)
+insert into ${op.sql} (kind, idx, name, owner, ttl, mode, now, outcome)
+select 'renew', idx, name, owner, ttl, mode, now, outcome from decided where true order by idx
+returning idx, outcome`
+
+const renewTrigger = (tables: Tables): string => {
+  const { leases, queue, op } = tables
+  return `create trigger if not exists ${trigger(tables, "renew")} after insert on ${op.sql}
+when new.kind = 'renew'
+begin
+  update ${leases.sql} set expires_at = new.now + new.ttl
+  where new.outcome = 'renewed' and new.mode = 'exclusive' and name = new.name and owner = new.owner;
+  update ${leases.sql} set shared_until = max(coalesce(shared_until, 0), new.now + new.ttl)
+  where new.outcome = 'renewed' and new.mode = 'shared' and name = new.name;
+  update ${queue.sql} set expires_at = new.now + new.ttl
+  where new.outcome = 'renewed' and new.mode = 'shared' and owner = new.owner;
+  delete from ${op.sql} where rowid = new.rowid;
+end`
+}
+
+/**
+ * Frees a lock whoever holds it, exclusive or shared (an operator's tool). Holders learn at their
+ * next renewal; waiters of other processes at their next poll. Returns whether a lease was held.
+ *
+ * Parameters: ?1 name.
+ */
+export const revoke = ({ leases, queue, op }: Tables): string =>
+  `insert into ${op.sql} (kind, name, now, released)
+select 'revoke', ?1, ${NOW},
+  exists (select 1 from ${leases.sql} where name = ?1 and (owner is not null or shared_count > 0))
+    or exists (select 1 from ${queue.sql} where name = ?1 and token is not null)
+where true
+returning released as revoked`
+
+const revokeTrigger = (tables: Tables): string => {
+  const { leases, queue, op } = tables
+  return `create trigger if not exists ${trigger(tables, "revoke")} after insert on ${op.sql}
+when new.kind = 'revoke'
+begin
+  update ${leases.sql} set owner = null, expires_at = null, shared_count = 0, shared_until = null, shared_since = null
+  where name = new.name and (owner is not null or shared_count > 0);
+  delete from ${queue.sql} where name = new.name and token is not null;
+  delete from ${op.sql} where rowid = new.rowid;
+end`
+}
+
+/** The live leases (exclusive and shared), of every name or of ?1 when it is not null. */
+export const holders = ({ leases, queue }: Tables): string =>
+  `with n as (
+  select ${NOW} as now
+), live as (
+  select name, 'exclusive' as mode, token, expires_at, acquired_at, holder_application, holder_host, holder_pid
+  from ${leases.sql}, n where owner is not null and expires_at > n.now and (?1 is null or name = ?1)
+  union all
+  select name, 'shared', token, expires_at, enqueued_at, holder_application, holder_host, holder_pid
+  from ${queue.sql}, n where token is not null and expires_at > n.now and (?1 is null or name = ?1)
+)
+select l.name, l.mode, cast(l.token as text) as token,
+  cast(l.expires_at as real) as expires, cast(l.acquired_at as real) as acquired,
+  l.holder_application as application, l.holder_host as host, l.holder_pid as pid,
+  (select cast(min(w.enqueued_at) as real) from ${queue.sql} w, n
+   where w.name = l.name and w.token is null and w.expires_at > n.now) as waiting
+from live l
+order by l.name, l.token`
+
+/** Whether the lease and queue tables exist (a missing table holds no lease). */
+export const present = ({ leases, queue }: Tables): string =>
+  `select count(*) = 2 as present from sqlite_schema where type = 'table' and name in ('${leases.relname}', '${queue.relname}')`
