@@ -5,30 +5,23 @@
  *
  * @since 0.1.0
  */
-import * as Cause from "effect/Cause"
 import * as Context from "effect/Context"
 import type * as Cron from "effect/Cron"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as Exit from "effect/Exit"
-import * as Fiber from "effect/Fiber"
 import { dual } from "effect/Function"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as Schedule from "effect/Schedule"
-import * as Scope from "effect/Scope"
-import type { HeldLock, Lease, LockMode } from "./Lease.js"
-import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "./LockBackend.js"
-import { LockBackendError, LockLost, LockTimeout } from "./LockError.js"
-import type { InvalidLockName, LostReason } from "./LockError.js"
-import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./internal/core/clock.js"
-import { addBody, type Held, heldOf, makeRegistry, type Registry, safetyDeadlineOf } from "./internal/core/registry.js"
-import * as metrics from "./internal/core/metrics.js"
+import type * as Scope from "effect/Scope"
+import type { HeldLock, Lease } from "./Lease.js"
+import type { Grant, LockBackend } from "./LockBackend.js"
+import { type LockBackendError, type LockLost, LockTimeout } from "./LockError.js"
+import type { InvalidLockName } from "./LockError.js"
+import * as Acquire from "./internal/core/acquire.js"
+import { guard as internalGuard } from "./internal/core/guard.js"
 import * as internalSchedule from "./internal/core/schedule.js"
-import { timeoutOption } from "./internal/runtime/stallSafe.js"
-import { StallWatch } from "./internal/core/stallWatch.js"
-import { isTraced } from "./internal/core/tracing.js"
-import { clampTtl, decodeDuration, modeProblem, nameProblem } from "./internal/core/validate.js"
+import * as internalSingleton from "./internal/core/singleton.js"
 
 /**
  * Options for one acquisition.
@@ -45,17 +38,13 @@ import { clampTtl, decodeDuration, modeProblem, nameProblem } from "./internal/c
  * @since 0.1.0
  * @category models
  */
-export interface AcquireOptions {
-  readonly timeout?: Duration.DurationInput | undefined
-  readonly ttl?: Duration.DurationInput | undefined
-  readonly mode?: LockMode | undefined
-}
+export interface AcquireOptions extends Acquire.AcquireOptions {}
 
 /**
  * @since 0.1.0
  * @category models
  */
-export type AcquireError = LockTimeout | LockBackendError | InvalidLockName
+export type AcquireError = Acquire.AcquireError
 
 /**
  * The service's shape.
@@ -63,14 +52,9 @@ export type AcquireError = LockTimeout | LockBackendError | InvalidLockName
  * @since 0.1.0
  * @category models
  */
-export interface Service {
+export interface Service extends Acquire.LockService {
   /** The backend's short name (`memory`, `pg-advisory`, `pg-lease`). */
   readonly backend: string
-  readonly acquire: (name: string, options?: AcquireOptions) => Effect.Effect<Lease, AcquireError, Scope.Scope>
-  readonly tryAcquire: (
-    name: string,
-    options?: AcquireOptions
-  ) => Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope>
   /** The locks this process holds through this service right now. */
   readonly inspect: Effect.Effect<ReadonlyArray<HeldLock>>
   /**
@@ -89,30 +73,6 @@ export interface Service {
  */
 export class DistributedLock extends Context.Tag("effect-lock/DistributedLock")<DistributedLock, Service>() {}
 
-/** Longest lease accepted; longer requests are clamped (renewal keeps a lease alive anyway). */
-const MAX_TTL = Duration.hours(24)
-/** How long `tryAcquire` may wait for a session or connection when no timeout is given. */
-const DEFAULT_TRY_TIMEOUT = Duration.seconds(5)
-/** Bound on one release; past it the backend has already destroyed what it could not prove. */
-const RELEASE_TIMEOUT = Duration.seconds(10)
-
-/** A backend parameter the core relies on, checked once when the service is built. */
-const checkBackend = (
-  backend: Pick<LockBackend, "renewBatchSize" | "maxNameBytes" | "minTtl" | "defaultTtl">
-): string | undefined => {
-  const { maxNameBytes, renewBatchSize } = backend
-  if (!Number.isInteger(renewBatchSize) || renewBatchSize < 1) {
-    return `renewBatchSize must be a positive integer, got ${String(renewBatchSize)}`
-  }
-  if (!Number.isInteger(maxNameBytes) || maxNameBytes < 1) {
-    return `maxNameBytes must be a positive integer, got ${String(maxNameBytes)}`
-  }
-  if (!Duration.isDuration(backend.minTtl) || !Duration.isDuration(backend.defaultTtl)) {
-    return "minTtl and defaultTtl must be Durations"
-  }
-  return undefined
-}
-
 /**
  * Options of `make`.
  *
@@ -122,9 +82,7 @@ const checkBackend = (
  * @since 0.1.0
  * @category models
  */
-export interface MakeOptions {
-  readonly releaseTimeout?: Duration.DurationInput | undefined
-}
+export interface MakeOptions extends Acquire.MakeOptions {}
 
 /**
  * Builds the service over a backend. Starts one background fiber, scoped to the caller, that
@@ -141,31 +99,16 @@ export interface MakeOptions {
  * @category constructors
  */
 export const make = <G extends Grant>(backend: LockBackend<G>, options?: MakeOptions): Effect.Effect<Service, never, Scope.Scope> =>
-  Effect.gen(function*() {
-    const problem = checkBackend(backend)
-    if (problem !== undefined) {
-      return yield* Effect.die(new Cause.IllegalArgumentException(`effect-lock backend "${backend.backend}": ${problem}`))
-    }
-    const releaseTimeout = decodeDuration(options?.releaseTimeout) ?? RELEASE_TIMEOUT
-    if (!Duration.isFinite(releaseTimeout) || Duration.toMillis(releaseTimeout) <= 0) {
-      return yield* Effect.die(new Cause.IllegalArgumentException(`releaseTimeout must be a positive, finite duration, got ${Duration.format(releaseTimeout)}`))
-    }
-    // Starts the renewal loop on the service's own runtime.
-    const registry = yield* makeRegistry(backend, { releaseTimeout })
-    // Closing the service tells every holder its lease is gone (renewals stop here) and releases
-    // it, rather than leaving bodies running on leases that will silently expire.
-    yield* Effect.addFinalizer(() => registry.close)
-    const acquire = (name: string, options?: AcquireOptions) =>
-      Effect.flatMap(takeLease(backend, registry, "acquire", name, options), (lease) =>
-        Option.isSome(lease) ? Effect.succeed(lease.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero })))
-    return {
-      backend: backend.backend,
-      acquire,
-      tryAcquire: (name, options) => takeLease(backend, registry, "try", name, options),
-      inspect: registry.snapshot,
-      storeTime: backend.now
-    }
-  })
+  Effect.map(Acquire.make(backend, options), (core): Service => ({
+    backend: backend.backend,
+    acquire: (name, options) =>
+      Effect.flatMap(core.take("acquire", name, options, {}), (lease) =>
+        // Unreachable: a waiting acquire ends granted or timed out.
+        Option.isSome(lease) ? Effect.succeed(lease.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))),
+    tryAcquire: (name, options) => core.take("try", name, options, {}),
+    inspect: core.inspect,
+    storeTime: backend.now
+  }))
 
 /**
  * A layer providing `DistributedLock` from an effect that builds a backend.
@@ -177,176 +120,6 @@ export const layerBackend = <G extends Grant, E, R>(
   backend: Effect.Effect<LockBackend<G>, E, R>
 ): Layer.Layer<DistributedLock, E, Exclude<R, Scope.Scope>> =>
   Layer.scoped(DistributedLock, Effect.flatMap(backend, (built) => make(built)))
-
-/** What one `acquire` / `tryAcquire` call asks for, worked out once before its attempts. */
-interface Take<G extends Grant> {
-  readonly backend: LockBackend<G>
-  readonly registry: Registry<G>
-  readonly kind: "acquire" | "try"
-  readonly name: string
-  readonly mode: LockMode
-  readonly ttl: Duration.Duration
-  readonly ttlMillis: number
-  readonly attempt: "once" | "wait"
-  readonly deadline: Option.Option<number>
-  readonly start: number
-  readonly scope: Scope.Scope
-  readonly fiber: Fiber.RuntimeFiber<unknown, unknown>
-  readonly traced: boolean
-}
-
-const closedError = (name: string) =>
-  new LockBackendError({ operation: "acquire", name, cause: new Error("the lock service was closed") })
-
-const takeLease = <G extends Grant>(
-  backend: LockBackend<G>,
-  registry: Registry<G>,
-  kind: "acquire" | "try",
-  name: string,
-  options: AcquireOptions | undefined
-): Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope> =>
-  Effect.withFiberRuntime((fiber) => {
-    const invalid = nameProblem(name, backend.maxNameBytes) ?? modeProblem(name, options?.mode)
-    if (invalid !== undefined) return Effect.fail(invalid)
-    if (registry.isClosed()) return Effect.fail(closedError(name))
-    const ttl = clampTtl(decodeDuration(options?.ttl) ?? backend.defaultTtl, backend.minTtl, MAX_TTL)
-    const start = fiberMillis(fiber)
-    const { attempt, deadline } = plan(kind, decodeDuration(options?.timeout), start)
-    const take: Take<G> = {
-      backend,
-      registry,
-      kind,
-      name,
-      mode: options?.mode ?? "exclusive",
-      ttl,
-      ttlMillis: Duration.toMillis(ttl),
-      attempt,
-      deadline,
-      start,
-      scope: Context.unsafeGet(fiber.currentContext as Context.Context<Scope.Scope>, Scope.Scope),
-      fiber,
-      traced: isTraced(fiber)
-    }
-    // Grant and registration of its release are one uninterruptible step; only the backend's
-    // explicitly interruptible waits can be interrupted, and those leave no grant behind. Counted
-    // in flight until settled: a closing service waits for it before its connections close.
-    const taking = registry.taking(Effect.uninterruptibleMask((restore) => attemptOnce(take, restore)))
-    return take.traced
-      ? Effect.withSpan(taking, kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
-        captureStackTrace: false,
-        attributes: { "lock.name": name, "lock.backend": backend.backend, "lock.mode": take.mode }
-      })
-      : taking
-  })
-
-/** What one attempt learned from the backend's `onLost` before and after its grant was handed out. */
-interface AttemptState<G extends Grant> {
-  held: Held<G> | undefined
-  lostEarly: LostReason | undefined
-  discarded: boolean
-}
-
-const attemptOnce = <G extends Grant>(
-  take: Take<G>,
-  restore: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
-): Effect.Effect<Option.Option<Lease>, AcquireError> => {
-  // Per attempt: a loss reported for a grant that was never handed out concerns only it.
-  const state: AttemptState<G> = { held: undefined, lostEarly: undefined, discarded: false }
-  const { deadline, registry } = take
-  const request: AcquireRequest = {
-    name: take.name,
-    mode: take.mode,
-    attempt: take.attempt,
-    ttl: take.ttl,
-    deadline,
-    interruptible: restore,
-    // A wait also ends when the service starts closing (an ordered shutdown does not wait for it).
-    waitUntilDeadline: (step) =>
-      restore(Effect.raceFirst(
-        Option.isNone(deadline)
-          ? Effect.asSome(step)
-          : Effect.flatMap(monotonicMillis, (now) => timeoutOption(step, wholeMillis(deadline.value - now))),
-        Effect.as(registry.closing, Option.none())
-      )),
-    onLost: (reason) =>
-      Effect.suspend(() => {
-        if (state.discarded) return Effect.void
-        if (state.held === undefined) {
-          state.lostEarly = reason
-          return Effect.void
-        }
-        return registry.declareLost(state.held, reason)
-      })
-  }
-  return Effect.flatMap(take.backend.acquire(request), (result) => settle(take, state, result, restore))
-}
-
-/** Hands the grant out, or gives it back and decides what next; the checks and the hand-over are one step. */
-const settle = <G extends Grant>(
-  take: Take<G>,
-  state: AttemptState<G>,
-  result: AcquireResult<G>,
-  restore: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
-): Effect.Effect<Option.Option<Lease>, AcquireError> => {
-  const { fiber, name, registry } = take
-  const now = fiberMillis(fiber)
-  if (result._tag === "Busy") return annotated(take, now, result._tag, Effect.succeedNone)
-  // A wait the closing service ended is no timeout of the caller's.
-  if (result._tag === "TimedOut" && registry.isClosed()) return Effect.fail(closedError(name))
-  if (result._tag === "Granted") {
-    const grant = result.grant
-    const closed = registry.isClosed()
-    // A grant whose answer came after its safety deadline, or that was lost before it was
-    // handed out, is given back: a holder must never start work on a lease already gone.
-    if (
-      !closed && state.lostEarly === undefined &&
-      now < safetyDeadlineOf(Option.getOrUndefined(grant.validUntil), take.ttlMillis)
-    ) {
-      const held = registry.register(fiber, { name, mode: take.mode, grant, ttlMillis: take.ttlMillis })
-      // Set in the same step as the check above: a loss reported from now on reaches `held`.
-      state.held = held
-      metrics.unsafe.acquired(held.labels, now - take.start)
-      const lease = Option.some(registry.toLease(held))
-      const handed = Effect.as(Scope.addFinalizer(take.scope, registry.release(held)), lease)
-      return take.traced
-        ? annotated(take, now, result._tag, Effect.zipRight(Effect.annotateCurrentSpan("lock.token", String(grant.token)), handed))
-        : handed
-    }
-    state.discarded = true
-    const outOfTime = take.attempt === "once" || Option.exists(take.deadline, (at) => now >= at)
-    return Effect.zipRight(
-      registry.discard(name, grant),
-      closed ? Effect.fail(closedError(name)) : outOfTime ? timedOut(take, now) : attemptOnce(take, restore)
-    )
-  }
-  return annotated(take, now, result._tag, timedOut(take, now))
-}
-
-/** `self`, after annotating the acquire's span (when there is one) with the wait and its outcome. */
-const annotated = <G extends Grant, A, E>(take: Take<G>, now: number, outcome: string, self: Effect.Effect<A, E>) =>
-  take.traced
-    ? Effect.zipRight(Effect.annotateCurrentSpan({ "lock.wait_ms": now - take.start, "lock.outcome": outcome }), self)
-    : self
-
-const timedOut = <G extends Grant>(take: Take<G>, now: number): Effect.Effect<never, LockTimeout> =>
-  Effect.suspend(() => {
-    metrics.unsafe.timedOut(metrics.labelsOn(take.fiber, metrics.backendLabels(take.backend.backend)))
-    return Effect.fail(new LockTimeout({ name: take.name, waited: Duration.millis(Math.max(0, now - take.start)) }))
-  })
-
-const plan = (kind: "acquire" | "try", timeout: Duration.Duration | undefined, now: number) => {
-  if (kind === "try") {
-    const bound = timeout === undefined ? DEFAULT_TRY_TIMEOUT : Duration.max(timeout, Duration.zero)
-    return { attempt: "once" as const, deadline: Option.some(now + Duration.toMillis(bound)) }
-  }
-  if (timeout === undefined || !Duration.isFinite(timeout)) {
-    return { attempt: "wait" as const, deadline: Option.none<number>() }
-  }
-  const millis = Duration.toMillis(timeout)
-  return millis <= 0
-    ? { attempt: "once" as const, deadline: Option.some(now) }
-    : { attempt: "wait" as const, deadline: Option.some(now + millis) }
-}
 
 /**
  * Waits for the lock and holds it until the enclosing Scope closes. Interruptible while waiting;
@@ -394,43 +167,7 @@ export const inspect: Effect.Effect<ReadonlyArray<HeldLock>, never, DistributedL
  * @category combinators
  */
 export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effect.Effect<A, E | LockLost, R> =>
-  Effect.uninterruptibleMask((restore) =>
-    Effect.withFiberRuntime<A, E | LockLost, R>((parent) => {
-      const held = heldOf(lease)
-      // A lease already known lost never starts the body.
-      if (held?.lostError !== undefined) return Effect.fail(held.lostError)
-      // The body and everything it forks are checked each time they resume: after a stall past
-      // the lease's safe time, the loss is declared and they stop before their next step.
-      const watch = held === undefined ? undefined : new StallWatch(held, parent.id(), clockOf(parent))
-      const fork = Effect.fork(restore(self))
-      return Effect.gen(function*() {
-        const body = yield* (watch === undefined ? fork : Effect.supervised(fork, watch))
-        // A shutdown waits for the body to stop before it gives the lease back.
-        if (held !== undefined) addBody(held, body)
-        let lostWith: LockLost | undefined
-        // The body is interrupted and awaited here, so it stops before anyone releases.
-        const watcher = yield* Effect.fork(
-          restore(Effect.catchAll(lease.lost, (error) => {
-            lostWith = error
-            return Fiber.interrupt(body)
-          }))
-        )
-        const exit = yield* restore(Fiber.await(body)).pipe(
-          // The caller was interrupted: stop the body and wait until it has stopped.
-          Effect.onInterrupt(() => Effect.zipRight(Fiber.interrupt(body), Fiber.interrupt(watcher)))
-        )
-        if (watch !== undefined) watch.active = false
-        yield* Fiber.interrupt(watcher)
-        if (Exit.isFailure(exit) && Cause.isInterruptedOnly(exit.cause)) {
-          // Whoever interrupted the body (the watcher, or the body's own fibers on resuming after
-          // the loss), a body stopped by a lost lease ends in LockLost, never a bare interruption.
-          const lost = held?.lostError ?? lostWith
-          if (lost !== undefined) return yield* Effect.fail(lost)
-        }
-        return yield* exit
-      })
-    })
-  )
+  internalGuard(lease, self)
 
 /**
  * Runs an effect holding the lock `name`. If the lease is lost the effect is interrupted and the
@@ -500,17 +237,7 @@ export const tryWithLock: {
  * @since 0.1.0
  * @category models
  */
-export interface SingletonOptions {
-  readonly ttl?: Duration.DurationInput | undefined
-  readonly restartAfter?: Duration.DurationInput | undefined
-  readonly retryBase?: Duration.DurationInput | undefined
-  readonly retryMax?: Duration.DurationInput | undefined
-}
-
-class BodyFailed<E> {
-  readonly _tag = "effect-lock/internal/BodyFailed"
-  constructor(readonly error: E) {}
-}
+export interface SingletonOptions extends internalSingleton.SingletonOptions {}
 
 /**
  * Keeps `effect` running on one process of the cluster at a time: the one holding the lock. A
@@ -529,43 +256,8 @@ export const singleton = <A, E, R>(
   name: string,
   effect: Effect.Effect<A, E, R>,
   options?: SingletonOptions
-): Effect.Effect<never, E | InvalidLockName, R | DistributedLock> => {
-  const restartAfter = decodeDuration(options?.restartAfter) ?? Duration.seconds(1)
-  const retryBase = decodeDuration(options?.retryBase) ?? Duration.millis(100)
-  const retryMax = decodeDuration(options?.retryMax) ?? Duration.seconds(10)
-  const round = withLock(
-    Effect.mapError(effect, (error) => new BodyFailed(error)),
-    name,
-    options?.ttl === undefined ? {} : { ttl: options.ttl }
-  )
-  const backoff = (failures: number) => Duration.min(retryMax, Duration.times(retryBase, 2 ** Math.min(failures, 30)))
-  const loop = (failures: number): Effect.Effect<never, E | InvalidLockName, R | DistributedLock> =>
-    round.pipe(
-      Effect.matchEffect({
-        onSuccess: () => Effect.zipRight(Effect.sleep(restartAfter), loop(0)),
-        onFailure: (error) => {
-          if (error instanceof BodyFailed) return Effect.fail(error.error as E)
-          switch (error._tag) {
-            case "InvalidLockName":
-              return Effect.fail(error)
-            case "LockLost":
-              // Competes again at once after one loss; repeated losses back off like errors.
-              return Effect.logWarning(`singleton "${name}" lost its lock; competing again`).pipe(
-                Effect.zipRight(failures === 0 ? Effect.void : Effect.sleep(backoff(failures - 1))),
-                Effect.zipRight(loop(failures + 1))
-              )
-            default: {
-              return Effect.logWarning(`singleton "${name}" could not compete: ${error.message}`).pipe(
-                Effect.zipRight(Effect.sleep(backoff(failures))),
-                Effect.zipRight(loop(failures + 1))
-              )
-            }
-          }
-        }
-      })
-    )
-  return Effect.suspend(() => loop(0))
-}
+): Effect.Effect<never, E | InvalidLockName, R | DistributedLock> =>
+  internalSingleton.singleton(withLock, name, effect, options)
 
 /**
  * Options for `schedule`.
@@ -584,13 +276,7 @@ export const singleton = <A, E, R>(
  * @since 0.1.0
  * @category models
  */
-export interface ScheduleOptions {
-  readonly atLeastFor?: Duration.DurationInput | undefined
-  readonly atMostFor?: Duration.DurationInput | undefined
-  readonly ttl?: Duration.DurationInput | undefined
-  readonly retryBase?: Duration.DurationInput | undefined
-  readonly retryMax?: Duration.DurationInput | undefined
-}
+export interface ScheduleOptions extends internalSchedule.ScheduleOptions {}
 
 /**
  * One occurrence of a scheduled job, as the job sees it.
@@ -598,8 +284,7 @@ export interface ScheduleOptions {
  * @since 0.1.0
  * @category models
  */
-export interface Occurrence {
-  readonly name: string
+export interface Occurrence extends internalSchedule.Occurrence {
   /**
    * When the occurrence was due, in ms since the epoch, on the clock the replicas compare
    * (the store's where the backend has one): the same number on every replica, so it can key

@@ -11,9 +11,8 @@
  * @since 0.1.0
  */
 import * as Context from "effect/Context"
-import type * as Duration from "effect/Duration"
+import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import type * as Fiber from "effect/Fiber"
 import { dual } from "effect/Function"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
@@ -22,8 +21,9 @@ import type * as Scope from "effect/Scope"
 import * as DistributedLock from "./DistributedLock.js"
 import type { FencingToken } from "./FencingToken.js"
 import type { Lease } from "./Lease.js"
-import type { Grant, LockAndSemaphoreBackend, LockBackend, PermitGrant, SemaphoreBackend } from "./LockBackend.js"
-import { HttpStatusAnnotation, LockBackendError, type LockLost } from "./LockError.js"
+import type { Grant, LockAndSemaphoreBackend, PermitGrant, SemaphoreBackend } from "./LockBackend.js"
+import { HttpStatusAnnotation, LockBackendError, type LockLost, LockTimeout } from "./LockError.js"
+import * as Acquire from "./internal/core/acquire.js"
 import { heldOf } from "./internal/core/registry.js"
 
 /**
@@ -76,11 +76,9 @@ export class InvalidPermits extends Schema.TaggedError<InvalidPermits>("effect-l
  * @since 0.1.0
  * @category models
  */
-export interface PermitOptions {
+export interface PermitOptions extends Pick<DistributedLock.AcquireOptions, "timeout" | "ttl"> {
   readonly limit: number
   readonly permits?: number | undefined
-  readonly timeout?: Duration.DurationInput | undefined
-  readonly ttl?: Duration.DurationInput | undefined
 }
 
 /**
@@ -130,18 +128,11 @@ export class DistributedSemaphore
   extends Context.Tag("effect-lock/DistributedSemaphore")<DistributedSemaphore, Service>()
 {}
 
-/** What the permit request in flight asks for, handed to the backend through the acquiring fiber. */
+/** What a permit request asks for besides a lock request: it travels in the store's request. */
 interface Ask {
   readonly limit: number
   readonly permits: number
 }
-
-/**
- * The ask of each fiber's latest permit request. The core calls the backend's `acquire` on the
- * acquiring fiber, and a fiber makes one request at a time, so the entry set just before the
- * request is the one its `acquire` reads (cheaper than a FiberRef's `locally` on the hot path).
- */
-const asks = new WeakMap<Fiber.RuntimeFiber<unknown, unknown>, Ask>()
 
 /** Where `Permits` keep the lease the core made for them, for `withPermits`' guard. */
 const LeaseKey: unique symbol = Symbol.for("effect-lock/DistributedSemaphore/Lease")
@@ -149,9 +140,9 @@ const LeaseKey: unique symbol = Symbol.for("effect-lock/DistributedSemaphore/Lea
 /**
  * The permit store seen as a lock store, so that the core's acquire path, registry, renewal loop,
  * loss detection, guard and stall watch serve permits exactly as they serve locks. The request's
- * limit and permits reach it through the acquiring fiber (`asks`).
+ * limit and permits travel in the request itself (`Acquire.Store`'s `extra`).
  */
-const asLockBackend = <P extends PermitGrant>(semaphore: SemaphoreBackend<P>): LockBackend<P> => ({
+const asLockStore = <P extends PermitGrant>(semaphore: SemaphoreBackend<P>): Acquire.Store<P, Ask> => ({
   backend: semaphore.backend,
   maxNameBytes: semaphore.maxNameBytes,
   defaultTtl: semaphore.defaultTtl,
@@ -160,23 +151,17 @@ const asLockBackend = <P extends PermitGrant>(semaphore: SemaphoreBackend<P>): L
   instantRelease: semaphore.instantRelease,
   renew: semaphore.renew,
   acquire: (request) =>
-    Effect.withFiberRuntime((fiber) => {
-      const ask = asks.get(fiber)
-      if (ask === undefined) {
-        return Effect.dieMessage("effect-lock: a permit store was asked for a lock outside DistributedSemaphore")
-      }
-      return Effect.flatMap(semaphore.acquire({ ...request, limit: ask.limit, permits: ask.permits }), (result) =>
-        result._tag === "LimitMismatch"
-          // Carried through the core as a backend error, unwrapped again by `take` below.
-          ? Effect.fail(
-            new LockBackendError({
-              operation: "acquire",
-              name: request.name,
-              cause: new LimitMismatch({ name: request.name, limit: ask.limit, current: result.current })
-            })
-          )
-          : Effect.succeed(result))
-    })
+    Effect.flatMap(semaphore.acquire(request), (result) =>
+      result._tag === "LimitMismatch"
+        // Carried through the core as a backend error, unwrapped again by `take` below.
+        ? Effect.fail(
+          new LockBackendError({
+            operation: "acquire",
+            name: request.name,
+            cause: new LimitMismatch({ name: request.name, limit: request.limit, current: result.current })
+          })
+        )
+        : Effect.succeed(result))
 })
 
 const unwrapMismatch = (error: DistributedLock.AcquireError): DistributedLock.AcquireError | LimitMismatch =>
@@ -227,27 +212,25 @@ const leaseOf = (permits: Permits): Lease | undefined => (permits as Permits & {
 export const make = <P extends PermitGrant>(
   semaphore: SemaphoreBackend<P>
 ): Effect.Effect<Service, never, Scope.Scope> =>
-  Effect.map(DistributedLock.make(asLockBackend(semaphore)), (inner): Service => {
-    const take = <A, B>(
-      name: string,
-      options: PermitOptions,
-      taking: (lockOptions: DistributedLock.AcquireOptions) => Effect.Effect<A, DistributedLock.AcquireError, Scope.Scope>,
-      done: (taken: A, ask: Ask) => B
-    ): Effect.Effect<B, AcquireError, Scope.Scope> =>
-      Effect.withFiberRuntime((fiber) => {
-        const problem = permitsProblem(name, options)
-        if (problem !== undefined) return Effect.fail(problem)
-        const ask: Ask = { limit: options.limit, permits: options.permits ?? 1 }
-        asks.set(fiber, ask)
-        // "shared": what `inspect`, spans and metrics show for a set of permits (others may hold the name too).
-        const lockOptions: DistributedLock.AcquireOptions = { timeout: options.timeout, ttl: options.ttl, mode: "shared" }
-        return Effect.mapBoth(taking(lockOptions), { onFailure: unwrapMismatch, onSuccess: (taken) => done(taken, ask) })
+  Effect.map(Acquire.make(asLockStore(semaphore)), (core): Service => {
+    const take = (kind: "acquire" | "try", name: string, options: PermitOptions): Effect.Effect<Option.Option<Permits>, AcquireError, Scope.Scope> => {
+      const problem = permitsProblem(name, options)
+      if (problem !== undefined) return Effect.fail(problem)
+      const ask: Ask = { limit: options.limit, permits: options.permits ?? 1 }
+      // "shared": what `inspect`, spans and metrics show for a set of permits (others may hold the name too).
+      const lockOptions: DistributedLock.AcquireOptions = { timeout: options.timeout, ttl: options.ttl, mode: "shared" }
+      return Effect.mapBoth(core.take(kind, name, lockOptions, ask), {
+        onFailure: unwrapMismatch,
+        onSuccess: (lease) => Option.map(lease, (l) => toPermits(l, ask))
       })
+    }
     return {
-      backend: inner.backend,
-      acquire: (name, options) => take(name, options, (o) => inner.acquire(name, o), toPermits),
-      tryAcquire: (name, options) =>
-        take(name, options, (o) => inner.tryAcquire(name, o), (lease, ask) => Option.map(lease, (l) => toPermits(l, ask)))
+      backend: semaphore.backend,
+      acquire: (name, options) =>
+        Effect.flatMap(take("acquire", name, options), (permits) =>
+          // Unreachable: a waiting acquire ends granted or timed out.
+          Option.isSome(permits) ? Effect.succeed(permits.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))),
+      tryAcquire: (name, options) => take("try", name, options)
     }
   })
 

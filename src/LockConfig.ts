@@ -109,17 +109,15 @@ export const fromSettings = (
   DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore,
   ConfigError.ConfigError | LockBackendError | UnsafeConnectionPooling
 > => {
+  // What several backends take alike, read once.
+  const applicationName = defined(read.applicationName)
+  const lease = { ttl: defined(read.ttl), table: defined(read.table) }
   switch (read.backend) {
     case "memory":
       return MemoryBackend.layer({ ttl: defined(read.ttl) })
     case "pg-advisory":
       return Layer.unwrapEffect(Effect.map(urlOf(read), (url) =>
-        PgAdvisory.layer({
-          url,
-          maxSessions: defined(read.maxSessions),
-          namespace: defined(read.namespace),
-          applicationName: defined(read.applicationName)
-        })))
+        PgAdvisory.layer({ url, maxSessions: defined(read.maxSessions), namespace: defined(read.namespace), applicationName })))
     case "pg-lease":
       return Layer.unwrapEffect(
         Effect.gen(function*() {
@@ -133,24 +131,18 @@ export const fromSettings = (
                 cause: new Error(`EFFECT_LOCK_BACKEND=pg-lease needs @effect/sql-pg installed (${String(cause)})`)
               })
           })
-          const applicationName = defined(read.applicationName)
           const client = PgClient.layer({ url, ...(applicationName === undefined ? {} : { applicationName }) }).pipe(
             Layer.mapError((cause): ConfigError.ConfigError | LockBackendError =>
               ConfigError.isConfigError(cause) ? cause : new LockBackendError({ operation: "connect", cause })
             )
           )
-          return PgLease.layer({ ttl: defined(read.ttl), table: defined(read.table) }).pipe(Layer.provide(client))
+          return PgLease.layer(lease).pipe(Layer.provide(client))
         })
       )
     case "sqlite":
       // SqliteLease loads its driver only when the layer is built: nothing to load here.
       return Layer.unwrapEffect(Effect.map(sqliteFileOf(read), (filename) =>
-        SqliteLease.layer({
-          filename,
-          ttl: defined(read.ttl),
-          table: defined(read.table),
-          applicationName: defined(read.applicationName)
-        })))
+        SqliteLease.layer({ filename, ...lease, applicationName })))
   }
 }
 

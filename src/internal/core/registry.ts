@@ -13,7 +13,7 @@ import type { Grant, LockBackend, RenewOutcome } from "../../LockBackend.js"
 import { LockLost, type LostReason } from "../../LockError.js"
 import { timeoutOption } from "../runtime/stallSafe.js"
 import { clockOf, fiberMillis, monotonicMillis, sleepMillis, wholeMillis } from "./clock.js"
-import { makeLoopAlarm } from "../runtime/loopAlarm.js"
+import { makeLoopAlarm } from "./loopAlarm.js"
 import * as metrics from "./metrics.js"
 import * as Owner from "../runtime/owner.js"
 import { isTraced } from "./tracing.js"
@@ -154,7 +154,8 @@ export interface Registry<G extends Grant> {
 }
 
 export const makeRegistry = <G extends Grant>(
-  backend: LockBackend<G>,
+  // Everything of the store but its `acquire`, which the acquire path calls itself.
+  backend: Omit<LockBackend<G>, "acquire">,
   options: { readonly releaseTimeout: Duration.Duration }
 ): Effect.Effect<Registry<G>, never, Scope.Scope> =>
   Effect.gen(function*() {

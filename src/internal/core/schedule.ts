@@ -26,7 +26,8 @@ import * as Option from "effect/Option"
 import type * as Schedule from "effect/Schedule"
 import * as ScheduleDecision from "effect/ScheduleDecision"
 import * as Intervals from "effect/ScheduleIntervals"
-import type { AcquireError, Occurrence, ScheduleOptions, Service } from "../../DistributedLock.js"
+import type { AcquireError, LockService as Service } from "./acquire.js"
+import type { SingletonOptions } from "./singleton.js"
 import type { Lease } from "../../Lease.js"
 import type { InvalidLockName, LockLost } from "../../LockError.js"
 import { monotonicMillis, sleepMillis } from "./clock.js"
@@ -39,6 +40,19 @@ const DEFAULT_AT_LEAST_MAX = Duration.seconds(10)
 const SLEEP_CHUNK_MS = 60_000
 /** Longest wait of one claim for a session or connection (the claim window may cut it shorter). */
 const CLAIM_TIMEOUT_MS = 5_000
+
+/** Options for `schedule` (documented on `DistributedLock.ScheduleOptions`). */
+export interface ScheduleOptions extends Pick<SingletonOptions, "ttl" | "retryBase" | "retryMax"> {
+  readonly atLeastFor?: Duration.DurationInput | undefined
+  readonly atMostFor?: Duration.DurationInput | undefined
+}
+
+/** One occurrence of a scheduled job, as the job sees it (documented on `DistributedLock.Occurrence`). */
+export interface Occurrence {
+  readonly name: string
+  readonly scheduledAt: number
+  readonly lease: Lease
+}
 
 /** What the loop needs from `DistributedLock`, passed in so this module does not import it at run time. */
 export interface Deps {

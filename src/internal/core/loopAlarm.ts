@@ -3,7 +3,7 @@ import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as FiberSet from "effect/FiberSet"
 import type * as Scope from "effect/Scope"
-import { fiberMillis, sleepMillis } from "../core/clock.js"
+import { fiberMillis, sleepMillis } from "./clock.js"
 
 /**
  * How the renewal loop sleeps and is woken. The loop is either awake (from waking up until it

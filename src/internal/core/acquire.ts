@@ -1,0 +1,300 @@
+/**
+ * The acquire path every backend shares: a request's options worked out once (name, mode, ttl,
+ * deadline), the backend's attempt, and the hand-over of a grant — registered with its release in
+ * one uninterruptible step, or given back when it came too late or was lost before it was handed
+ * out. `DistributedLock.make` and `DistributedSemaphore.make` are thin services over `make` here;
+ * a semaphore's limit and permits travel with its request (`extra`), not beside it.
+ */
+import * as Cause from "effect/Cause"
+import * as Context from "effect/Context"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import type * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import * as Scope from "effect/Scope"
+import type { HeldLock, Lease, LockMode } from "../../Lease.js"
+import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "../../LockBackend.js"
+import { LockBackendError, LockTimeout } from "../../LockError.js"
+import type { InvalidLockName, LostReason } from "../../LockError.js"
+import { fiberMillis, monotonicMillis, wholeMillis } from "./clock.js"
+import * as metrics from "./metrics.js"
+import { type Held, makeRegistry, type Registry, safetyDeadlineOf } from "./registry.js"
+import { timeoutOption } from "../runtime/stallSafe.js"
+import { isTraced } from "./tracing.js"
+import { clampTtl, decodeDuration, modeProblem, nameProblem } from "./validate.js"
+
+/** Options for one acquisition (documented on `DistributedLock.AcquireOptions`). */
+export interface AcquireOptions {
+  readonly timeout?: Duration.DurationInput | undefined
+  readonly ttl?: Duration.DurationInput | undefined
+  readonly mode?: LockMode | undefined
+}
+
+/** What an acquisition can fail with (documented on `DistributedLock.AcquireError`). */
+export type AcquireError = LockTimeout | LockBackendError | InvalidLockName
+
+/** The lock service's shape (documented on `DistributedLock.Service`). */
+export interface LockService {
+  readonly backend: string
+  readonly acquire: (name: string, options?: AcquireOptions) => Effect.Effect<Lease, AcquireError, Scope.Scope>
+  readonly tryAcquire: (
+    name: string,
+    options?: AcquireOptions
+  ) => Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope>
+  readonly inspect: Effect.Effect<ReadonlyArray<HeldLock>>
+  readonly storeTime?: Effect.Effect<number, LockBackendError> | undefined
+}
+
+/** Options of `make` (documented on `DistributedLock.MakeOptions`). */
+export interface MakeOptions {
+  readonly releaseTimeout?: Duration.DurationInput | undefined
+}
+
+/**
+ * A lock store whose requests carry `X` besides the `AcquireRequest` (a `LockBackend` is a
+ * `Store<G, {}>`; `DistributedSemaphore` passes its store with the limit and permits asked).
+ */
+export type Store<G extends Grant, X extends object> = Omit<LockBackend<G>, "acquire"> & {
+  readonly acquire: (request: AcquireRequest & X) => Effect.Effect<AcquireResult<G>, LockBackendError>
+}
+
+/**
+ * The shared acquire path over one backend: `take` is `acquire` (`kind: "acquire"`, `None` never
+ * returned) or `tryAcquire`; `extra` is merged into the backend's request (a semaphore's ask).
+ */
+export interface Acquirer<X extends object> {
+  readonly take: (
+    kind: "acquire" | "try",
+    name: string,
+    options: AcquireOptions | undefined,
+    extra: X
+  ) => Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope>
+  readonly inspect: Effect.Effect<ReadonlyArray<HeldLock>>
+}
+
+/** Longest lease accepted; longer requests are clamped (renewal keeps a lease alive anyway). */
+const MAX_TTL = Duration.hours(24)
+/** How long `tryAcquire` may wait for a session or connection when no timeout is given. */
+const DEFAULT_TRY_TIMEOUT = Duration.seconds(5)
+/** Bound on one release; past it the backend has already destroyed what it could not prove. */
+const RELEASE_TIMEOUT = Duration.seconds(10)
+
+/** A backend parameter the core relies on, checked once when the service is built. */
+const checkBackend = (
+  backend: Pick<LockBackend, "renewBatchSize" | "maxNameBytes" | "minTtl" | "defaultTtl">
+): string | undefined => {
+  const { maxNameBytes, renewBatchSize } = backend
+  if (!Number.isInteger(renewBatchSize) || renewBatchSize < 1) {
+    return `renewBatchSize must be a positive integer, got ${String(renewBatchSize)}`
+  }
+  if (!Number.isInteger(maxNameBytes) || maxNameBytes < 1) {
+    return `maxNameBytes must be a positive integer, got ${String(maxNameBytes)}`
+  }
+  if (!Duration.isDuration(backend.minTtl) || !Duration.isDuration(backend.defaultTtl)) {
+    return "minTtl and defaultTtl must be Durations"
+  }
+  return undefined
+}
+
+/**
+ * Starts the registry (and its renewal loop, on the service's own runtime) over `backend`, and
+ * closes it in order when the scope closes. Dies on a backend parameter the core cannot work with.
+ */
+export const make = <G extends Grant, X extends object = {}>(
+  backend: Store<G, X>,
+  options?: MakeOptions
+): Effect.Effect<Acquirer<X>, never, Scope.Scope> =>
+  Effect.gen(function*() {
+    const problem = checkBackend(backend)
+    if (problem !== undefined) {
+      return yield* Effect.die(new Cause.IllegalArgumentException(`effect-lock backend "${backend.backend}": ${problem}`))
+    }
+    const releaseTimeout = decodeDuration(options?.releaseTimeout) ?? RELEASE_TIMEOUT
+    if (!Duration.isFinite(releaseTimeout) || Duration.toMillis(releaseTimeout) <= 0) {
+      return yield* Effect.die(new Cause.IllegalArgumentException(`releaseTimeout must be a positive, finite duration, got ${Duration.format(releaseTimeout)}`))
+    }
+    // Starts the renewal loop on the service's own runtime.
+    const registry = yield* makeRegistry(backend, { releaseTimeout })
+    // Closing the service tells every holder its lease is gone (renewals stop here) and releases
+    // it, rather than leaving bodies running on leases that will silently expire.
+    yield* Effect.addFinalizer(() => registry.close)
+    return {
+      take: (kind, name, options, extra) => takeLease(backend, registry, kind, name, options, extra),
+      inspect: registry.snapshot
+    }
+  })
+
+/** What one `acquire` / `tryAcquire` call asks for, worked out once before its attempts. */
+interface Take<G extends Grant, X extends object> {
+  readonly backend: Store<G, X>
+  readonly extra: X
+  readonly registry: Registry<G>
+  readonly kind: "acquire" | "try"
+  readonly name: string
+  readonly mode: LockMode
+  readonly ttl: Duration.Duration
+  readonly ttlMillis: number
+  readonly attempt: "once" | "wait"
+  readonly deadline: Option.Option<number>
+  readonly start: number
+  readonly scope: Scope.Scope
+  readonly fiber: Fiber.RuntimeFiber<unknown, unknown>
+  readonly traced: boolean
+}
+
+const closedError = (name: string) =>
+  new LockBackendError({ operation: "acquire", name, cause: new Error("the lock service was closed") })
+
+const takeLease = <G extends Grant, X extends object>(
+  backend: Store<G, X>,
+  registry: Registry<G>,
+  kind: "acquire" | "try",
+  name: string,
+  options: AcquireOptions | undefined,
+  extra: X
+): Effect.Effect<Option.Option<Lease>, AcquireError, Scope.Scope> =>
+  Effect.withFiberRuntime((fiber) => {
+    const invalid = nameProblem(name, backend.maxNameBytes) ?? modeProblem(name, options?.mode)
+    if (invalid !== undefined) return Effect.fail(invalid)
+    if (registry.isClosed()) return Effect.fail(closedError(name))
+    const ttl = clampTtl(decodeDuration(options?.ttl) ?? backend.defaultTtl, backend.minTtl, MAX_TTL)
+    const start = fiberMillis(fiber)
+    const { attempt, deadline } = plan(kind, decodeDuration(options?.timeout), start)
+    const take: Take<G, X> = {
+      backend,
+      extra,
+      registry,
+      kind,
+      name,
+      mode: options?.mode ?? "exclusive",
+      ttl,
+      ttlMillis: Duration.toMillis(ttl),
+      attempt,
+      deadline,
+      start,
+      scope: Context.unsafeGet(fiber.currentContext as Context.Context<Scope.Scope>, Scope.Scope),
+      fiber,
+      traced: isTraced(fiber)
+    }
+    // Grant and registration of its release are one uninterruptible step; only the backend's
+    // explicitly interruptible waits can be interrupted, and those leave no grant behind. Counted
+    // in flight until settled: a closing service waits for it before its connections close.
+    const taking = registry.taking(Effect.uninterruptibleMask((restore) => attemptOnce(take, restore)))
+    return take.traced
+      ? Effect.withSpan(taking, kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
+        captureStackTrace: false,
+        attributes: { "lock.name": name, "lock.backend": backend.backend, "lock.mode": take.mode }
+      })
+      : taking
+  })
+
+/** What one attempt learned from the backend's `onLost` before and after its grant was handed out. */
+interface AttemptState<G extends Grant> {
+  held: Held<G> | undefined
+  lostEarly: LostReason | undefined
+  discarded: boolean
+}
+
+const attemptOnce = <G extends Grant, X extends object>(
+  take: Take<G, X>,
+  restore: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+): Effect.Effect<Option.Option<Lease>, AcquireError> => {
+  // Per attempt: a loss reported for a grant that was never handed out concerns only it.
+  const state: AttemptState<G> = { held: undefined, lostEarly: undefined, discarded: false }
+  const { deadline, registry } = take
+  const request: AcquireRequest & X = {
+    ...take.extra,
+    name: take.name,
+    mode: take.mode,
+    attempt: take.attempt,
+    ttl: take.ttl,
+    deadline,
+    interruptible: restore,
+    // A wait also ends when the service starts closing (an ordered shutdown does not wait for it).
+    waitUntilDeadline: (step) =>
+      restore(Effect.raceFirst(
+        Option.isNone(deadline)
+          ? Effect.asSome(step)
+          : Effect.flatMap(monotonicMillis, (now) => timeoutOption(step, wholeMillis(deadline.value - now))),
+        Effect.as(registry.closing, Option.none())
+      )),
+    onLost: (reason) =>
+      Effect.suspend(() => {
+        if (state.discarded) return Effect.void
+        if (state.held === undefined) {
+          state.lostEarly = reason
+          return Effect.void
+        }
+        return registry.declareLost(state.held, reason)
+      })
+  }
+  return Effect.flatMap(take.backend.acquire(request), (result) => settle(take, state, result, restore))
+}
+
+/** Hands the grant out, or gives it back and decides what next; the checks and the hand-over are one step. */
+const settle = <G extends Grant, X extends object>(
+  take: Take<G, X>,
+  state: AttemptState<G>,
+  result: AcquireResult<G>,
+  restore: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+): Effect.Effect<Option.Option<Lease>, AcquireError> => {
+  const { fiber, name, registry } = take
+  const now = fiberMillis(fiber)
+  if (result._tag === "Busy") return annotated(take, now, result._tag, Effect.succeedNone)
+  // A wait the closing service ended is no timeout of the caller's.
+  if (result._tag === "TimedOut" && registry.isClosed()) return Effect.fail(closedError(name))
+  if (result._tag === "Granted") {
+    const grant = result.grant
+    const closed = registry.isClosed()
+    // A grant whose answer came after its safety deadline, or that was lost before it was
+    // handed out, is given back: a holder must never start work on a lease already gone.
+    if (
+      !closed && state.lostEarly === undefined &&
+      now < safetyDeadlineOf(Option.getOrUndefined(grant.validUntil), take.ttlMillis)
+    ) {
+      const held = registry.register(fiber, { name, mode: take.mode, grant, ttlMillis: take.ttlMillis })
+      // Set in the same step as the check above: a loss reported from now on reaches `held`.
+      state.held = held
+      metrics.unsafe.acquired(held.labels, now - take.start)
+      const lease = Option.some(registry.toLease(held))
+      const handed = Effect.as(Scope.addFinalizer(take.scope, registry.release(held)), lease)
+      return take.traced
+        ? annotated(take, now, result._tag, Effect.zipRight(Effect.annotateCurrentSpan("lock.token", String(grant.token)), handed))
+        : handed
+    }
+    state.discarded = true
+    const outOfTime = take.attempt === "once" || Option.exists(take.deadline, (at) => now >= at)
+    return Effect.zipRight(
+      registry.discard(name, grant),
+      closed ? Effect.fail(closedError(name)) : outOfTime ? timedOut(take, now) : attemptOnce(take, restore)
+    )
+  }
+  return annotated(take, now, result._tag, timedOut(take, now))
+}
+
+/** `self`, after annotating the acquire's span (when there is one) with the wait and its outcome. */
+const annotated = <A, E>(take: Pick<Take<Grant, object>, "traced" | "start">, now: number, outcome: string, self: Effect.Effect<A, E>) =>
+  take.traced
+    ? Effect.zipRight(Effect.annotateCurrentSpan({ "lock.wait_ms": now - take.start, "lock.outcome": outcome }), self)
+    : self
+
+const timedOut = (take: Pick<Take<Grant, object>, "fiber" | "name" | "start"> & { readonly backend: { readonly backend: string } }, now: number): Effect.Effect<never, LockTimeout> =>
+  Effect.suspend(() => {
+    metrics.unsafe.timedOut(metrics.labelsOn(take.fiber, metrics.backendLabels(take.backend.backend)))
+    return Effect.fail(new LockTimeout({ name: take.name, waited: Duration.millis(Math.max(0, now - take.start)) }))
+  })
+
+const plan = (kind: "acquire" | "try", timeout: Duration.Duration | undefined, now: number) => {
+  if (kind === "try") {
+    const bound = timeout === undefined ? DEFAULT_TRY_TIMEOUT : Duration.max(timeout, Duration.zero)
+    return { attempt: "once" as const, deadline: Option.some(now + Duration.toMillis(bound)) }
+  }
+  if (timeout === undefined || !Duration.isFinite(timeout)) {
+    return { attempt: "wait" as const, deadline: Option.none<number>() }
+  }
+  const millis = Duration.toMillis(timeout)
+  return millis <= 0
+    ? { attempt: "once" as const, deadline: Option.some(now) }
+    : { attempt: "wait" as const, deadline: Option.some(now + millis) }
+}
+
