@@ -110,23 +110,17 @@ import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
 import * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
-import type { LockMode } from "./Lease.js"
 import type * as Scope from "effect/Scope"
 import type * as DistributedLock from "./DistributedLock.js"
 import * as DistributedSemaphore from "./DistributedSemaphore.js"
-import * as FencingToken from "./FencingToken.js"
 import type { LockAndSemaphoreBackend } from "./LockBackend.js"
-import { LockBackendError } from "./LockError.js"
+import type { LockBackendError } from "./LockError.js"
 import type * as Attempt from "./internal/lease/attempt.js"
+import * as Operator from "./internal/lease/operator.js"
+import * as LeaseOptions from "./internal/lease/options.js"
 import type * as Permits from "./internal/lease/permits.js"
-import * as PermitSql from "./internal/lease/pg/permitSql.js"
-import { MAX_NAME_BYTES, MIN_TTL } from "./internal/lease/pg/backend.js"
 import { RENEW_CONNECTIONS } from "./internal/lease/pg/lane.js"
-import * as LeaseOptions from "./internal/lease/inspect.js"
-import { type HolderRow, type SemaphoreRow, storedLease, storedSemaphore } from "./internal/lease/inspect.js"
 import * as Make from "./internal/lease/pg/make.js"
-import { RENEW_BATCH_SIZE } from "./internal/lease/renew.js"
-import * as Sql from "./internal/lease/pg/sql.js"
 
 /**
  * Options of the lease backend.
@@ -165,7 +159,8 @@ import * as Sql from "./internal/lease/pg/sql.js"
 export interface Options extends Make.Options {}
 
 /**
- * A lease row held by this process.
+ * A lease held by this process: its row in the lease table (a shared holder's in the queue
+ * table), renewed by the backend.
  *
  * @since 0.1.0
  * @category models
@@ -173,7 +168,8 @@ export interface Options extends Make.Options {}
 export interface PgLeaseGrant extends Attempt.LeaseGrant {}
 
 /**
- * Permits of a semaphore held by this process: one holder entry of the semaphore's row.
+ * Permits of a semaphore held by this process: one holder entry (an element of a jsonb array) of
+ * the semaphore's row.
  *
  * @since 0.1.0
  * @category models
@@ -181,12 +177,12 @@ export interface PgLeaseGrant extends Attempt.LeaseGrant {}
 export interface PgLeasePermitGrant extends Permits.PermitLeaseGrant {}
 
 /**
- * The default table name.
+ * The default table name, created in the first schema of the connections' `search_path`.
  *
  * @since 0.1.0
  * @category constants
  */
-export const DEFAULT_TABLE = Make.DEFAULT_TABLE
+export const DEFAULT_TABLE = LeaseOptions.DEFAULT_TABLE
 
 /**
  * The SQL that creates the lease table, its queue table and the semaphore table, for
@@ -199,11 +195,7 @@ export const DEFAULT_TABLE = Make.DEFAULT_TABLE
  * @since 0.1.0
  * @category migrations
  */
-export const migration = (table: string = DEFAULT_TABLE): string => {
-  const tables = Sql.parseTables(table)
-  if (typeof tables === "string") throw new TypeError(`PgLease.migration: ${tables}`)
-  return `${Sql.createTable(tables)};\n`
-}
+export const migration = (table: string = DEFAULT_TABLE): string => Make.migration(table)
 
 /**
  * Builds the backend (the SPI), for `DistributedLock.make` (and its `semaphore` for
@@ -218,30 +210,6 @@ export const makeBackend = (
   options?: Options
 ): Effect.Effect<LockAndSemaphoreBackend<PgLeaseGrant, PgLeasePermitGrant>, LockBackendError, SqlClient.SqlClient | Scope.Scope> =>
   Make.makeBackend(options)
-
-interface Statements {
-  readonly run: <A extends object>(
-    operation: string,
-    name: string | undefined,
-    text: string,
-    params: ReadonlyArray<unknown>
-  ) => Effect.Effect<ReadonlyArray<A>, LockBackendError>
-}
-
-/** Operator and inspection statements: ordinary statements of the caller's `SqlClient`, in its transaction if any. */
-const statements = (sql: SqlClient.SqlClient): Statements => ({
-  run: <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>) =>
-    sql.unsafe<A>(text, params).withoutTransform.pipe(
-      Effect.mapError((cause) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause }))
-    )
-})
-
-/** `use` with the table names resolved and the statements of the caller's `SqlClient`. */
-const onTables = <A, R = never>(
-  table: string | undefined,
-  use: (tables: Sql.Tables, run: Statements["run"]) => Effect.Effect<A, LockBackendError, R>
-): Effect.Effect<A, LockBackendError, SqlClient.SqlClient | R> =>
-  Effect.flatMap(Make.resolveTables(table), (tables) => Effect.flatMap(Make.SqlClientTag, (sql) => use(tables, statements(sql).run)))
 
 /**
  * A `DistributedLock` and a `DistributedSemaphore` on lease rows, sharing one backend (its
@@ -272,26 +240,25 @@ export const layerConfig = (
   SqlClient.SqlClient
 > => DistributedSemaphore.layerBackend(Effect.flatMap(Config.unwrap(config), makeBackend))
 
+/** Which table (default `effect_lock_leases`) and which name (default every name) an inspection reads. */
+type Listing = { readonly table?: string | undefined; readonly name?: string | undefined }
+
 /**
- * A live lease as stored in the table.
+ * Which table an operator's change is made in, and the NOTIFY channel its waiters are woken on
+ * (default the table's own name).
+ */
+type Revoking = { readonly table?: string | undefined; readonly channel?: string | undefined }
+
+/** An inspection or operator statement on the caller's `SqlClient` (in its transaction, if any). */
+type Operation<A> = Effect.Effect<A, LockBackendError, SqlClient.SqlClient>
+
+/**
+ * A live lease as stored in the table (times are the server's, in ms since the epoch).
  *
  * @since 0.1.0
  * @category models
  */
-export interface StoredLease {
-  readonly name: string
-  /** `exclusive`, or `shared` (then the name may have several holders, each listed). */
-  readonly mode: LockMode
-  readonly token: FencingToken.FencingToken
-  /** Server time (ms since epoch) when the lease runs out unless renewed. */
-  readonly expiresAt: number
-  readonly acquiredAt: number
-  readonly application: string | null
-  readonly host: string | null
-  readonly pid: number | null
-  /** Server time (ms since epoch) since when the oldest live waiter has been waiting for it, if anyone. */
-  readonly waitingSince: number | null
-}
+export interface StoredLease extends Operator.StoredLease {}
 
 /**
  * The leases held right now across the cluster (all names, or one), read from the table: what
@@ -300,11 +267,7 @@ export interface StoredLease {
  * @since 0.1.0
  * @category inspection
  */
-export const holders = (
-  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
-): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
-  onTables(options?.table, (tables, run) =>
-    Effect.map(run<HolderRow>("holders", options?.name, Sql.holders(tables), [options?.name ?? null]), (rows) => rows.map(storedLease)))
+export const holders = (options?: Listing): Operation<ReadonlyArray<StoredLease>> => Operator.holders(Make.store, options)
 
 /**
  * The leases held right now across the cluster, with who holds each (application, host, pid),
@@ -315,23 +278,7 @@ export const holders = (
  * @since 0.1.0
  * @category inspection
  */
-export const listHolders = (
-  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
-): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
-  onTables(options?.table, (tables, run) =>
-    LeaseOptions.inspectHolders(
-      options?.name,
-      Effect.map(
-        run<{ present: boolean }>(
-          "inspect",
-          options?.name,
-          "select to_regclass($1::text) is not null and to_regclass($2::text) is not null as present",
-          [tables.leases.sql, tables.queue.sql]
-        ),
-        (rows) => rows[0]?.present === true
-      ),
-      holders(options)
-    )).pipe(Effect.withSpan("effect-lock.inspect", { attributes: { backend: "pg-lease" } }))
+export const listHolders = (options?: Listing): Operation<ReadonlyArray<StoredLease>> => Operator.listHolders(Make.store, options)
 
 /**
  * Takes the lock `name` away from whoever holds it and wakes waiters. The holder learns at its
@@ -341,19 +288,7 @@ export const listHolders = (
  * @since 0.1.0
  * @category combinators
  */
-export const revoke = (
-  name: string,
-  options?: { readonly table?: string | undefined; readonly channel?: string | undefined }
-): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
-  onTables(options?.table, (tables, run) =>
-    Effect.map(
-      run<{ revoked: boolean }>("revoke", name, Sql.revoke(tables), [
-        name,
-        options?.channel ?? tables.leases.relname,
-        Sql.RELEASED_PREFIX + name
-      ]),
-      (rows) => rows[0]?.revoked === true
-    ))
+export const revoke = (name: string, options?: Revoking): Operation<boolean> => Operator.revoke(Make.store, name, options)
 
 /**
  * A semaphore in use (held or waited for), as stored in the semaphore table: its limit, its live
@@ -363,7 +298,7 @@ export const revoke = (
  * @since 0.1.0
  * @category models
  */
-export interface StoredSemaphore extends LeaseOptions.StoredSemaphore {}
+export interface StoredSemaphore extends Operator.StoredSemaphore {}
 
 /**
  * The semaphores in use right now across the cluster (all names, or one), read from the
@@ -372,14 +307,7 @@ export interface StoredSemaphore extends LeaseOptions.StoredSemaphore {}
  * @since 0.1.0
  * @category inspection
  */
-export const semaphores = (
-  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
-): Effect.Effect<ReadonlyArray<StoredSemaphore>, LockBackendError, SqlClient.SqlClient> =>
-  onTables(options?.table, (tables, run) =>
-    Effect.map(
-      run<SemaphoreRow>("semaphores", options?.name, PermitSql.semaphores(tables), [options?.name ?? null]),
-      (rows) => rows.map(storedSemaphore)
-    ))
+export const semaphores = (options?: Listing): Operation<ReadonlyArray<StoredSemaphore>> => Operator.semaphores(Make.store, options)
 
 /**
  * Takes every permit of the semaphore `name` away from whoever holds them, and wakes the waiters
@@ -390,15 +318,7 @@ export const semaphores = (
  * @since 0.1.0
  * @category combinators
  */
-export const revokePermits = (
-  name: string,
-  options?: { readonly table?: string | undefined; readonly channel?: string | undefined }
-): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
-  onTables(options?.table, (tables, run) =>
-    Effect.map(
-      run<{ revoked: boolean }>("revoke", name, PermitSql.revoke(tables), [name, options?.channel ?? tables.leases.relname]),
-      (rows) => rows[0]?.revoked === true
-    ))
+export const revokePermits = (name: string, options?: Revoking): Operation<boolean> => Operator.revokePermits(Make.store, name, options)
 
 /**
  * The defaults, for documentation and tests.
@@ -406,14 +326,9 @@ export const revokePermits = (
  * @since 0.1.0
  * @category constants
  */
-export const defaults = {
-  ttl: Make.DEFAULT_TTL,
-  minTtl: MIN_TTL,
+export const defaults = LeaseOptions.defaults({
   pollInterval: Make.DEFAULT_POLL,
   listenCheckInterval: Make.DEFAULT_CHECK,
-  statementTimeout: Make.DEFAULT_STATEMENT_TIMEOUT,
   connections: Make.DEFAULT_CONNECTIONS,
-  renewConnections: RENEW_CONNECTIONS,
-  renewBatchSize: RENEW_BATCH_SIZE,
-  maxNameBytes: MAX_NAME_BYTES
-} as const
+  renewConnections: RENEW_CONNECTIONS
+})

@@ -87,26 +87,18 @@ import type * as SqlClient from "@effect/sql/SqlClient"
 import type { SqliteClient } from "@effect/sql-sqlite-node/SqliteClient"
 import * as Config from "effect/Config"
 import type * as ConfigError from "effect/ConfigError"
-import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
 import type * as Scope from "effect/Scope"
 import type * as DistributedLock from "./DistributedLock.js"
 import * as DistributedSemaphore from "./DistributedSemaphore.js"
-import * as FencingToken from "./FencingToken.js"
-import type { LockMode } from "./Lease.js"
 import type { LockAndSemaphoreBackend } from "./LockBackend.js"
-import { LockBackendError } from "./LockError.js"
+import type { LockBackendError } from "./LockError.js"
 import type * as Attempt from "./internal/lease/attempt.js"
-import * as LeaseOptions from "./internal/lease/inspect.js"
+import * as Operator from "./internal/lease/operator.js"
+import * as LeaseOptions from "./internal/lease/options.js"
 import type * as Permits from "./internal/lease/permits.js"
-import { MAX_NAME_BYTES, MIN_TTL } from "./internal/lease/engine.js"
-import { RENEW_BATCH_SIZE } from "./internal/lease/renew.js"
-import { type HolderRow, type SemaphoreRow, storedLease, storedSemaphore } from "./internal/lease/inspect.js"
-import { encode } from "./internal/lease/sqlite/lane.js"
 import * as Make from "./internal/lease/sqlite/make.js"
-import * as PermitSql from "./internal/lease/sqlite/permitSql.js"
-import * as Sql from "./internal/lease/sqlite/sql.js"
 
 /**
  * Options of the SQLite lease backend.
@@ -131,7 +123,8 @@ import * as Sql from "./internal/lease/sqlite/sql.js"
 export interface Options extends Make.Options {}
 
 /**
- * A lease row held by this process.
+ * A lease held by this process: its row in the database file's lease table (a shared holder's in
+ * the queue table), renewed by the backend.
  *
  * @since 0.1.0
  * @category models
@@ -139,7 +132,8 @@ export interface Options extends Make.Options {}
 export interface SqliteLeaseGrant extends Attempt.LeaseGrant {}
 
 /**
- * Permits of a semaphore held by this process: one holder entry of the semaphore's row.
+ * Permits of a semaphore held by this process: one holder entry (an element of a JSON array) of
+ * the semaphore's row.
  *
  * @since 0.1.0
  * @category models
@@ -147,12 +141,12 @@ export interface SqliteLeaseGrant extends Attempt.LeaseGrant {}
 export interface SqliteLeasePermitGrant extends Permits.PermitLeaseGrant {}
 
 /**
- * The default table name.
+ * The default table name, in the database file's main schema.
  *
  * @since 0.1.0
  * @category constants
  */
-export const DEFAULT_TABLE = Make.DEFAULT_TABLE
+export const DEFAULT_TABLE = LeaseOptions.DEFAULT_TABLE
 
 /**
  * The SQL that creates the tables and triggers, for applications that run their own migrations
@@ -164,11 +158,7 @@ export const DEFAULT_TABLE = Make.DEFAULT_TABLE
  * @since 0.1.0
  * @category migrations
  */
-export const migration = (table: string = DEFAULT_TABLE): string => {
-  const tables = Sql.parseTables(table)
-  if (typeof tables === "string") throw new TypeError(`SqliteLease.migration: ${tables}`)
-  return `${Sql.createTable(tables).join(";\n")};\n`
-}
+export const migration = (table: string = DEFAULT_TABLE): string => Make.migration(table)
 
 /**
  * Builds the backend (the SPI), for `DistributedLock.make` or for tests that wrap it: opens the
@@ -226,35 +216,22 @@ export const layerConfig = (
 ): Layer.Layer<Services, LockBackendError | ConfigError.ConfigError> =>
   DistributedSemaphore.layerBackend(Effect.flatMap(Config.unwrap(config), (options) => Make.makeBackend(options)))
 
+/** Which table (default `effect_lock_leases`) and which name (default every name) an inspection reads. */
+type Listing = { readonly table?: string | undefined; readonly name?: string | undefined }
+
+/** Which table an operator's change is made in. */
+type Revoking = { readonly table?: string | undefined }
+
+/** An inspection or operator statement on the caller's `SqlClient` (in its transaction, if any). */
+type Operation<A> = Effect.Effect<A, LockBackendError, SqlClient.SqlClient>
+
 /**
- * A live lease as stored in the table.
+ * A live lease as stored in the table (times are the database's, in ms since the epoch).
  *
  * @since 0.1.0
  * @category models
  */
-export interface StoredLease {
-  readonly name: string
-  /** `exclusive`, or `shared` (then the name may have several holders, each listed). */
-  readonly mode: LockMode
-  readonly token: FencingToken.FencingToken
-  /** Database time (ms since epoch) when the lease runs out unless renewed. */
-  readonly expiresAt: number
-  readonly acquiredAt: number
-  readonly application: string | null
-  readonly host: string | null
-  readonly pid: number | null
-  /** Database time (ms since epoch) since when the oldest live waiter has been waiting for it, if anyone. */
-  readonly waitingSince: number | null
-}
-
-/** @effect/sql's tag, referenced by key: no driver is loaded by this module. */
-const SqlClientTag = Context.GenericTag<SqlClient.SqlClient>("@effect/sql/SqlClient")
-
-const run = <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>) =>
-  Effect.flatMap(SqlClientTag, (sql) =>
-    sql.unsafe<A>(text, encode(params)).withoutTransform.pipe(
-        Effect.mapError((cause) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause }))
-      ))
+export interface StoredLease extends Operator.StoredLease {}
 
 /**
  * The leases held right now (all names, or one), read from the table with the caller's
@@ -263,14 +240,7 @@ const run = <A extends object>(operation: string, name: string | undefined, text
  * @since 0.1.0
  * @category inspection
  */
-export const holders = (
-  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
-): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const rows = yield* run<HolderRow>("holders", options?.name, Sql.holders(tables), [options?.name ?? null])
-    return rows.map(storedLease)
-  })
+export const holders = (options?: Listing): Operation<ReadonlyArray<StoredLease>> => Operator.holders(Make.store, options)
 
 /**
  * `holders` for inspection tools: a file without the tables yet holds no lease, so it gives an
@@ -279,18 +249,7 @@ export const holders = (
  * @since 0.1.0
  * @category inspection
  */
-export const listHolders = (
-  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
-): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError, SqlClient.SqlClient> =>
-  Effect.flatMap(Make.resolveTables(options?.table), (tables) =>
-    LeaseOptions.inspectHolders(
-      options?.name,
-      Effect.map(
-        run<{ present: number | bigint }>("inspect", options?.name, Sql.present(tables), []),
-        (rows) => Number(rows[0]?.present ?? 0) === 1
-      ),
-      holders(options)
-    )).pipe(Effect.withSpan("effect-lock.inspect", { attributes: { backend: "sqlite-lease" } }))
+export const listHolders = (options?: Listing): Operation<ReadonlyArray<StoredLease>> => Operator.listHolders(Make.store, options)
 
 /**
  * Takes the lock `name` away from whoever holds it. The holder learns at its next renewal (within
@@ -301,15 +260,7 @@ export const listHolders = (
  * @since 0.1.0
  * @category combinators
  */
-export const revoke = (
-  name: string,
-  options?: { readonly table?: string | undefined }
-): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const rows = yield* run<{ revoked: number | bigint }>("revoke", name, Sql.revoke(tables), [name])
-    return Number(rows[0]?.revoked ?? 0) === 1
-  })
+export const revoke = (name: string, options?: Revoking): Operation<boolean> => Operator.revoke(Make.store, name, options)
 
 /**
  * A semaphore in use (held or waited for), as stored in the semaphore table: its limit, its live
@@ -319,7 +270,7 @@ export const revoke = (
  * @since 0.1.0
  * @category models
  */
-export interface StoredSemaphore extends LeaseOptions.StoredSemaphore {}
+export interface StoredSemaphore extends Operator.StoredSemaphore {}
 
 /**
  * The semaphores in use right now (all names, or one), read from the semaphore table with the
@@ -328,14 +279,7 @@ export interface StoredSemaphore extends LeaseOptions.StoredSemaphore {}
  * @since 0.1.0
  * @category inspection
  */
-export const semaphores = (
-  options?: { readonly table?: string | undefined; readonly name?: string | undefined }
-): Effect.Effect<ReadonlyArray<StoredSemaphore>, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const rows = yield* run<SemaphoreRow>("semaphores", options?.name, PermitSql.semaphores(tables), [options?.name ?? null])
-    return rows.map(storedSemaphore)
-  })
+export const semaphores = (options?: Listing): Operation<ReadonlyArray<StoredSemaphore>> => Operator.semaphores(Make.store, options)
 
 /**
  * Takes every permit of the semaphore `name` away from whoever holds them. Holders learn at their
@@ -346,15 +290,7 @@ export const semaphores = (
  * @since 0.1.0
  * @category combinators
  */
-export const revokePermits = (
-  name: string,
-  options?: { readonly table?: string | undefined }
-): Effect.Effect<boolean, LockBackendError, SqlClient.SqlClient> =>
-  Effect.gen(function*() {
-    const tables = yield* Make.resolveTables(options?.table)
-    const rows = yield* run<{ revoked: number | bigint }>("revoke", name, PermitSql.revoke(tables), [name])
-    return Number(rows[0]?.revoked ?? 0) === 1
-  })
+export const revokePermits = (name: string, options?: Revoking): Operation<boolean> => Operator.revokePermits(Make.store, name, options)
 
 /**
  * The defaults, for documentation and tests.
@@ -362,12 +298,4 @@ export const revokePermits = (
  * @since 0.1.0
  * @category constants
  */
-export const defaults = {
-  ttl: Make.DEFAULT_TTL,
-  minTtl: MIN_TTL,
-  pollInterval: Make.DEFAULT_POLL,
-  busyTimeout: Make.DEFAULT_BUSY_TIMEOUT,
-  statementTimeout: Make.DEFAULT_STATEMENT_TIMEOUT,
-  renewBatchSize: RENEW_BATCH_SIZE,
-  maxNameBytes: MAX_NAME_BYTES
-} as const
+export const defaults = LeaseOptions.defaults({ pollInterval: Make.DEFAULT_POLL, busyTimeout: Make.DEFAULT_BUSY_TIMEOUT })

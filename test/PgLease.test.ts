@@ -1,13 +1,14 @@
 import { SqlClient } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
 import { describe, expect, it, layer } from "@effect/vitest"
-import { Clock, Config, ConfigProvider, Context, Deferred, Duration, Effect, ExecutionStrategy, Exit, Fiber, Layer, Option, Queue, Scope, Stream } from "effect"
+import { Clock, Config, ConfigProvider, Context, Deferred, Duration, Effect, ExecutionStrategy, Exit, Fiber, Layer, Option, Queue, Scope, Stream, TestClock, TestContext } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as FencingToken from "effect-lock/FencingToken"
 import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
 import { monotonicMillis } from "effect-lock/internal/core/clock"
 import type * as Lane from "effect-lock/internal/lease/pg/lane"
 import * as Wake from "effect-lock/internal/lease/pg/wake"
+import { makeWaiters } from "effect-lock/internal/lease/waiters"
 import * as Owner from "effect-lock/internal/runtime/owner"
 import * as PgLease from "effect-lock/PgLease"
 import * as ChildProcess from "node:child_process"
@@ -1049,6 +1050,23 @@ describe("PgLease wake-ups", () => {
       }
       expect(stranded).toBe(0)
     }), { timeout: 60_000 })
+
+  // TestContext given here: this file's `layer(…, { excludeTestServices: true })` has replaced `it.scoped`'s.
+  it.live("a waiter's wait is timed by the Clock: TestClock's time runs it out, and a wake-up ends it at once", () =>
+    Effect.gen(function*() {
+      const waiters = makeWaiters()
+      const subscription = yield* waiters.subscribe("x", "a", Effect.void)
+      const timed = yield* Effect.fork(subscription.wait(yield* subscription.mark, Duration.seconds(5)))
+      // TestClock.adjust first lets the forked wait reach its sleep.
+      yield* TestClock.adjust(Duration.millis(4_999))
+      expect(Option.isNone(yield* Fiber.poll(timed))).toBe(true)
+      // The rest of its delay on the TestClock, none in real time (a real-time timer would take 5 s).
+      yield* TestClock.adjust(Duration.millis(1))
+      expect(yield* Fiber.join(timed)).toBe(false)
+      const woken = yield* Effect.fork(subscription.wait(yield* subscription.mark, Duration.seconds(5)))
+      waiters.wakeWaiter("a")
+      expect(yield* Fiber.join(woken)).toBe(true)
+    }).pipe(Effect.scoped, Effect.provide(TestContext.TestContext)), { timeout: 3_000 })
 })
 
 // --- across OS processes ------------------------------------------------------------------------

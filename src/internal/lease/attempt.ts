@@ -1,7 +1,9 @@
 /**
- * One grant attempt of a lease backend: the acquire statement, run in a fiber of its own so that the
- * caller can stop waiting for it (interruption, deadline) without its outcome being lost — an
- * abandoned attempt gives back whatever it took, its waiting place included.
+ * One grant attempt of a lease backend: the dialect's acquire statement, run in a fiber of its
+ * own so that the caller can stop waiting for it (interruption, deadline) without its outcome
+ * being lost — an abandoned attempt gives back whatever it took, its waiting place included.
+ * Locks and semaphores attempt alike (`attempts`); each says what its request adds to the
+ * statement's input and what the answer means (`lockAttempts` here, `Permits.attempts`).
  */
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -15,19 +17,24 @@ import type { AcquireRequest, Grant } from "../../LockBackend.js"
 import type { LockBackendError } from "../../LockError.js"
 import { monotonicMillis } from "../core/clock.js"
 import { within } from "../runtime/stallSafe.js"
+import type { AttemptInput, LockAcquireAnswer, LockAcquireInput, Statement } from "./dialect.js"
 import type { GiveBack } from "./giveBack.js"
-import type { Lane } from "./lane.js"
+import * as Lane from "./lane.js"
 import type { Owner } from "../runtime/owner.js"
+
+/** What every lease grant of this process has, a lock's and a semaphore's alike; the token is the store's. */
+export interface Held extends Omit<Grant, "token"> {
+  readonly name: string
+  /** The random owner token of this acquisition, as stored in its row (or holder entry). */
+  readonly owner: string
+  readonly ttlMillis: number
+}
 
 /**
  * A lease held by this process.
  */
-export interface LeaseGrant extends Grant {
-  readonly name: string
-  /** The random owner token of this acquisition, as stored in its row. */
-  readonly owner: string
+export interface LeaseGrant extends Held, Grant {
   readonly mode: LockMode
-  readonly ttlMillis: number
 }
 
 /**
@@ -38,16 +45,29 @@ export interface LeaseGrant extends Grant {
  * request (a semaphore's `LimitMismatch`).
  */
 export type Outcome<G, X = never> =
-  | { readonly _tag: "Granted"; readonly grant: G }
+  | Granted<G>
   | Busy
   | { readonly _tag: "TimedOut" }
   | X
+
+export interface Granted<G> {
+  readonly _tag: "Granted"
+  readonly grant: G
+}
 
 /** Not granted; see `Outcome`. */
 export interface Busy {
   readonly _tag: "Busy"
   readonly wakeAt: number | undefined
   readonly tookMillis: number
+}
+
+/** What an answer says, before it is timed: granted, not granted (`wait`: ms from the store, null when unknown), or `X`. */
+export type Verdict<G, X> = Granted<G> | NotGranted | X
+
+interface NotGranted {
+  readonly _tag: "NotGranted"
+  readonly wait: number | null
 }
 
 export type Attempt = Outcome<LeaseGrant>
@@ -62,14 +82,20 @@ export interface AttemptSettings {
 }
 
 export interface AttemptDeps {
-  readonly lane: Lane
+  readonly lane: Lane.Lane
   readonly giveBack: GiveBack
   /** Creates the tables on first use (a no-op afterwards). */
   readonly ready: Effect.Effect<void, LockBackendError>
   /** Runs the statement fibers as the layer's work, never as the caller's. */
   readonly owner: Owner
-  /** The dialect's acquire statement. */
-  readonly text: string
+}
+
+/** How one kind of request attempts: its acquire statement, what the request adds to its input, what its answer means. */
+export interface AttemptSpec<Q extends AcquireRequest, I, A, G, X> {
+  readonly statement: Statement<AttemptInput & I, A>
+  readonly input: (request: Q) => I
+  /** `held`: the grant's common part, should the answer be a grant. */
+  readonly verdict: (answer: A, request: Q, held: Held) => Verdict<G, X>
 }
 
 /**
@@ -82,85 +108,73 @@ export type AttemptFn<Q extends AcquireRequest = AcquireRequest, G = LeaseGrant,
   first: boolean
 ) => Effect.Effect<Outcome<G, X>, LockBackendError>
 
-/**
- * The granting statement of one attempt: sends it for the grant's `owner` and the request's place
- * `waiter`, and says what its answer means. It runs in a fiber of its own (see `attempting`).
- */
-export type Statement<Q extends AcquireRequest, G, X> = (
-  request: Q,
-  owner: string,
-  waiter: string,
-  ttlMillis: number
-) => Effect.Effect<Exclude<Outcome<G, X>, { readonly _tag: "TimedOut" }>, LockBackendError>
-
 /** A not-granted answer: `wait` (ms, from the store) until something could change unannounced. */
-export const busy = (wait: number | null, sentAt: number): Effect.Effect<Busy> =>
+const busy = (wait: number | null, sentAt: number): Effect.Effect<Busy> =>
   Effect.map(monotonicMillis, (receivedAt) => ({
     _tag: "Busy",
     wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
     tookMillis: receivedAt - sentAt
   }))
 
-/** The lock's attempts: the dialect's acquire statement (see `leaseEngine` for its parameters). */
-export const make = (settings: AttemptSettings, deps: AttemptDeps): AttemptFn => {
-  const text = deps.text
-  const placeMillis = Duration.toMillis(PLACE_TTL)
-
-  const statement: Statement<AcquireRequest, LeaseGrant, never> = (request, owner, waiter, ttlMillis) =>
-    Effect.gen(function*() {
-      yield* deps.ready
-      const { rows, sentAt } = yield* deps.lane.run<{ token: string | null; wait: number | null }>(
-        "acquire",
-        request.name,
-        text,
-        [
-          request.name,
-          owner,
-          waiter,
-          request.mode,
-          ttlMillis,
-          placeMillis,
-          settings.application,
-          settings.host,
-          process.pid,
-          // Only a request that waits takes a place in the queue.
-          request.attempt === "wait"
-        ],
-        settings.statementTimeout
-      )
-      const row = rows[0]
-      if (row !== undefined && row.token !== null) {
-        const grant: LeaseGrant = {
-          name: request.name,
-          owner,
-          mode: request.mode,
-          ttlMillis,
-          token: FencingToken.make(BigInt(row.token)),
-          // Monotonic time before sending: the server's expiry is at least this plus the ttl, also
-          // when the answer comes late. The core compares it with the arrival to drop a late grant.
-          validUntil: Option.some(sentAt + ttlMillis),
-          release: deps.giveBack.release(request.name, owner)
-        }
-        yield* deps.lane.prepareRenewals
-        return { _tag: "Granted", grant } as const
-      }
-      return yield* busy(row?.wait ?? null, sentAt)
-    })
-
-  return attempting(settings, deps, statement)
-}
+/** The lock's attempts: the dialect's lock acquire statement. */
+export const lockAttempts = (
+  settings: AttemptSettings,
+  deps: AttemptDeps,
+  statement: Statement<LockAcquireInput, LockAcquireAnswer>
+): AttemptFn =>
+  attempts<AcquireRequest, { readonly mode: LockMode }, LockAcquireAnswer, LeaseGrant, never>(settings, deps, {
+    statement,
+    input: (request) => ({ mode: request.mode }),
+    verdict: (answer, request, held) =>
+      answer.token === null
+        ? { _tag: "NotGranted", wait: answer.wait }
+        : { _tag: "Granted", grant: { ...held, mode: request.mode, token: FencingToken.make(answer.token) } }
+  })
 
 /**
- * Attempts with `statement`, each in a fiber of the layer's own (`Owner`): the caller may
- * stop waiting for it (interrupted, past its deadline) without its outcome being lost — whatever
- * an attempt nobody reads may have taken (a grant, a waiting place) is given back by `giveBack`.
+ * Attempts by `spec`, each in a fiber of the layer's own (`Owner`): the caller may stop waiting
+ * for it (interrupted, past its deadline) without its outcome being lost — whatever an attempt
+ * nobody reads may have taken (a grant, a waiting place) is given back by `giveBack`.
  */
-export const attempting = <Q extends AcquireRequest, G, X>(
+export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly _tag: string }>(
   settings: AttemptSettings,
-  deps: Pick<AttemptDeps, "giveBack" | "owner">,
-  statement: Statement<Q, G, X>
+  deps: AttemptDeps,
+  spec: AttemptSpec<Q, I, A, G, X>
 ): AttemptFn<Q, G, X> => {
   const statementMillis = Duration.toMillis(settings.statementTimeout)
+  const placeMillis = Duration.toMillis(PLACE_TTL)
+
+  /** The statement, and what its answer means; run in a fiber of its own. */
+  const attempt = (request: Q, owner: string, waiter: string, ttlMillis: number) =>
+    Effect.gen(function*() {
+      yield* deps.ready
+      const { sentAt, value } = yield* Lane.send(deps.lane, request.name, spec.statement, {
+        ...spec.input(request),
+        name: request.name,
+        owner,
+        waiter,
+        ttlMillis,
+        placeMillis,
+        application: settings.application,
+        host: settings.host,
+        pid: process.pid,
+        // Only a request that waits takes a place in the queue.
+        takePlace: request.attempt === "wait"
+      }, settings.statementTimeout)
+      const verdict = spec.verdict(value, request, {
+        name: request.name,
+        owner,
+        ttlMillis,
+        // Monotonic time before sending: the store's expiry is at least this plus the ttl, also
+        // when the answer comes late. The core compares it with the arrival to drop a late grant.
+        validUntil: Option.some(sentAt + ttlMillis),
+        release: deps.giveBack.release(request.name, owner)
+      })
+      if (verdict._tag === "NotGranted") return yield* busy((verdict as NotGranted).wait, sentAt)
+      if (verdict._tag === "Granted") yield* deps.lane.prepareRenewals
+      return verdict as Granted<G> | X
+    })
+
   return (request, waiter, first) =>
     Effect.gen(function*() {
       // The deadline is on the monotonic timeline (the SPI's contract).
@@ -172,7 +186,7 @@ export const attempting = <Q extends AcquireRequest, G, X>(
       const ttlMillis = Duration.toMillis(request.ttl)
       // The layer's work, not the caller's: it outlives a caller that stops waiting, never joins
       // its transaction, and no stall watch of a body the caller runs in can cut it short.
-      const fiber = yield* deps.owner.fork(statement(request, owner, waiter, ttlMillis))
+      const fiber = yield* deps.owner.fork(attempt(request, owner, waiter, ttlMillis))
       const abandon = deps.giveBack.abandon(fiber, request.name, owner, waiter, ttlMillis)
       // Awaiting never interrupts the attempt. Its statement is bounded by the lane; only a
       // deadline nearer than that bound needs a timer of its own (stall-safe: an answer already

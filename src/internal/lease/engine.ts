@@ -2,28 +2,10 @@
  * The lease engine: lease rows in a SQL database, whatever the database. It is PgLease's and
  * SqliteLease's backend, assembled from its pieces — the lane its statements travel on, first-use
  * table creation, grant attempts and give-backs, renewal, and wake-ups for waiters — over a
- * `Dialect`: the SQL text of each operation (one statement per operation), what a failed table
- * creation means, and which of this process's waiters a give-back's answer names.
- *
- * What the engine relies on from a dialect's statements (their parameters are positional, the
- * same list on every database; a lane encodes what its driver cannot bind, e.g. arrays):
- * - `acquire` ($1 name, $2 owner of this attempt's grant, $3 waiter (the request's place), $4 mode,
- *   $5 ttl ms, $6 place ttl ms, $7 application, $8 host, $9 pid, $10 take a place): at most one
- *   row `{ token: string | null, wait: number | null }` — the token granted, else the ms until
- *   something could change without a wake-up (null when unknown). Grants go in arrival order.
- * - `release` (the dialect's `releaseParams`): owner-scoped give-back of a lease and/or a place;
- *   one row whose `released` counts the leases it freed.
- * - `renew` ($1 names, $2 owners, $3 tokens as text, $4 ttls ms, $5 modes; parallel arrays): one
- *   row `{ idx, outcome }` per lease, `renewed` | `stolen` | `expired` | `revoked`.
- * - `ensureTable`: idempotent DDL statements, run in order.
- * - `permits` (semaphores, `DistributedSemaphore`; see `leasePermits`): `acquire` ($1 name,
- *   $2 owner, $3 waiter, $4 limit, $5 permits, $6 ttl ms, $7 place ttl ms, $8 application,
- *   $9 host, $10 pid, $11 take a place) answers at most one row
- *   `{ token: string | null, current: number | null, wait: number | null }` — the first token
- *   granted, else the limit the name is in use with when it is not the request's, else the ms
- *   until something could change; `release` and `renew` as for locks (renew's `$3` carries each
- *   grant's first token); `ensureTable` creates the semaphore table on its first use.
- * Expiry is the database's clock only; a statement never runs inside the caller's transaction.
+ * `Dialect` (`lease/dialect`): each operation's typed statement (one statement per operation),
+ * what a failed table creation means, and which of this process's waiters a give-back's answer
+ * names. Expiry is the database's clock only; a statement never runs inside the caller's
+ * transaction.
  */
 import * as Exit from "effect/Exit"
 import * as Duration from "effect/Duration"
@@ -37,7 +19,8 @@ import type { LockBackendError } from "../../LockError.js"
 import { monotonicMillis } from "../core/clock.js"
 import * as Attempt from "./attempt.js"
 import * as GiveBack from "./giveBack.js"
-import type { Lane } from "./lane.js"
+import type { Dialect } from "./dialect.js"
+import * as Lane from "./lane.js"
 import type { Owner } from "../runtime/owner.js"
 import * as Permits from "./permits.js"
 import * as Renew from "./renew.js"
@@ -59,27 +42,6 @@ const PLACE_REFRESH_MILLIS = Duration.toMillis(Attempt.PLACE_TTL) * 0.3
 const FOLLOW_UP_FACTOR = 3
 const FOLLOW_UP_MIN_MILLIS = 5
 
-/** What differs between databases; see the module doc for what each statement must do. */
-export interface Dialect {
-  /** Short name for spans, metrics and `inspect` (`pg-lease`, `sqlite-lease`). */
-  readonly backend: string
-  readonly acquire: string
-  readonly release: string
-  readonly renew: string
-  /** Creates the tables if needed: idempotent statements, run in order. */
-  readonly ensureTable: ReadonlyArray<string>
-  /** The release statement's parameters: `owner`'s lease and/or `waiter`'s place of `name`. */
-  readonly releaseParams: (name: string, owner: string | null, waiter: string | null) => ReadonlyArray<unknown>
-  /** Ids of the places a release's answer found at the head (to wake in process), if it names them. */
-  readonly wokenBy: (rows: ReadonlyArray<object>) => ReadonlyArray<string>
-  /** A failed table creation worth another attempt (a concurrent creator won a race). */
-  readonly retryCreate: (error: LockBackendError) => boolean
-  /** Reads the database's wall clock: one row `{ now }`, milliseconds since the epoch. */
-  readonly now: string
-  /** The semaphores' statements, and the creation of their table (apart from the lock tables'). */
-  readonly permits: Permits.PermitDialect
-}
-
 export interface Settings extends Attempt.AttemptSettings {
   readonly defaultTtl: Duration.Duration
   readonly pollInterval: Duration.Duration
@@ -94,29 +56,26 @@ export interface Settings extends Attempt.AttemptSettings {
  * start while the database is down. `hub`: where waiters are woken from (undefined: they only poll).
  */
 export const make = (
-  lane: Lane,
+  lane: Lane.Lane,
   settings: Settings,
   dialect: Dialect,
   hub: WakeHub | undefined,
   owner: Owner
 ): Effect.Effect<LockAndSemaphoreBackend<Attempt.LeaseGrant, Permits.PermitLeaseGrant>, never, Scope.Scope> =>
   Effect.gen(function*() {
-    const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect, hub, owner)
-    const ready = yield* tableReadiness(lane, settings, dialect)
-    const attempt = Attempt.make(settings, { lane, giveBack, ready, owner, text: dialect.acquire })
-    const renew = Renew.make(lane, dialect.renew, settings.statementTimeout)
+    const { locks, permits } = dialect
+    const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, locks.release, hub, owner)
+    const ready = yield* tableReadiness(lane, settings, locks.ensureTable, dialect.retryCreate)
+    const attempt = Attempt.lockAttempts(settings, { lane, giveBack, ready, owner }, locks.acquire)
     const acquire = acquirer(settings, hub, attempt, giveBack, lockKey)
 
-    const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, dialect.permits, hub, owner)
+    const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, permits.release, hub, owner)
     // Created apart from the lock tables: locks never wait for (or need the privilege to create) it.
-    const permitReady = yield* tableReadiness(lane, settings, { ensureTable: dialect.permits.ensureTable, retryCreate: dialect.retryCreate })
-    const permitAttempt = Permits.attempt(settings, { lane, giveBack: permitGiveBack, ready: permitReady, owner, text: dialect.permits.acquire })
+    const permitReady = yield* tableReadiness(lane, settings, permits.ensureTable, dialect.retryCreate)
+    const permitAttempt = Permits.attempts(settings, { lane, giveBack: permitGiveBack, ready: permitReady, owner }, permits.acquire)
 
     // The clock every replica shares: schedules compare occurrence times on it.
-    const now = Effect.map(
-      owner.run(lane.run<{ now: number | string }>("now", undefined, dialect.now, [], settings.statementTimeout)),
-      ({ rows }) => Number(rows[0]?.now)
-    )
+    const now = Effect.map(owner.run(Lane.send(lane, undefined, dialect.now, undefined, settings.statementTimeout)), ({ value }) => value)
     return {
       backend: dialect.backend,
       maxNameBytes: MAX_NAME_BYTES,
@@ -124,7 +83,7 @@ export const make = (
       minTtl: MIN_TTL,
       renewBatchSize: Renew.RENEW_BATCH_SIZE,
       acquire,
-      renew,
+      renew: Renew.make(lane, locks.renew, settings.statementTimeout),
       now,
       semaphore: {
         backend: dialect.backend,
@@ -133,7 +92,7 @@ export const make = (
         minTtl: MIN_TTL,
         renewBatchSize: Renew.RENEW_BATCH_SIZE,
         acquire: acquirer(settings, hub, permitAttempt, permitGiveBack, semaphoreKey),
-        renew: Renew.make(lane, dialect.permits.renew, settings.statementTimeout)
+        renew: Renew.make(lane, permits.renew, settings.statementTimeout)
       }
     }
   })
@@ -215,18 +174,19 @@ const isGranted = (result: { readonly _tag: string }): boolean => result._tag ==
 
 /** Creates the tables once per backend, on first use; a failure is retried by the next acquire. */
 const tableReadiness = (
-  lane: Lane,
+  lane: Lane.Lane,
   settings: Settings,
-  dialect: Pick<Dialect, "ensureTable" | "retryCreate">
+  ensureTable: Dialect["locks"]["ensureTable"],
+  retryCreate: Dialect["retryCreate"]
 ): Effect.Effect<Effect.Effect<void, LockBackendError>> =>
   Effect.gen(function*() {
     let ready = !settings.createTable
     const lock = yield* Effect.makeSemaphore(1)
     const create = Effect.forEach(
-      dialect.ensureTable,
-      (text) =>
-        lane.run("create-table", undefined, text, [], settings.statementTimeout).pipe(
-          Effect.retry({ times: CREATE_ATTEMPTS - 1, while: dialect.retryCreate })
+      ensureTable,
+      (statement) =>
+        Lane.send(lane, undefined, statement, undefined, settings.statementTimeout).pipe(
+          Effect.retry({ times: CREATE_ATTEMPTS - 1, while: retryCreate })
         ),
       { discard: true }
     ).pipe(

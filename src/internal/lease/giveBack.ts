@@ -20,7 +20,8 @@ import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import type { LockBackendError } from "../../LockError.js"
 import { monotonicMillis, sleepMillis } from "../core/clock.js"
-import type { Lane } from "./lane.js"
+import type { ReleaseAnswer, ReleaseInput, Statement } from "./dialect.js"
+import * as Lane from "./lane.js"
 import type { WakeHub } from "./waiters.js"
 import * as Owner from "../runtime/owner.js"
 import { sqliteCodeOf, sqlStateOf } from "../sql/state.js"
@@ -33,13 +34,6 @@ const SHUTDOWN_GIVE_BACK = Duration.seconds(3)
 /** Spacing of an abandoned attempt's repeated give-backs: from the first to the longest. */
 const ABANDON_FIRST_SPACING_MS = 50
 const ABANDON_MAX_SPACING_MS = 1_000
-
-/** What giving back needs of the dialect. */
-export interface GiveBackDialect {
-  readonly release: string
-  readonly releaseParams: (name: string, owner: string | null, waiter: string | null) => ReadonlyArray<unknown>
-  readonly wokenBy: (rows: ReadonlyArray<object>) => ReadonlyArray<string>
-}
 
 export interface GiveBack {
   /** The holder's release: retried, at most `statementTimeout` in all. */
@@ -60,19 +54,19 @@ export interface GiveBack {
 }
 
 export const make = (
-  lane: Lane,
+  lane: Lane.Lane,
   statementTimeout: Duration.Duration,
-  dialect: GiveBackDialect,
+  statement: Statement<ReleaseInput, ReleaseAnswer>,
   hub: WakeHub | undefined,
   owner: Owner.Owner
 ): Effect.Effect<GiveBack, never, Scope.Scope> =>
   Effect.gen(function*() {
     /** One give-back statement; true when it freed a lease. */
     const giveBack = (name: string, grantOwner: string | null, waiter: string | null, bound = statementTimeout) =>
-      lane.run<{ released?: unknown }>("release", name, dialect.release, dialect.releaseParams(name, grantOwner, waiter), bound).pipe(
+      Lane.send(lane, name, statement, { name, owner: grantOwner, waiter }, bound).pipe(
         // Waiters of this process that the release found at the head are woken without a round trip.
-        Effect.tap(({ rows }) => hub === undefined ? Effect.void : Effect.sync(() => hub.wake(dialect.wokenBy(rows)))),
-        Effect.map(({ rows }) => Number(rows[0]?.released ?? 0) > 0)
+        Effect.tap(({ value }) => hub === undefined ? Effect.void : Effect.sync(() => hub.wake(value.wake))),
+        Effect.map(({ value }) => value.released)
       )
 
     // Background give-backs are awaited (bounded) when the layer closes: cut short, they would

@@ -3,10 +3,14 @@
  * application's pool; SqliteLease's own connection), as the lease engine sees it: a lock
  * statement, a renewal statement, and optionally a way to listen for wake-ups. Each lane keeps
  * its statements from queueing behind the application's, and renewals behind anything.
+ *
+ * A lane carries text and driver parameters as they are; a dialect's typed statements travel on
+ * it through `send` and `sendRenewal`, which encode their input and decode their answer.
  */
 import type * as Duration from "effect/Duration"
-import type * as Effect from "effect/Effect"
+import * as Effect from "effect/Effect"
 import type { LockBackendError } from "../../LockError.js"
+import type { Row, Statement } from "./dialect.js"
 
 /** Rows of a statement, with the monotonic time (ms) just before it was sent. */
 export interface Sent<A> {
@@ -38,3 +42,33 @@ export interface Lane {
   /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
   readonly prepareRenewals: Effect.Effect<void>
 }
+
+/** A typed answer, with the monotonic time (ms) just before its statement was sent. */
+export interface Answer<O> {
+  readonly value: O
+  readonly sentAt: number
+}
+
+const answer = <O>(statement: Statement<never, O>) => ({ rows, sentAt }: Sent<Row>): Answer<O> => ({
+  value: statement.decode(rows),
+  sentAt
+})
+
+/** Sends `statement` with `input` as a lock statement (about the lock `name`, for errors). */
+export const send = <I, O>(
+  lane: Lane,
+  name: string | undefined,
+  statement: Statement<I, O>,
+  input: I,
+  bound: Duration.Duration
+): Effect.Effect<Answer<O>, LockBackendError> =>
+  Effect.suspend(() => Effect.map(lane.run<Row>(statement.operation, name, statement.text, statement.encode(input), bound), answer(statement)))
+
+/** Sends `statement` with `input` on the renewal connections. */
+export const sendRenewal = <I, O>(
+  lane: Lane,
+  statement: Statement<I, O>,
+  input: I,
+  bound: Duration.Duration
+): Effect.Effect<Answer<O>, LockBackendError> =>
+  Effect.suspend(() => Effect.map(lane.renew<Row>(statement.text, statement.encode(input), bound), answer(statement)))

@@ -2,11 +2,14 @@
  * The waiters of one lease backend in this process, and how they are woken: each waiter is
  * subscribed under its lock name and its place in the queue (an id), and a wake-up names either
  * (a release names the waiters now at the head; a revoke names the lock). Where wake-ups come
- * from is the hub's business: PostgreSQL's LISTEN connection (`pgLeaseWake`), or this process's
+ * from is the hub's business: PostgreSQL's LISTEN connection (`pg/wake`), or this process's
  * own give-backs (`SqliteLease`, whose waiters of other processes poll).
  */
-import * as Duration from "effect/Duration"
+import * as Deferred from "effect/Deferred"
+import type * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as FiberId from "effect/FiberId"
 import type * as Scope from "effect/Scope"
 
 /** What a waiter holds while it waits for one name. */
@@ -88,23 +91,19 @@ export const makeWaiters = (): Waiters => {
         })
     ).pipe(Effect.map((waiter): Subscription => ({
       mark: Effect.sync(() => waiter.wakes),
-      // A timer and a callback in one step, not two racing fibers: this is on every handoff's path.
+      // Clock-driven (TestClock can drive it); a wake-up completes the signal from any callback, in one step.
       wait: (mark, delay) =>
-        Effect.async<boolean>((resume) => {
-          if (waiter.wakes !== mark) return resume(Effect.succeed(true))
-          const timer = setTimeout(() => {
-            if (waiter.resume === woken) waiter.resume = undefined
-            resume(Effect.succeed(false))
-          }, Duration.toMillis(delay))
-          const woken = () => {
-            clearTimeout(timer)
-            resume(Effect.succeed(true))
-          }
+        Effect.suspend(() => {
+          if (waiter.wakes !== mark) return Effect.succeed(true)
+          const signal = Deferred.unsafeMake<void>(FiberId.none)
+          const woken = () => Deferred.unsafeDone(signal, Exit.void)
           waiter.resume = woken
-          return Effect.sync(() => {
-            clearTimeout(timer)
-            if (waiter.resume === woken) waiter.resume = undefined
-          })
+          return Deferred.await(signal).pipe(
+            Effect.timeoutTo({ duration: delay, onSuccess: () => true, onTimeout: () => false }),
+            Effect.ensuring(Effect.sync(() => {
+              if (waiter.resume === woken) waiter.resume = undefined
+            }))
+          )
         })
     })))
 

@@ -77,18 +77,13 @@ export const clientConfig = (config: PgClientConfig, applicationName: string, co
 const statementError = (operation: string, name: string | undefined, bound: Duration.Duration) => (cause: unknown) =>
   cause instanceof Driver.StatementTimeout ? timedOut(operation, name, bound)() : failed(operation, name)(cause)
 
-const statementOn = <A extends object>(
-  pool: Driver.Pool,
-  operation: string,
-  name: string | undefined,
-  text: string,
-  params: ReadonlyArray<unknown>,
-  bound: Duration.Duration
-): Effect.Effect<Sent<A>, LockBackendError> =>
+/** A statement on a connection of `pool`. */
+const statementOn = (pool: Driver.Pool): Lane["run"] => (operation, name, text, params, bound) =>
   // Taken before waiting for a connection: earlier than the send, so never later than the server's now().
   Effect.flatMap(monotonicMillis, (sentAt) =>
-    pool.statement<A>(text, params, Duration.toMillis(bound)).pipe(
-      Effect.map((rows): Sent<A> => ({ rows, sentAt })),
+    // Rows of whatever shape the caller reads them as (`never` fits every `A`).
+    pool.statement<never>(text, params, Duration.toMillis(bound)).pipe(
+      Effect.map((rows) => ({ rows, sentAt })),
       Effect.mapError(statementError(operation, name, bound))
     ))
 
@@ -135,8 +130,8 @@ export const own = (
     const renewals = yield* ownPool(driver, config, RENEW_CONNECTIONS)
     return {
       kind: "own",
-      run: (operation, name, text, params, bound) => statementOn(lock, operation, name, text, params, bound),
-      renew: (text, params, bound) => statementOn(renewals, "renew", undefined, text, params, bound),
+      run: statementOn(lock),
+      renew: (text, params, bound) => statementOn(renewals)("renew", undefined, text, params, bound),
       listen: listenOn(driver, config, listenBound),
       // Own renewal connections open on demand, in a few ms, whatever the application does.
       prepareRenewals: Effect.void,

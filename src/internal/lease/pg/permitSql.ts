@@ -1,6 +1,6 @@
 /**
  * The SQL of PgLease's semaphores (`DistributedSemaphore`): one autocommit statement per
- * operation, the server's `now()` only, like the lock statements beside them (`pgLeaseSql`).
+ * operation, the server's `now()` only, like the lock statements beside them (`pg/sql`).
  *
  * **One row per semaphore name** in the semaphore table (`<table>_sem`, created with the lease
  * table): `permit_limit`, the fencing counter `token` (last token handed out; rows are never

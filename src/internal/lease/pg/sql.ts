@@ -20,24 +20,21 @@
  * queue behind a waiting exclusive one.
  */
 import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "../../sql/tables.js"
+import type { LeaseTables } from "../dialect.js"
+import { notRenewed, takeOver } from "../leaseSql.js"
 
 export { parseTable, type TableRef }
 
 /** The queue table's name: the lease table's with this suffix, in the same schema. */
 const QUEUE_SUFFIX = "_queue"
 /**
- * The semaphore table's name (`DistributedSemaphore`, see `pgLeasePermitSql`): the lease table's
+ * The semaphore table's name (`DistributedSemaphore`, see `pg/permitSql`): the lease table's
  * with this suffix, in the same schema. Shorter than the queue's, so it adds no length limit.
  */
 const SEM_SUFFIX = "_sem"
 
-/** The tables of one lease table name. */
-export interface Tables {
-  readonly leases: TableRef
-  readonly queue: TableRef
-  /** One row per semaphore name: its limit, token counter, holders and waiters. */
-  readonly sem: TableRef
-}
+/** The tables of one lease table name: PostgreSQL's are those of every database. */
+export type Tables = LeaseTables
 
 /** The tables from a validated lease table (whose name leaves room for the suffixes). */
 export const tablesOf = (table: Tables | TableRef): Tables => {
@@ -119,7 +116,7 @@ create table if not exists ${queue.sql} (
 );
 create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq)`
 
-/** The semaphore table (`pgLeasePermitSql`): one row per semaphore name. */
+/** The semaphore table (`pg/permitSql`): one row per semaphore name. */
 const createSemTableSql = ({ sem }: Tables): string =>
   `create table if not exists ${sem.sql} (
   name text primary key,
@@ -210,17 +207,7 @@ const acquireSql = ({ leases, queue }: Tables): string =>
   insert into ${leases.sql} as l (name, owner, token, expires_at, acquired_at, holder_application, holder_host, holder_pid)
   select $1::text, $2::uuid, 1, now() + ${ms("$5")}, now(), $7::text, $8::text, $9::integer
   from free where $4::text = 'exclusive'
-  on conflict (name) do update
-    set owner = excluded.owner,
-        token = l.token + 1,
-        expires_at = excluded.expires_at,
-        acquired_at = excluded.acquired_at,
-        holder_application = excluded.holder_application,
-        holder_host = excluded.holder_host,
-        holder_pid = excluded.holder_pid,
-        shared_count = 0,
-        shared_until = null,
-        shared_since = null
+  ${takeOver("l.token + 1")}
     where (l.owner is null or l.expires_at <= now()) and (l.shared_until is null or l.shared_until <= now())
   returning l.token
 ), shared as (
@@ -306,12 +293,7 @@ const renewSql = ({ leases, queue }: Tables): string =>
 select i.idx::integer as idx,
   case
     when r.owner is not null or rs.owner is not null then 'renewed'
-    when h.name is null then 'revoked'
-    when h.owner is not null and h.owner <> i.owner and h.token > i.token then 'stolen'
-    when i.mode = 'exclusive' and h.owner = i.owner then 'expired'
-    when i.mode = 'exclusive' and h.token > i.token then 'stolen'
-    when i.mode = 'shared' and exists (select 1 from ${queue.sql} q where q.owner = i.owner and q.token is not null) then 'expired'
-    else 'revoked'
+    ${notRenewed(queue, "    ")}
   end as outcome
 from input i
 left join renewed r on r.name = i.name and r.owner = i.owner
@@ -405,6 +387,9 @@ select l.name, l.mode, l.token::text as token,
    where w.name = l.name and w.token is null and w.expires_at > now()) as waiting
 from live l
 order by l.name, l.token`
+
+/** Whether the lease and queue tables exist. Parameters: $1 the lease table, $2 the queue table (quoted SQL names). */
+export const present = "select to_regclass($1::text) is not null and to_regclass($2::text) is not null as present"
 
 /** A wake-up sent through the lock lane, to check that the LISTEN connection still hears. */
 export const ping = "select pg_notify($1::text, $2::text)"

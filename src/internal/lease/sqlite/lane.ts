@@ -28,7 +28,7 @@ import * as Random from "effect/Random"
 import type * as Scope from "effect/Scope"
 import { LockBackendError } from "../../../LockError.js"
 import { monotonicMillis } from "../../core/clock.js"
-import type { Lane, Sent } from "../lane.js"
+import type { Lane } from "../lane.js"
 import { sqliteCodeOf } from "../../sql/state.js"
 
 /** Pause between tries of a statement that found the write lock taken: half of it to all of it. */
@@ -62,21 +62,6 @@ export const load: Effect.Effect<Modules, LockBackendError> = Effect.tryPromise(
 /** Another connection holds the lock this statement needs: worth another try. */
 const isBusy = (code: string | undefined) =>
   code !== undefined && (code.startsWith("SQLITE_BUSY") || code.startsWith("SQLITE_LOCKED"))
-
-/**
- * Parameters as better-sqlite3 binds them: numbered `?1 …` placeholders take ONE object keyed by
- * number (an array would be refused as "too many parameters"); booleans become 0/1 and arrays
- * JSON text (SQLite has neither). sql-sqlite-node hands the parameters to the driver as they are,
- * so the object travels as the statement's single parameter.
- */
-export const encode = (params: ReadonlyArray<unknown>): ReadonlyArray<unknown> => {
-  if (params.length === 0) return []
-  const named: Record<string, unknown> = {}
-  params.forEach((param, i) => {
-    named[String(i + 1)] = typeof param === "boolean" ? (param ? 1 : 0) : Array.isArray(param) ? JSON.stringify(param) : param
-  })
-  return [named]
-}
 
 const failed = (operation: string, name: string | undefined, cause: unknown) =>
   new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause })
@@ -121,21 +106,16 @@ export const own = (filename: string, busyTimeout: Duration.Duration): Effect.Ef
       return yield* openError(filename, new Error(`the database is in journal mode "${String(mode?.["journal_mode"])}", not WAL`))
     }
 
-    const statement = <A extends object>(
-      operation: string,
-      name: string | undefined,
-      text: string,
-      params: ReadonlyArray<unknown>,
-      bound: Duration.Duration
-    ): Effect.Effect<Sent<A>, LockBackendError> =>
+    // Parameters go to the driver as the dialect encoded them (`sqlite/dialect`).
+    const run: Lane["run"] = (operation, name, text, params, bound) =>
       Effect.gen(function*() {
-        const encoded = encode(params)
         const deadline = (yield* monotonicMillis) + Duration.toMillis(bound)
         while (true) {
           // Taken before each try: the database's clock is read inside the call, so later than this.
           const sentAt = yield* monotonicMillis
           // Run as the layer's work (attempts, give-backs, renewals): never on a caller's transaction.
-          const result = yield* Effect.either(client.unsafe<A>(text, encoded).withoutTransform)
+          // Rows of whatever shape the caller reads them as (`never` fits every `A`).
+          const result = yield* Effect.either(client.unsafe<never>(text, params).withoutTransform)
           if (result._tag === "Right") return { rows: result.right, sentAt }
           if (!isBusy(sqliteCodeOf(result.left))) return yield* failed(operation, name, result.left)
           const left = deadline - (yield* monotonicMillis)
@@ -157,8 +137,8 @@ export const own = (filename: string, busyTimeout: Duration.Duration): Effect.Ef
     return {
       kind: "own",
       client,
-      run: statement,
-      renew: (text, params, bound) => statement("renew", undefined, text, params, bound),
+      run,
+      renew: (text, params, bound) => run("renew", undefined, text, params, bound),
       listen: undefined,
       prepareRenewals: Effect.void
     }

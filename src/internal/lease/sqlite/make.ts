@@ -12,130 +12,93 @@ import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import * as Os from "node:os"
 import type { LockAndSemaphoreBackend } from "../../../LockBackend.js"
-import { LockBackendError } from "../../../LockError.js"
+import type { LockBackendError } from "../../../LockError.js"
 import type { LeaseGrant } from "../attempt.js"
-import type { PermitLeaseGrant } from "../permits.js"
 import * as Engine from "../engine.js"
-import type { Lane } from "../lane.js"
-import * as LeaseOptions from "../inspect.js"
-import * as Lanes from "./lane.js"
-import * as PermitSql from "./permitSql.js"
+import * as Lanes from "../lane.js"
+import * as LeaseOptions from "../options.js"
+import type * as Operator from "../operator.js"
+import type { PermitLeaseGrant } from "../permits.js"
+import * as Dialect from "./dialect.js"
+import * as Lane from "./lane.js"
+import * as Schema from "./schema.js"
 import * as Sql from "./sql.js"
 import { TIMER } from "../../core/validate.js"
 import * as Wake from "./wake.js"
 import * as Owner from "../../runtime/owner.js"
 
 /** The options of `SqliteLease.layer`; documented there. */
-export interface Options {
+export interface Options extends LeaseOptions.CommonOptions {
   readonly filename?: string | undefined
-  readonly table?: string | undefined
-  readonly ttl?: Duration.DurationInput | undefined
-  readonly pollInterval?: Duration.DurationInput | undefined
   readonly busyTimeout?: Duration.DurationInput | undefined
-  readonly statementTimeout?: Duration.DurationInput | undefined
-  readonly createTable?: boolean | undefined
-  readonly applicationName?: string | undefined
 }
 
-export const DEFAULT_TABLE = "effect_lock_leases"
-export const DEFAULT_TTL = Duration.seconds(30)
 export const DEFAULT_POLL = Duration.millis(50)
 export const DEFAULT_BUSY_TIMEOUT = Duration.millis(50)
-export const DEFAULT_STATEMENT_TIMEOUT = Duration.seconds(5)
-const DEFAULT_APPLICATION = "effect-lock"
 /** Unused by SQLite's hub (never trusted); the engine's long re-check interval. */
 const CHECK_INTERVAL = Duration.seconds(5)
 
 /** sql-sqlite-node's tag, referenced by key: this module needs no driver at run time. */
 const SqliteClientTag = Context.GenericTag<SqliteClient>("@effect/sql-sqlite-node/SqliteClient")
 
-export const configError = LeaseOptions.configError("SqliteLease")
+export const options = LeaseOptions.resolver("SqliteLease", Schema.parseTables)
 
-/** The validated tables (default when absent), or the configuration error that names the problem. */
-export const resolveTables = (table: string | undefined): Effect.Effect<Sql.Tables, LockBackendError> => {
-  const parsed = Sql.parseTables(table ?? DEFAULT_TABLE)
-  return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
-}
+/** `SqliteLease.migration`: the tables and triggers, statement by statement. */
+export const migration = LeaseOptions.migration("SqliteLease", Schema.parseTables, Sql.createTable)
 
-const duration = LeaseOptions.durationOf(configError)
+/** The store the operator functions (`SqliteLease.holders` …) work on. */
+export const store: Operator.Store<Schema.Tables> = { backend: "sqlite-lease", resolveTables: options.resolveTables, statements: Dialect.operator }
 
 /** The database file: the option, else the application's `SqliteClient`'s (never an in-memory one). */
 const resolveFilename = (filename: string | undefined): Effect.Effect<string, LockBackendError> =>
   Effect.gen(function*() {
     if (filename !== undefined) {
-      if (typeof filename !== "string" || filename.length === 0) return yield* configError("filename must be a non-empty string")
+      if (typeof filename !== "string" || filename.length === 0) return yield* options.configError("filename must be a non-empty string")
     }
     const client = yield* Effect.serviceOption(SqliteClientTag)
     const file = filename ?? Option.getOrUndefined(Option.map(client, (c) => c.config.filename))
     if (file === undefined) {
-      return yield* configError("give a filename, or provide a SqliteClient (its database file is then used)")
+      return yield* options.configError("give a filename, or provide a SqliteClient (its database file is then used)")
     }
     if (file === ":memory:" || file === "" || file.startsWith("file::memory:")) {
-      return yield* configError(
+      return yield* options.configError(
         `an in-memory database ("${file}") is private to one connection; give SqliteLease the file the processes share`
       )
     }
     return file
   })
 
-/** The statements and error handling of SQLite. */
-export const dialect = (tables: Sql.Tables): Engine.Dialect => ({
-  backend: "sqlite-lease",
-  acquire: Sql.acquire(tables),
-  release: Sql.release(tables),
-  renew: Sql.renew(tables),
-  ensureTable: Sql.createTable(tables),
-  releaseParams: (name, owner, waiter) => [name, owner, waiter],
-  wokenBy: Wake.headsOf,
-  // Creation statements serialize on the write lock and are idempotent; the lane retries a busy database.
-  retryCreate: () => false,
-  now: "select unixepoch('subsec') * 1000.0 as now",
-  permits: {
-    acquire: PermitSql.acquire(tables),
-    release: PermitSql.release(tables),
-    renew: PermitSql.renew(tables),
-    // Created at build with the others (`createTable`).
-    ensureTable: [],
-    releaseParams: (name, owner, waiter) => [name, owner, waiter],
-    // The release answers the waiters now at the head; this process wakes its own.
-    wokenBy: Wake.headsOf
-  }
-})
-
 export const makeBackend = (
-  options?: Options,
-  wrapLane: (lane: Lane) => Lane = identity
+  input?: Options,
+  wrapLane: (lane: Lanes.Lane) => Lanes.Lane = identity
 ): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
-    const tables = yield* resolveTables(options?.table)
-    const statementTimeout = yield* duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER)
+    const tables = yield* options.resolveTables(input?.table)
+    const statementTimeout = yield* options.statementTimeout(input)
     // Zero is SQLite's "never wait for the write lock": each try fails at once and is retried
     // asynchronously. The cap keeps it within busy_timeout's C int of milliseconds.
-    const busyTimeout = yield* duration("busyTimeout", options?.busyTimeout, DEFAULT_BUSY_TIMEOUT, { ...TIMER, allowZero: true })
-    const pollInterval = yield* duration("pollInterval", options?.pollInterval, DEFAULT_POLL, TIMER)
-    // A positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here.
-    const ttl = yield* duration("ttl", options?.ttl, DEFAULT_TTL)
+    const busyTimeout = yield* options.duration("busyTimeout", input?.busyTimeout, DEFAULT_BUSY_TIMEOUT, { ...TIMER, allowZero: true })
+    const pollInterval = yield* options.duration("pollInterval", input?.pollInterval, DEFAULT_POLL, TIMER)
+    const ttl = yield* options.ttl(input)
     if (Duration.greaterThanOrEqualTo(busyTimeout, statementTimeout)) {
-      return yield* configError(
+      return yield* options.configError(
         `busyTimeout (${Duration.format(busyTimeout)}) must be shorter than statementTimeout (${Duration.format(statementTimeout)})`
       )
     }
-    const application = options?.applicationName ?? DEFAULT_APPLICATION
-    const filename = yield* resolveFilename(options?.filename)
+    const application = input?.applicationName ?? LeaseOptions.DEFAULT_APPLICATION
+    const filename = yield* resolveFilename(input?.filename)
     // First: its fibers (give-backs, attempts) are stopped only after everything else has closed.
     const owner = yield* Owner.make
-    const own = yield* Lanes.own(filename, busyTimeout)
-    const createTable = options?.createTable !== false
-    const sqlite = dialect(tables)
-    if (createTable) {
+    const own = yield* Lane.own(filename, busyTimeout)
+    const sqlite = Dialect.dialect(tables)
+    if (input?.createTable !== false) {
       // At build, not first use: the file is local, and a file that cannot be written is then a
       // layer error rather than the first acquire's.
-      yield* Effect.forEach(sqlite.ensureTable, (text) => own.run("create-table", undefined, text, [], statementTimeout), {
+      yield* Effect.forEach(sqlite.locks.ensureTable, (statement) => Lanes.send(own, undefined, statement, undefined, statementTimeout), {
         discard: true
-      }).pipe(Effect.mapError((error) => Lanes.openError(filename, error.cause)))
+      }).pipe(Effect.mapError((error) => Lane.openError(filename, error.cause)))
     }
-    const lane = wrapLane(own)
-    return yield* Engine.make(lane, {
+    return yield* Engine.make(wrapLane(own), {
       application,
       host: Os.hostname(),
       statementTimeout,

@@ -1,6 +1,6 @@
 /**
  * The SQL of SqliteLease's semaphores (`DistributedSemaphore`): PgLease's semaphore table and
- * statements (`pgLeasePermitSql`) in SQLite's dialect — one row per semaphore name in
+ * statements (`pg/permitSql`) in SQLite's dialect — one row per semaphore name in
  * `<table>_sem` with its `permit_limit`, fencing counter `token`, `revoked` bound, and `holders`
  * and `waiters` as JSON arrays (the same entries as on PostgreSQL; times are the database's, in
  * whole milliseconds since the epoch).
@@ -15,13 +15,10 @@
  * after every live waiter ahead of it has taken its own; a newcomer is behind every waiter.
  *
  * Parameters are numbered (`?1` …) in the engine's order; arrays arrive as JSON text and booleans
- * as 0/1 (the lane encodes them).
+ * as 0/1 (the dialect, `sqlite/dialect`, encodes them).
  */
-import type { Tables } from "./sql.js"
+import { NEVER, NOW, RENEW_INPUT, type Tables, trigger } from "./schema.js"
 
-/** The database's time in whole milliseconds since the epoch (the same instant throughout a statement). */
-const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
-const NEVER = "9223372036854775807"
 /** Bumped when the trigger's text changes: a new version's trigger is created beside the old. */
 const TRIGGER_VERSION = "v1"
 
@@ -147,14 +144,7 @@ returning 1 as released, ${heads} as woken`
 export const renew = ({ sem, op }: Tables): string =>
   `with n as (
   select ${NOW} as now
-), input as materialized (
-  select cast(a.key as integer) as idx, a.value as name,
-    json_extract(?2, '$[' || a.key || ']') as owner,
-    cast(json_extract(?3, '$[' || a.key || ']') as integer) as token,
-    json_extract(?4, '$[' || a.key || ']') as ttl,
-    json_extract(?5, '$[' || a.key || ']') as mode
-  from json_each(?1) a
-), decided as materialized (
+), ${RENEW_INPUT}, decided as materialized (
   select i.idx, i.name, i.owner, i.ttl, n.now,
     case
       when exists (select 1 from json_each(s.holders) j where ${field("j.value", "owner")} = i.owner and ${
@@ -179,7 +169,7 @@ returning idx, outcome`
 /** The trigger carrying out a renewal's outcomes (see `renew`). */
 export const renewTrigger = (tables: Tables): string => {
   const { sem, op } = tables
-  return `create trigger if not exists "${tables.prefix}_sem_renew_${TRIGGER_VERSION}" after insert on ${op.sql}
+  return `create trigger if not exists ${trigger(tables, "sem_renew", TRIGGER_VERSION)} after insert on ${op.sql}
 when new.kind = 'sem-renew'
 begin
   update ${sem.sql} set holders = (

@@ -1,5 +1,5 @@
 /**
- * The SQL of the SqliteLease backend: the lease engine's statements (see `leaseEngine`) in
+ * The SQL of the SqliteLease backend: the lease engine's statements (see `lease/dialect`) in
  * SQLite's dialect, over the same two tables as PgLease — the lease table, one row per lock name
  * (holder, fencing counter, shared count and bound), and its queue table (a row per waiting
  * request, its place in arrival order, and a row per shared holder).
@@ -22,52 +22,17 @@
  * every use within one statement and its triggers. The client's clock never reaches the tables.
  *
  * Parameters are numbered (`?1` …), in the engine's order; arrays arrive as JSON text and
- * booleans as 0/1 (the lane encodes them).
+ * booleans as 0/1 (the dialect, `sqlite/dialect`, encodes them).
  */
+import { notRenewed, takeOver } from "../leaseSql.js"
 import * as Permits from "./permitSql.js"
-import { parseTable, type TableRef } from "../../sql/tables.js"
+import { NEVER, NOW, quote, RENEW_INPUT, type Tables, trigger as triggerOf } from "./schema.js"
 
-/** The tables of one lease table name (plain identifiers: SQLite's `schema.` means an attached file). */
-export interface Tables {
-  readonly leases: TableRef
-  readonly queue: TableRef
-  /** The operations table: always empty between statements. */
-  readonly op: TableRef
-  /** One row per semaphore name (`DistributedSemaphore`, see `sqliteLeasePermitSql`). */
-  readonly sem: TableRef
-  /** Prefix of the triggers' and index's names. */
-  readonly prefix: string
-}
+export { parseTables, type Tables } from "./schema.js"
 
-const QUEUE_SUFFIX = "_queue"
-const OP_SUFFIX = "_op"
-const SEM_SUFFIX = "_sem"
 /** Bumped when a trigger's text changes: a new version's triggers are created beside, the old dropped. */
 const TRIGGER_VERSION = "v1"
-
-/** The tables for a user-given name, or why it is refused. */
-export const parseTables = (input: string): Tables | string => {
-  if (typeof input === "string" && input.includes(".")) {
-    return `"${input}" names a schema; SqliteLease takes a plain table name (its file is the database)`
-  }
-  const leases = parseTable(input)
-  if (typeof leases === "string") return leases
-  const queue = parseTable(`${leases.text}${QUEUE_SUFFIX}`)
-  const op = parseTable(`${leases.text}${OP_SUFFIX}`)
-  const sem = parseTable(`${leases.text}${SEM_SUFFIX}`)
-  if (typeof queue === "string") return queue
-  if (typeof op === "string") return op
-  if (typeof sem === "string") return sem
-  return { leases, queue, op, sem, prefix: leases.relname }
-}
-
-const quote = (identifier: string) => `"${identifier}"`
-const trigger = (tables: Tables, kind: string) => quote(`${tables.prefix}_${kind}_${TRIGGER_VERSION}`)
-
-/** The database's time in whole milliseconds since the epoch. */
-const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
-/** Larger than any time or sequence number: the neutral value of `min` (SQLite's `min(a, null)` is null). */
-const NEVER = "9223372036854775807"
+const trigger = (tables: Tables, kind: string) => triggerOf(tables, kind, TRIGGER_VERSION)
 
 /**
  * The tables, the queue's index, the operations table and its triggers: idempotent statements,
@@ -188,17 +153,7 @@ begin
   insert into ${leases.sql} (name, owner, token, expires_at, acquired_at, holder_application, holder_host, holder_pid)
   select new.name, new.owner, new.token, new.now + new.ttl, new.now, new.application, new.host, new.pid
   where new.token is not null and new.mode = 'exclusive'
-  on conflict (name) do update
-    set owner = excluded.owner,
-        token = excluded.token,
-        expires_at = excluded.expires_at,
-        acquired_at = excluded.acquired_at,
-        holder_application = excluded.holder_application,
-        holder_host = excluded.holder_host,
-        holder_pid = excluded.holder_pid,
-        shared_count = 0,
-        shared_until = null,
-        shared_since = null;
+  ${takeOver("excluded.token")};
   insert into ${leases.sql} (name, token, shared_count, shared_until, shared_since)
   select new.name, new.token, 1, new.now + new.ttl, new.token
   where new.token is not null and new.mode = 'shared'
@@ -301,26 +256,14 @@ end`
 export const renew = ({ leases, queue, op }: Tables): string =>
   `with n as (
   select ${NOW} as now
-), input as materialized (
-  select cast(a.key as integer) as idx, a.value as name,
-    json_extract(?2, '$[' || a.key || ']') as owner,
-    cast(json_extract(?3, '$[' || a.key || ']') as integer) as token,
-    json_extract(?4, '$[' || a.key || ']') as ttl,
-    json_extract(?5, '$[' || a.key || ']') as mode
-  from json_each(?1) a
-), decided as materialized (
+), ${RENEW_INPUT}, decided as materialized (
   select i.idx, i.name, i.owner, i.ttl, i.mode, n.now,
     case
       when i.mode = 'exclusive' and h.owner = i.owner and h.expires_at > n.now then 'renewed'
       when i.mode = 'shared' and (h.owner is null or h.expires_at <= n.now) and h.shared_count > 0 and exists (
         select 1 from ${queue.sql} q where q.owner = i.owner and q.name = i.name and q.token is not null and q.expires_at > n.now)
         then 'renewed'
-      when h.name is null then 'revoked'
-      when h.owner is not null and h.owner <> i.owner and h.token > i.token then 'stolen'
-      when i.mode = 'exclusive' and h.owner = i.owner then 'expired'
-      when i.mode = 'exclusive' and h.token > i.token then 'stolen'
-      when i.mode = 'shared' and exists (select 1 from ${queue.sql} q where q.owner = i.owner and q.token is not null) then 'expired'
-      else 'revoked'
+      ${notRenewed(queue, "      ")}
     end as outcome
   from input i cross join n left join ${leases.sql} h on h.name = i.name
 )

@@ -1,8 +1,8 @@
 /**
  * Wake-ups for SqliteLease waiters. SQLite has no notifications, so only this process's own
  * give-backs can wake at once: a release (or a waiter leaving its place) returns the waiters it
- * found at the head of the queue, and those of this process are woken without waiting for their
- * next poll. Waiters of other processes poll (`pollInterval`, jittered), so the hub never claims
+ * found at the head of the queue (`sqlite/dialect` reads them), and those of this process are
+ * woken without waiting for their next poll. Waiters of other processes poll (`pollInterval`, jittered), so the hub never claims
  * to be trusted: every waiter keeps polling.
  */
 import * as Effect from "effect/Effect"
@@ -17,12 +17,4 @@ export const make = (): WakeHub => {
       for (const id of ids) waiters.wakeWaiter(id)
     }
   }
-}
-
-/** The waiter ids of a release's answer (`woken`: a JSON array of the heads). */
-export const headsOf = (rows: ReadonlyArray<object>): ReadonlyArray<string> => {
-  const woken = (rows[0] as { readonly woken?: unknown } | undefined)?.woken
-  if (typeof woken !== "string" || woken === "[]") return []
-  const parsed: unknown = JSON.parse(woken)
-  return Array.isArray(parsed) ? parsed.filter((id): id is string => typeof id === "string") : []
 }

@@ -1,0 +1,217 @@
+/**
+ * The seam between the lease engine and a database: a `Dialect` is a record of typed statements
+ * (`Statement<I, O>`: the SQL text of one operation, how its typed input becomes the driver's
+ * parameters, how the rows it answers become a typed result), one statement per operation.
+ * PostgreSQL's is `lease/pg/dialect`, SQLite's `lease/sqlite/dialect`.
+ *
+ * The parameters are positional and in the same order on every database (`params` below); a
+ * dialect encodes them as its driver binds them (SQLite: numbered, booleans as 0/1, arrays as
+ * JSON text) and may append its own (PostgreSQL: the NOTIFY channel). The answers' columns are
+ * the same on every database too, so the decoders here serve both. Expiry is the database's
+ * clock only; a statement never runs inside the caller's transaction (the operator statements
+ * excepted: they are ordinary statements of the caller's `SqlClient`).
+ */
+import type { LockMode } from "../../Lease.js"
+import type { LockBackendError } from "../../LockError.js"
+import type { TableRef } from "../sql/tables.js"
+import type { StoredLease, StoredSemaphore } from "./stored.js"
+import { storedLease, storedSemaphore } from "./stored.js"
+
+/** The tables of one lease table name, on every database (a dialect may add its own). */
+export interface LeaseTables {
+  /** One row per lock name: its holder, its fencing counter, its shared holders' count and bound. */
+  readonly leases: TableRef
+  /** A row per waiting request (its place, in arrival order) and per shared holder. */
+  readonly queue: TableRef
+  /** One row per semaphore name: its limit, token counter, holders and waiters. */
+  readonly sem: TableRef
+}
+
+/** A row as a driver answers it. */
+export type Row = Readonly<Record<string, unknown>>
+
+/** One operation's statement: its text, its parameters from `I`, its answer as `O`. */
+export interface Statement<I, O> {
+  /** Names the operation in `LockBackendError { operation }`. */
+  readonly operation: string
+  readonly text: string
+  readonly encode: (input: I) => ReadonlyArray<unknown>
+  readonly decode: (rows: ReadonlyArray<Row>) => O
+}
+
+/** What every grant attempt sends, a lock's and a semaphore's alike. */
+export interface AttemptInput {
+  readonly name: string
+  /** The owner of this attempt's grant: a random uuid per attempt. */
+  readonly owner: string
+  /** The request's place in the queue, kept across its attempts. */
+  readonly waiter: string
+  readonly ttlMillis: number
+  /** How long a place lasts unless its waiter retries. */
+  readonly placeMillis: number
+  readonly application: string
+  readonly host: string
+  readonly pid: number
+  /** Whether the request takes (or keeps) a place when not granted: only a request that waits. */
+  readonly takePlace: boolean
+}
+
+export interface LockAcquireInput extends AttemptInput {
+  readonly mode: LockMode
+}
+
+/**
+ * A lock attempt's answer: the token granted, else (`token` null) the ms until something could
+ * change without a wake-up (the holder's lease or a waiter's place ahead running out; null when
+ * unknown). Grants go in arrival order.
+ */
+export interface LockAcquireAnswer {
+  readonly token: bigint | null
+  readonly wait: number | null
+}
+
+export interface PermitAcquireInput extends AttemptInput {
+  readonly limit: number
+  readonly permits: number
+}
+
+/**
+ * A permit attempt's answer: the first of the grant's `permits` consecutive tokens; else the
+ * limit the name is in use with when it is not the request's (`current`); else `wait` as for locks.
+ */
+export interface PermitAcquireAnswer extends LockAcquireAnswer {
+  readonly current: number | null
+}
+
+/** An owner-scoped give-back: `owner`'s lease and/or `waiter`'s place of `name`. */
+export interface ReleaseInput {
+  readonly name: string
+  readonly owner: string | null
+  readonly waiter: string | null
+}
+
+export interface ReleaseAnswer {
+  /** Whether it freed a lease (or a semaphore's holder entry). */
+  readonly released: boolean
+  /** Places it found at the head, to wake in this process (none where the statement notifies itself). */
+  readonly wake: ReadonlyArray<string>
+}
+
+/** What renewal sends of a grant (a semaphore's permits have no mode; its token is its first). */
+export interface RenewInput {
+  readonly name: string
+  readonly owner: string
+  readonly token: bigint
+  readonly mode?: LockMode | undefined
+  readonly ttlMillis: number
+}
+
+/** What became of one lease of a renewal batch. */
+export type RenewAnswer = "renewed" | "stolen" | "expired" | "revoked"
+
+/** The statements of one kind of grant (locks, or a semaphore's permits). */
+export interface GrantStatements<I, A> {
+  readonly acquire: Statement<I, A>
+  readonly release: Statement<ReleaseInput, ReleaseAnswer>
+  /** A whole batch in one statement; answers in batch order. */
+  readonly renew: Statement<ReadonlyArray<RenewInput>, ReadonlyArray<RenewAnswer>>
+  /** Creates the tables if needed: idempotent statements, run in order on first use. */
+  readonly ensureTable: ReadonlyArray<Statement<void, void>>
+}
+
+/** The operator and inspection statements, run on the caller's `SqlClient`. */
+export interface OperatorStatements {
+  /** The live leases, of every name or of `name`. */
+  readonly holders: Statement<{ readonly name: string | null }, ReadonlyArray<StoredLease>>
+  /** Whether the lease tables exist (a missing table holds no lease). */
+  readonly present: Statement<void, boolean>
+  /** Frees a lock whoever holds it; whether a lease was held. */
+  readonly revoke: Statement<{ readonly name: string }, boolean>
+  /** The semaphores in use, of every name or of `name`. */
+  readonly semaphores: Statement<{ readonly name: string | null }, ReadonlyArray<StoredSemaphore>>
+  /** Takes every permit of a semaphore away; whether a permit was held. */
+  readonly revokePermits: Statement<{ readonly name: string }, boolean>
+}
+
+/** What differs between databases. */
+export interface Dialect {
+  /** Short name for spans, metrics and `inspect` (`pg-lease`, `sqlite-lease`). */
+  readonly backend: string
+  readonly locks: GrantStatements<LockAcquireInput, LockAcquireAnswer>
+  /** Semaphores (`DistributedSemaphore`): their table is created apart from the lock tables. */
+  readonly permits: GrantStatements<PermitAcquireInput, PermitAcquireAnswer>
+  readonly operator: OperatorStatements
+  /** The database's wall clock, ms since the epoch. */
+  readonly now: Statement<void, number>
+  /** A failed table creation worth another attempt (a concurrent creator won a race). */
+  readonly retryCreate: (error: LockBackendError) => boolean
+}
+
+/** An attempt's parameters around the request's own: who asks, then for how long and who it is. */
+const asking = (i: AttemptInput) => [i.name, i.owner, i.waiter]
+const holding = (i: AttemptInput) => [i.ttlMillis, i.placeMillis, i.application, i.host, i.pid, i.takePlace]
+
+/** The positional parameters, the same list on every database. */
+export const params = {
+  /** $1 name, $2 owner, $3 waiter, $4 mode, $5 ttl ms, $6 place ttl ms, $7 application, $8 host, $9 pid, $10 take a place. */
+  lockAcquire: (i: LockAcquireInput): ReadonlyArray<unknown> => [...asking(i), i.mode, ...holding(i)],
+  /** $1 name, $2 owner, $3 waiter, $4 limit, $5 permits, $6 ttl ms, $7 place ttl ms, $8 application, $9 host, $10 pid, $11 take a place. */
+  permitAcquire: (i: PermitAcquireInput): ReadonlyArray<unknown> => [...asking(i), i.limit, i.permits, ...holding(i)],
+  /** $1 name, $2 owner (or null), $3 waiter (or null). */
+  release: (i: ReleaseInput): ReadonlyArray<unknown> => [i.name, i.owner, i.waiter],
+  /** Parallel arrays: $1 names, $2 owners, $3 tokens as text, $4 ttls ms, $5 modes (null for permits). */
+  renew: (grants: ReadonlyArray<RenewInput>): ReadonlyArray<unknown> => [
+    grants.map((g) => g.name),
+    grants.map((g) => g.owner),
+    grants.map((g) => g.token.toString()),
+    grants.map((g) => g.ttlMillis),
+    grants.map((g) => g.mode ?? null)
+  ],
+  /** $1 name, or null for every name. */
+  named: (i: { readonly name: string | null }): ReadonlyArray<unknown> => [i.name],
+  none: (): ReadonlyArray<unknown> => []
+} as const
+
+const first = (rows: ReadonlyArray<Row>): Row | undefined => rows[0]
+const bigintOrNull = (value: unknown): bigint | null => (value === null || value === undefined ? null : BigInt(value as string))
+const numberOrNull = (value: unknown): number | null => (value === null || value === undefined ? null : Number(value))
+
+/** A true flag column of the first row: PostgreSQL's boolean, SQLite's 1; false without a row. */
+const flag = (column: string) => (rows: ReadonlyArray<Row>): boolean => {
+  const value = first(rows)?.[column]
+  return value === true || (typeof value !== "boolean" && Number(value ?? 0) === 1)
+}
+
+/** The answers' decoders, the same on every database (their columns are). */
+export const decode = {
+  lockAcquire: (rows: ReadonlyArray<Row>): LockAcquireAnswer => ({
+    token: bigintOrNull(first(rows)?.["token"]),
+    wait: numberOrNull(first(rows)?.["wait"])
+  }),
+  permitAcquire: (rows: ReadonlyArray<Row>): PermitAcquireAnswer => ({
+    token: bigintOrNull(first(rows)?.["token"]),
+    current: numberOrNull(first(rows)?.["current"]),
+    wait: numberOrNull(first(rows)?.["wait"])
+  }),
+  /** `wake`: the places to wake in process, read from the answer (a dialect that notifies reads none). */
+  release: (wake: (rows: ReadonlyArray<Row>) => ReadonlyArray<string>) => (rows: ReadonlyArray<Row>): ReleaseAnswer => ({
+    released: Number(first(rows)?.["released"] ?? 0) > 0,
+    wake: wake(rows)
+  }),
+  /** In batch order, whatever order the database returned them in. */
+  renew: (rows: ReadonlyArray<Row>): ReadonlyArray<RenewAnswer> =>
+    [...rows].sort((a, b) => Number(a["idx"]) - Number(b["idx"])).map((row) => renewAnswer(row["outcome"])),
+  holders: (rows: ReadonlyArray<Row>): ReadonlyArray<StoredLease> => rows.map(storedLease),
+  semaphores: (rows: ReadonlyArray<Row>): ReadonlyArray<StoredSemaphore> => rows.map(storedSemaphore),
+  present: flag("present"),
+  revoked: flag("revoked"),
+  now: (rows: ReadonlyArray<Row>): number => Number(first(rows)?.["now"]),
+  nothing: (): void => undefined
+} as const
+
+const renewAnswer = (outcome: unknown): RenewAnswer =>
+  outcome === "renewed" || outcome === "stolen" || outcome === "expired" ? outcome : "revoked"
+
+/** Idempotent DDL texts as statements, run in order. */
+export const ddl = (texts: ReadonlyArray<string>, encode: (params: ReadonlyArray<unknown>) => ReadonlyArray<unknown>) =>
+  texts.map((text): Statement<void, void> => ({ operation: "create-table", text, encode: () => encode([]), decode: decode.nothing }))

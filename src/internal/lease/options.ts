@@ -1,0 +1,84 @@
+/**
+ * The options PgLease and SqliteLease share, resolved once for both: their defaults, the
+ * configuration errors that name the backend and the option, the tables from a user-given name,
+ * and the `defaults` record each public module shows.
+ */
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import { LockBackendError } from "../../LockError.js"
+import { durationOption, type DurationRules, TIMER } from "../core/validate.js"
+import { MAX_NAME_BYTES, MIN_TTL } from "./engine.js"
+import { RENEW_BATCH_SIZE } from "./renew.js"
+
+/** The options of both lease stores (documented on `PgLease.Options` and `SqliteLease.Options`). */
+export interface CommonOptions {
+  readonly table?: string | undefined
+  readonly ttl?: Duration.DurationInput | undefined
+  readonly pollInterval?: Duration.DurationInput | undefined
+  readonly statementTimeout?: Duration.DurationInput | undefined
+  readonly createTable?: boolean | undefined
+  readonly applicationName?: string | undefined
+}
+
+export const DEFAULT_TABLE = "effect_lock_leases"
+export const DEFAULT_TTL = Duration.seconds(30)
+export const DEFAULT_STATEMENT_TIMEOUT = Duration.seconds(5)
+export const DEFAULT_APPLICATION = "effect-lock"
+
+/** How one lease store (`PgLease`, `SqliteLease`) reads its options. */
+export interface Resolver<T> {
+  /** A configuration error of this store, saying what is wrong. */
+  readonly configError: (reason: string) => LockBackendError
+  /** The validated tables (default when absent), or the configuration error that names the problem. */
+  readonly resolveTables: (table: string | undefined) => Effect.Effect<T, LockBackendError>
+  /** A duration option, refused at build (naming it) when it is not one the store can run on. */
+  readonly duration: (
+    option: string,
+    input: Duration.DurationInput | undefined,
+    fallback: Duration.Duration,
+    rules?: DurationRules
+  ) => Effect.Effect<Duration.Duration, LockBackendError>
+  /** `statementTimeout`, a bound on timers like every interval option. */
+  readonly statementTimeout: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
+  /** `ttl`: a positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here. */
+  readonly ttl: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
+}
+
+/** The resolver of the store `backend` (its name in errors), whose tables `parseTables` reads. */
+export const resolver = <T>(backend: string, parseTables: (input: string) => T | string): Resolver<T> => {
+  const configError = (reason: string) => new LockBackendError({ operation: "configure", cause: new Error(`${backend}: ${reason}`) })
+  const duration: Resolver<T>["duration"] = (option, input, fallback, rules) =>
+    Either.mapLeft(durationOption(option, input, fallback, rules), configError)
+  return {
+    configError,
+    resolveTables: (table) => {
+      const parsed = parseTables(table ?? DEFAULT_TABLE)
+      return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
+    },
+    duration,
+    statementTimeout: (options) => duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER),
+    ttl: (options) => duration("ttl", options?.ttl, DEFAULT_TTL)
+  }
+}
+
+/**
+ * A store's `migration`: the idempotent statements `ddl` creates `table`'s tables with, each ended
+ * by `;` on its own line. Throws on an invalid identifier (a programming error).
+ */
+export const migration = <T>(backend: string, parseTables: (input: string) => T | string, ddl: (tables: T) => ReadonlyArray<string>) =>
+(table: string): string => {
+  const tables = parseTables(table)
+  if (typeof tables === "string") throw new TypeError(`${backend}.migration: ${tables}`)
+  return `${ddl(tables).join(";\n")};\n`
+}
+
+/** A store's `defaults`: what every lease store has, around its own (`own`, in the order shown). */
+export const defaults = <const Own extends object>(own: Own) => ({
+  ttl: DEFAULT_TTL,
+  minTtl: MIN_TTL,
+  ...own,
+  statementTimeout: DEFAULT_STATEMENT_TIMEOUT,
+  renewBatchSize: RENEW_BATCH_SIZE,
+  maxNameBytes: MAX_NAME_BYTES
+} as const)
