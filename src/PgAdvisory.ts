@@ -15,7 +15,6 @@
  */
 import type * as SqlClient from "@effect/sql/SqlClient"
 import type { PgClient } from "@effect/sql-pg/PgClient"
-import type { ConnectionOptions } from "node:tls"
 import type { SqlError } from "@effect/sql/SqlError"
 import * as Context from "effect/Context"
 import * as Config from "effect/Config"
@@ -25,7 +24,6 @@ import * as Effect from "effect/Effect"
 import { dual } from "effect/Function"
 import type * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
-import * as Redacted from "effect/Redacted"
 import type * as Scope from "effect/Scope"
 import type * as DistributedLock from "./DistributedLock.js"
 import * as DistributedSemaphore from "./DistributedSemaphore.js"
@@ -69,23 +67,7 @@ import { decodeDuration, validateMode, validateName } from "./internal/core/vali
  * @since 0.1.0
  * @category models
  */
-export interface Options {
-  readonly url?: string | Redacted.Redacted<string> | undefined
-  readonly host?: string | undefined
-  readonly port?: number | undefined
-  readonly database?: string | undefined
-  readonly user?: string | undefined
-  readonly password?: optionsOf.Password | undefined
-  readonly ssl?: boolean | ConnectionOptions | undefined
-  readonly maxSessions?: number | undefined
-  readonly applicationName?: string | undefined
-  readonly namespace?: string | undefined
-  readonly fencingTable?: string | undefined
-  readonly createTables?: boolean | undefined
-  readonly connectTimeout?: Duration.DurationInput | undefined
-  readonly heartbeatInterval?: Duration.DurationInput | undefined
-  readonly heartbeatTimeout?: Duration.DurationInput | undefined
-}
+export interface Options extends optionsOf.ConnectionFields {}
 
 /**
  * The `SqlClient` tag, referenced by its key so that importing this module (or `effect-lock`)
@@ -118,12 +100,16 @@ export const makeBackend = (
  * sessions this layer owns (at most `maxSessions` for both). Needs nothing else; fails to build
  * with `UnsafeConnectionPooling` behind a transaction-mode pooler.
  *
- * Semaphores here: permits are taken all or none in one statement with their fencing tokens;
- * a waiter is woken by a release notification (or, for a holder that crashed and notified
- * nobody, by a re-try about once a second); waiters are served in no particular order, and
- * each release makes every waiter of the name try again. A limit is at most 1024 (each held
- * permit is an entry of the server's shared lock table). The fencing table keeps each
- * semaphore's limit (`permit_limit` column, added to an older table on first use unless
+ * Semaphores here: permits are taken all or none in one statement with their fencing tokens.
+ * Waiters are served first in, first out across processes, as on every other backend: a request
+ * is granted only when the free permits cover it and every waiter ahead of it, so a big request
+ * is not overtaken by smaller ones behind it and a `tryAcquire` never overtakes a waiter. A
+ * release wakes only the head waiters that now fit (by a notification naming them, in other
+ * processes); a waiter whose session died loses its place, and a holder that crashed (and
+ * notified nobody) is noticed by a re-try about once a second; a waiter that times out or is
+ * interrupted gives its place up at once. A limit is at most 1024 (each held permit is an entry
+ * of the server's shared lock table). The fencing table keeps each semaphore's limit and waiter
+ * queue (`permit_limit` and `permit_queue` columns, added to an older table on first use unless
  * `createTables` is `false`; see `migration`). Needs PostgreSQL 12 or later.
  *
  * @since 0.1.0
@@ -171,9 +157,9 @@ export const layerFromPgClient = (
 
 /**
  * The fencing table's DDL, for roles that may not run DDL at run time (`createTables: false`):
- * run it once in your migrations. Idempotent: it also adds the semaphores' `permit_limit`
- * column to a fencing table made before semaphores. `fencingTable` as for `layer`; an invalid
- * name throws.
+ * run it once in your migrations. Idempotent: it also adds the semaphores' `permit_limit` and
+ * `permit_queue` columns to a fencing table made before semaphores or their queue. `fencingTable`
+ * as for `layer`; an invalid name throws.
  *
  * @since 0.1.0
  * @category layers
@@ -181,7 +167,7 @@ export const layerFromPgClient = (
 export const migration = (settings?: { readonly fencingTable?: string | undefined }): string => {
   const table = parseTable(settings?.fencingTable ?? optionsOf.DEFAULT_FENCING_TABLE)
   if (typeof table === "string") throw new RangeError(`fencingTable: ${table}`)
-  return `${internal.fencingTableSql(table)};\n${internal.permitLimitColumnSql(table)};`
+  return `${internal.fencingTableSql(table)};\n${internal.permitColumnsSql(table)};`
 }
 
 /**

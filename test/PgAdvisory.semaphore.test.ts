@@ -40,6 +40,29 @@ const nodeWithoutFallback = (applicationName: string) =>
     )
   )
 
+/** Permit attempt statements each application name sent (the library's own driver, observed). */
+const attemptsSent = new Map<string, number>()
+class AttemptCounter extends pg.Client {
+  override query(...args: Array<any>): any {
+    const text: unknown = typeof args[0] === "string" ? args[0] : args[0]?.text
+    // The attempt statement is the one that decides a request's verdict.
+    if (typeof text === "string" && text.includes(" as verdict ")) {
+      const app = String((this as unknown as { connectionParameters: { application_name?: string } }).connectionParameters.application_name)
+      attemptsSent.set(app, (attemptsSent.get(app) ?? 0) + 1)
+    }
+    return (super.query as any)(...args)
+  }
+}
+
+/** `nodeWithoutFallback` whose attempt statements are counted in `attemptsSent`. */
+const countedNode = (applicationName: string) =>
+  Layer.build(
+    DistributedSemaphore.layerBackend(
+      Effect.flatMap(optionsOf.resolve({ url: db.url, applicationName }), (options) =>
+        engine.makeWith({ ...options, permitRetryMillis: 60_000 }, { ...pg, Client: AttemptCounter } as unknown as typeof pg))
+    )
+  )
+
 const semaphoreOf = (services: Services) => Context.get(services, DistributedSemaphore.DistributedSemaphore)
 const lockOf = (services: Services) => Context.get(services, DistributedLock.DistributedLock)
 
@@ -90,6 +113,19 @@ const registered = (applicationName: string, name: string) => {
     (rows) => rows.some((row) => row.key === interest && row.granted)
   )
 }
+
+/** The waiters in the fencing row's queue of the semaphore `name`, first come first: waiter key and permits. */
+const queueOf = (name: string): Effect.Effect<ReadonlyArray<{ readonly key: bigint; readonly permits: number }>> =>
+  Effect.promise(() =>
+    withClient(db.url, async (client) => {
+      const result = await client.query<{ k: string; p: number }>(
+        `select q.e->>'k' as k, (q.e->>'p')::int as p from effect_lock_fencing f,
+           jsonb_array_elements(f.permit_queue) with ordinality as q(e, pos) where f.key = $1::bigint order by q.pos`,
+        [permitKeysOf(name, "").keyText]
+      )
+      return result.rows.map((row) => ({ key: BigInt(row.k), permits: row.p }))
+    })
+  )
 
 /** Slot keys of `name` that `applicationName` holds. */
 const slotsHeld = (applicationName: string, name: string, limit: number) => {
@@ -298,9 +334,13 @@ describe("DistributedSemaphore on PgAdvisory", () => {
       yield* Effect.promise(() => outside.query("select pg_advisory_lock($1::bigint)", [slotKeyOf(keys, 0).toString()]))
       const [w, c] = [semaphoreOf(yield* node("sem-waiter-w")), semaphoreOf(yield* node("sem-waiter-c"))]
       const waiter = yield* Effect.fork(Effect.scoped(w.acquire(name, { limit: 1 })))
-      const rows = yield* registered("sem-waiter-w", name)
-      // Registered: its marker and interest, nothing else (no slot).
-      expect(rows.map((row) => row.key).sort()).toEqual([markerKeyOf(keys, 1), BigInt(keys.interestKey)].sort())
+      yield* registered("sem-waiter-w", name)
+      // Its place in the fencing row's queue: its own waiter key, for 1 permit.
+      const queue = yield* eventually(`"${name}" has a waiter in its queue`, queueOf(name), (entries) => entries.length === 1)
+      expect(queue[0]!.permits).toBe(1)
+      // Registered: its marker, interest and waiter key, nothing else (no slot).
+      const rows = yield* locksOf("sem-waiter-w")
+      expect(rows.map((row) => row.key).sort()).toEqual([markerKeyOf(keys, 1), BigInt(keys.interestKey), queue[0]!.key].sort())
       expect(yield* Effect.flip(Effect.scoped(c.acquire(name, { limit: 2, timeout: 0 })))).toMatchObject({
         _tag: "LimitMismatch",
         limit: 2,
@@ -336,6 +376,37 @@ describe("DistributedSemaphore on PgAdvisory", () => {
       }
       // The waiter's fallback re-try comes after 60 s: only the release notification can explain this.
       expect(Math.max(...handoffs), `handoffs ${handoffs.join(", ")} ms`).toBeLessThan(1_000)
+    }))
+
+  it.scopedLive("a release wakes only the head waiter that now fits: the waiters behind it make no attempt until their turn", () =>
+    Effect.gen(function*() {
+      const holder = semaphoreOf(yield* node("sem-head-holder"))
+      const apps = Array.from({ length: 4 }, (_, i) => `sem-head-w${i}`)
+      const services = yield* Effect.forEach(apps, (app) => Effect.map(countedNode(app), semaphoreOf))
+      const release = yield* Deferred.make<void>()
+      const held = yield* holdUntil(holder, "head", { limit: 1 }, release)
+      const served: Array<string> = []
+      const letGo = yield* Effect.forEach(apps, () => Deferred.make<void>())
+      const fibers: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
+      for (let i = 0; i < apps.length; i++) {
+        fibers.push(yield* Effect.fork(Effect.scoped(Effect.zipRight(
+          Effect.tap(services[i]!.acquire("head", { limit: 1, timeout: "20 seconds" }), () => Effect.sync(() => served.push(apps[i]!))),
+          Deferred.await(letGo[i]!)
+        ))))
+        // Each is in the queue before the next one comes.
+        yield* registered(apps[i]!, "head")
+      }
+      const before = apps.map((app) => attemptsSent.get(app) ?? 0)
+      yield* Deferred.succeed(release, void 0)
+      yield* Fiber.join(held.fiber)
+      for (let i = 0; i < apps.length; i++) {
+        yield* eventually(`${apps[i]} holds`, Effect.sync(() => served.length), (n) => n === i + 1)
+        yield* Deferred.succeed(letGo[i]!, void 0)
+      }
+      yield* Effect.forEach(fibers, Fiber.join, { discard: true })
+      expect(served).toEqual(apps)
+      // Each waiter tried once more, when its turn came: no release woke a waiter that did not fit.
+      expect(apps.map((app, i) => (attemptsSent.get(app) ?? 0) - before[i]!)).toEqual([1, 1, 1, 1])
     }))
 
   it.scopedLive("a release in the same layer wakes its waiter at once too", () =>

@@ -61,6 +61,12 @@ export interface SemaphoreTarget {
    * side by side do not keep it from being quiet.
    */
   readonly quiet?: ((name: string) => Effect.Effect<boolean>) | undefined
+  /**
+   * Session-bound permits (PgAdvisory's): no ttl, no renewal, no revoking in the store; lost only
+   * with their session. The cases about renewals, expiry and revoking do not apply and are
+   * skipped, saying why.
+   */
+  readonly sessionBound?: boolean | undefined
 }
 
 /** What a test can make a wrapped store do, and what it saw. */
@@ -68,9 +74,11 @@ interface Faults {
   failRenew: boolean
   hangRenew: boolean
   renewCalls: number
+  /** Runs after each of the store's waits ends, before it looks again (a slow wake-up). */
+  afterWait: Effect.Effect<void>
 }
 
-const makeFaults = (): Faults => ({ failRenew: false, hangRenew: false, renewCalls: 0 })
+const makeFaults = (): Faults => ({ failRenew: false, hangRenew: false, renewCalls: 0, afterWait: Effect.void })
 
 /** Every token the stores granted, by semaphore name, in the order the grants came back. */
 const granted = new Map<string, Array<bigint>>()
@@ -80,7 +88,10 @@ const granted = new Map<string, Array<bigint>>()
 const withFaults = (backend: SemaphoreBackend<any>, faults: Faults): SemaphoreBackend<any> => ({
   ...backend,
   acquire: (request) =>
-    Effect.tap(backend.acquire(request), (result) =>
+    Effect.tap(backend.acquire({
+      ...request,
+      waitUntilDeadline: (step) => Effect.zipLeft(request.waitUntilDeadline(step), Effect.suspend(() => faults.afterWait))
+    }), (result) =>
       Effect.sync(() => {
         if (result._tag !== "Granted") return
         let tokens = granted.get(request.name)
@@ -153,14 +164,27 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
       return { permits, release: Scope.close(scope, Exit.void) }
     })
 
-  /** A case: on real time run side by side with the others (each on names of its own), as most of it is waiting. */
-  const spec = (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>, timeout?: number) =>
-    base(name, body, { concurrent: live, ...(timeout === undefined ? {} : { timeout }) })
+  // Every case runs twice: as is, and with the runtime switching fibers every few ops (so that
+  // step-to-step races happen), as the lock contract does.
+  for (const budget of [undefined, TIGHT_YIELD_BUDGET]) {
+    const tight = budget === undefined ? <A, E, R>(self: Effect.Effect<A, E, R>) => self : withYieldBudget(budget)
+    /** A case: on real time run side by side with the others (each on names of its own), as most of it is waiting. */
+    const spec = (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>, timeout?: number) =>
+      base(name, () => tight(body()), { concurrent: live, ...(timeout === undefined ? {} : { timeout }) })
+    /** A case about renewals, expiry or revoking: skipped for session-bound permits, which have none. */
+    const leaseSpec = (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) =>
+      target.sessionBound === true ? base.skip(`${name} (session-bound permits: no ttl, no renewal, no revoking)`, body) : spec(name, body)
+    const title = budget === undefined ? "the semaphore contract" : `the semaphore contract, yielding every ${budget} ops`
+    cases(`${label}: ${title}`, spec, leaseSpec)
+  }
 
-  describe(`${label}: the semaphore contract`, () => {
-    for (const budget of [undefined, TIGHT_YIELD_BUDGET]) {
-      const suffix = budget === undefined ? "" : `, yielding every ${budget} ops`
-      spec(`never more than limit permits held across ${PROCESSES} processes × ${FIBERS_PER_PROCESS} fibers${suffix}`, () =>
+  function cases(
+    title: string,
+    spec: (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>, timeout?: number) => void,
+    leaseSpec: (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) => void
+  ) {
+  describe(title, () => {
+      spec(`never more than limit permits held across ${PROCESSES} processes × ${FIBERS_PER_PROCESS} fibers`, () =>
         Effect.gen(function*() {
           const seed = testSeed()
           const random = seededRandom(seed)
@@ -184,7 +208,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
             { length: PROCESSES * FIBERS_PER_PROCESS },
             () => Array.from({ length: target.rounds }, () => 1 + Math.floor(random() * LIMIT))
           )
-          const run = Effect.forEach(
+          yield* Effect.forEach(
             plans,
             (plan, i) =>
               Effect.forEach(
@@ -194,7 +218,6 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
               ),
             { concurrency: "unbounded", discard: true }
           )
-          yield* budget === undefined ? run : withYieldBudget(budget)(run)
           const context = `seed ${seed} (re-run with EFFECT_LOCK_TEST_SEED=${seed})`
           expect(violations, context).toBe(0)
           // The check could fail: every permit was in use at some moment.
@@ -205,7 +228,6 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
           expect(new Set(tokens).size, context).toBe(tokens.length)
           yield* stateIs(name, { held: 0, waiting: [] })
         }), 60_000)
-    }
 
     spec("each permit carries a fencing token: consecutive within a grant, strictly increasing per name across processes", () =>
       Effect.gen(function*() {
@@ -340,6 +362,54 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         yield* stateIs(name, { held: 0, waiting: [] })
       }))
 
+    spec("waiters of equal size are served first in, first out", () =>
+      Effect.gen(function*() {
+        const [a, b, c, d] = [yield* node(), yield* node(), yield* node(), yield* node()]
+        const name = freshName("fifo-equal")
+        const holder = yield* hold(a, name, { limit: 2, permits: 2 })
+        const order: Array<string> = []
+        // Each waiter keeps its permit until the test lets it go, so that the next grant needs a release.
+        const letGo = yield* Deferred.make<void>()
+        const waiters: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
+        for (const [who, service] of [["a", b], ["b", c], ["c", d]] as const) {
+          waiters.push(yield* Effect.fork(Effect.scoped(
+            Effect.zipRight(
+              Effect.tap(service.acquire(name, { limit: 2, permits: 2 }), () => Effect.sync(() => order.push(who))),
+              Deferred.await(letGo)
+            )
+          )))
+          // Each is queued before the next one arrives.
+          yield* waitingAre(name, Array.from({ length: waiters.length }, () => 2))
+        }
+        yield* holder.release
+        yield* until("a holds", Effect.sync(() => order.length === 1))
+        yield* stateIs(name, { held: 2, waiting: [2, 2] })
+        yield* Deferred.succeed(letGo, void 0)
+        yield* Effect.forEach(waiters, Fiber.join, { discard: true })
+        expect(order).toEqual(["a", "b", "c"])
+        yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
+    spec("a try never overtakes a waiter: with the permits just released and the waiter not yet back, a try finds them busy", () =>
+      Effect.gen(function*() {
+        // The waiter's next look after a wait is held back: a slow wake-up, its place still queued.
+        const back = yield* Effect.makeLatch(false)
+        const slow = { ...makeFaults(), afterWait: back.await }
+        const [a, b, c] = [yield* node(), yield* node(slow), yield* node()]
+        const name = freshName("no-overtake")
+        const holder = yield* hold(a, name, { limit: 1 })
+        const done = yield* Effect.makeLatch(false)
+        const waiter = yield* Effect.fork(Effect.scoped(Effect.flatMap(b.acquire(name, { limit: 1 }), (p) => Effect.as(done.await, p.tokens))))
+        yield* waitingAre(name, [1])
+        yield* holder.release
+        yield* heldIs(name, 0)
+        expect(yield* Effect.scoped(c.tryAcquire(name, { limit: 1 }))).toEqual(Option.none())
+        yield* back.open
+        yield* done.open
+        expect(yield* Fiber.join(waiter)).toHaveLength(1)
+        yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
     spec("a timed-out wait fails with LockTimeout and gives its place up at once: the waiter behind it is served", () =>
       Effect.gen(function*() {
         const [a, b, c] = [yield* node(), yield* node(), yield* node()]
@@ -361,9 +431,8 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         yield* stateIs(name, { held: 0, waiting: [] })
       }))
 
-    const interruptedWaits = (suffix: string, budget: number | undefined) =>
-      spec(`an interrupted wait leaves no permit and no place behind, also when it is woken meanwhile${suffix}`, () => {
-        const body = Effect.gen(function*() {
+    spec("an interrupted wait leaves no permit and no place behind, also when it is woken meanwhile", () =>
+        Effect.gen(function*() {
           const [a, b, c] = [yield* node(), yield* node(), yield* node()]
           const name = freshName("interrupted")
           const sweeps = live ? 12 : 60
@@ -394,13 +463,9 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
             yield* Fiber.interrupt(taker)
             yield* within(`nothing is left of "${free}"`, target.giveBackBound, leftNothing(free))
           }
-        })
-        return budget === undefined ? body : withYieldBudget(budget)(body)
-      }, 60_000)
-    interruptedWaits("", undefined)
-    interruptedWaits(`, yielding every ${TIGHT_YIELD_BUDGET} ops`, TIGHT_YIELD_BUDGET)
+        }), 60_000)
 
-    spec("permits taken away in the store interrupt the withPermits body with LockLost carrying the first token", () =>
+    leaseSpec("permits taken away in the store interrupt the withPermits body with LockLost carrying the first token", () =>
       Effect.gen(function*() {
         const service = yield* node()
         const name = freshName("lost")
@@ -422,7 +487,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         expect(finalized).toBe(true)
       }))
 
-    spec("renewal keeps permits far past their ttl: nobody else gets them meanwhile", () =>
+    leaseSpec("renewal keeps permits far past their ttl: nobody else gets them meanwhile", () =>
       Effect.gen(function*() {
         const faults = makeFaults()
         const [a, b] = [yield* node(faults), yield* node()]
@@ -438,7 +503,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         expect(yield* Effect.scoped(b.tryAcquire(name, { limit: 2 }))).toEqual(Option.none())
       }))
 
-    spec("a holder whose renewals fail is told (renewal-failed) before the store could let anyone else in", () =>
+    leaseSpec("a holder whose renewals fail is told (renewal-failed) before the store could let anyone else in", () =>
       Effect.gen(function*() {
         const faults = makeFaults()
         const a = yield* node(faults)
@@ -452,7 +517,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         expect(yield* Effect.flip(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
       }))
 
-    spec("a holder taken over after its permits expired can neither renew nor release the new holder's", () =>
+    leaseSpec("a holder taken over after its permits expired can neither renew nor release the new holder's", () =>
       Effect.gen(function*() {
         const faults = makeFaults()
         const [a, b, c] = [yield* node(faults), yield* node(), yield* node()]
@@ -470,4 +535,5 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         expect(yield* Effect.scoped(c.tryAcquire(name, { limit: 1 }))).toEqual(Option.none())
       }))
   })
+  }
 }

@@ -104,19 +104,20 @@ export const probeAffinity = (
 
 /**
  * The fencing-token table: one counter per key, bumped in each grant's statement. Semaphores keep
- * their limit beside their counter (`permit_limit`; null on lock rows).
+ * their limit and their waiter queue beside their counter (`permit_limit`, `permit_queue`; null on
+ * lock rows, and `permit_queue` on a semaphore nobody waits for).
  */
 export const fencingTableSql = (table: TableRef): string =>
   `CREATE TABLE IF NOT EXISTS ${table.sql} (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL, ` +
-  `permit_limit integer)`
+  `permit_limit integer, permit_queue jsonb)`
 
-/** Adds the semaphores' column to a fencing table made before semaphores existed (idempotent). */
-export const permitLimitColumnSql = (table: TableRef): string =>
-  `ALTER TABLE ${table.sql} ADD COLUMN IF NOT EXISTS permit_limit integer`
+/** Adds the semaphores' columns to a fencing table made before semaphores, or before their queue (idempotent). */
+export const permitColumnsSql = (table: TableRef): string =>
+  `ALTER TABLE ${table.sql} ADD COLUMN IF NOT EXISTS permit_limit integer, ADD COLUMN IF NOT EXISTS permit_queue jsonb`
 
-/** Whether the fencing table has the semaphores' column. Parameters: $1 the table's quoted name. */
-const PERMIT_COLUMN_SQL = "select exists (select 1 from pg_attribute where attrelid = to_regclass($1) " +
-  "and attname = 'permit_limit' and not attisdropped) as present, pg_backend_pid() as pid"
+/** Whether the fencing table has both semaphore columns. Parameters: $1 the table's quoted name. */
+const PERMIT_COLUMN_SQL = "select (select count(*) from pg_attribute where attrelid = to_regclass($1) " +
+  "and attname in ('permit_limit', 'permit_queue') and not attisdropped) = 2 as present, pg_backend_pid() as pid"
 
 type Run = (text: string, values?: ReadonlyArray<unknown>) => Effect.Effect<Settled>
 
@@ -126,7 +127,7 @@ type Run = (text: string, values?: ReadonlyArray<unknown>) => Effect.Effect<Sett
  * A table that exists is never touched, so no CREATE right is needed then. With `createTables:
  * false` it only checks that the table is there.
  *
- * Then the semaphores' column: added to a table from before semaphores (under the same DDL lock)
+ * Then the semaphores' columns: added to a table from before semaphores (under the same DDL lock)
  * when tables may be created. Its absence never fails the layer — locks need no such column — but
  * is returned as the reason semaphores cannot be used (`undefined` when they can).
  */
@@ -157,21 +158,21 @@ export const ensureFencingTable = (
         }
       }
     }
-    return yield* ensurePermitColumn(engine, statement)
+    return yield* ensurePermitColumns(engine, statement)
   })
 
-const ensurePermitColumn = (engine: Engine, statement: Run): Effect.Effect<string | undefined> =>
+const ensurePermitColumns = (engine: Engine, statement: Run): Effect.Effect<string | undefined> =>
   Effect.gen(function*() {
     const table = engine.options.fencingTable
     const found = yield* statement(PERMIT_COLUMN_SQL, [table.sql])
     if (found._tag === "Ok" && found.rows[0]?.present === true) return undefined
-    const missing = `the fencing table ${table.text} has no permit_limit column (it was made before semaphores); ` +
-      `add it with the statements of PgAdvisory.migration()`
+    const missing = `the fencing table ${table.text} lacks the permit_limit or permit_queue column (it was made before ` +
+      `semaphores or their queue); add them with the statements of PgAdvisory.migration()`
     if (!engine.options.createTables) return missing
     // ADD COLUMN IF NOT EXISTS is idempotent; the DDL lock keeps concurrent layers from racing on the catalog.
     const added = yield* statement(
       `do $effect_lock$ begin perform pg_advisory_xact_lock(${advisoryKey(table.text, DDL_NAMESPACE)}); ` +
-        `${permitLimitColumnSql(table)}; end $effect_lock$`
+        `${permitColumnsSql(table)}; end $effect_lock$`
     )
     return added._tag === "Ok" ? undefined : `${missing}: ${added._tag === "Failed" ? String(added.failure.error) : added._tag}`
   })

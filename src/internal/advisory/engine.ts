@@ -83,14 +83,14 @@ import {
   worker,
   workerEnded
 } from "./session.js"
-import { makePermitBackend } from "./permits.js"
+import { isPermitWake, makePermitBackend } from "./permits.js"
 import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, UNINTEREST_SQL } from "./sql.js"
-import type { BackendOptions, Engine, Hint, Holder, Session } from "./state.js"
+import type { BackendOptions, Engine, Hint, Hints, Holder, Session } from "./state.js"
 import { blockingWait, nextHint } from "./wait.js"
 
 export { BACKEND } from "./session.js"
 export { CHANNEL } from "./sql.js"
-export { fencingTableSql, permitLimitColumnSql } from "./bootstrap.js"
+export { fencingTableSql, permitColumnsSql } from "./bootstrap.js"
 export type { BackendOptions } from "./state.js"
 
 /** Bound on a statement that never waits for a lock (grant attempt, bump, unlock, cleanup). */
@@ -115,6 +115,20 @@ const CLOSE_TIMEOUT_MS = 2_000
 
 const shuttingDown = (name: string) =>
   new LockBackendError({ operation: "acquire", name, cause: new Error("the PgAdvisory layer is shutting down") })
+
+/**
+ * The engine's hints: permit wake-ups go to the permit store alone (`isPermitWake`), session
+ * changes to both; lock requests waiting in-process read the rest from a sliding PubSub — a lock
+ * waiter that misses a hint under churn still has its server-side wait and its fallback re-try.
+ */
+const makeHints = (pubsub: PubSub.PubSub<Hint>, permits: (hint: Hint) => void): Hints => ({
+  unsafeOffer: (hint) => {
+    if (hint._tag === "Released" && isPermitWake(hint.keyText)) return permits(hint)
+    if (hint._tag === "Changed") permits(hint)
+    pubsub.unsafeOffer(hint)
+  },
+  subscribe: PubSub.subscribe(pubsub)
+})
 
 /** Adds a freshly opened session to the engine and starts its worker, unless the layer closed meanwhile. */
 const adopt = (engine: Engine, session: Session): Effect.Effect<void> =>
@@ -291,7 +305,7 @@ const reserveWaitSession = (
       // notify only registered waiters, so register too (and try once more). Notifications are
       // hints (a crashed holder sends none), hence the fallback re-try.
       if (inProcess.hints === undefined) {
-        inProcess.hints = yield* PubSub.subscribe(engine.hints)
+        inProcess.hints = yield* engine.hints.subscribe
         return Retry
       }
       if (!inProcess.registered) {
@@ -393,7 +407,8 @@ export const makeWith = (
       sessions: [],
       sharedGrants: new Map(),
       lost: yield* Queue.unbounded<Holder>(),
-      hints: yield* PubSub.sliding<Hint>(64),
+      hints: makeHints(yield* PubSub.sliding<Hint>(64), (hint) => engine.permitHint(hint)),
+      permitHint: () => {},
       owner,
       closing: false,
       nextSessionId: 0,

@@ -256,6 +256,22 @@ const tryOutcome = (
 }
 
 /**
+ * Waits for a step's turn (a queued statement, an admission): interruptible and bounded by the
+ * deadline (`None` when it passed first). A single attempt whose deadline already passed still
+ * gets its turn: the attempt itself is what was asked for (only `once` asks). Without a deadline
+ * nothing but the step's own bound ends the wait: no race of fibers on the uncontended path.
+ */
+export const awaitTurn = <A, E>(request: AcquireRequest, step: Effect.Effect<A, E>): Effect.Effect<Option.Option<A>, E> =>
+  request.attempt === "once"
+    ? Effect.flatMap(monotonicMillis, (now) =>
+      Option.isSome(request.deadline) && request.deadline.value <= now
+        ? Effect.asSome(request.interruptible(step))
+        : request.waitUntilDeadline(step))
+    : Option.isNone(request.deadline)
+    ? Effect.asSome(request.interruptible(step))
+    : request.waitUntilDeadline(step)
+
+/**
  * One try-lock + bump on a session that was claimed for it; the claim is given back once the
  * outcome is recorded or undone. Waiting for its turn is interruptible and bounded by the
  * deadline (it is checkout, not the lock); once sent, the statement's outcome is awaited. A
@@ -263,28 +279,12 @@ const tryOutcome = (
  * attempt itself is what was asked for.
  */
 export const tryGrant = (
-  engine: Engine,
-  session: Session,
-  request: AcquireRequest,
-  key: bigint,
-  keyText: string,
-  admission: Admission
+  engine: Engine, session: Session, request: AcquireRequest, key: bigint, keyText: string, admission: Admission
 ): Effect.Effect<Step, LockBackendError> =>
   Effect.suspend(() => {
     const shared = request.mode === "shared"
     const sent = submitTry(session, keyText, request.name, shared)
-    // A single attempt whose deadline already passed still gets its turn (only `once` asks).
-    // Without a deadline nothing but the statement's own bound (a try never blocks) ends the
-    // wait for its turn: no race of fibers on the uncontended path.
-    const turn = request.attempt === "once"
-      ? Effect.flatMap(monotonicMillis, (now) =>
-        Option.isSome(request.deadline) && request.deadline.value <= now
-          ? Effect.asSome(request.interruptible(sent.outcome))
-          : request.waitUntilDeadline(sent.outcome))
-      : Option.isNone(request.deadline)
-      ? Effect.asSome(request.interruptible(sent.outcome))
-      : request.waitUntilDeadline(sent.outcome)
-    return turn.pipe(
+    return awaitTurn(request, sent.outcome).pipe(
       // Taken back at once if it is still queued; else undone as the layer's work, out of reach
       // of the caller's interruption and stall watch.
       Effect.onInterrupt(() => takeBack(sent.job) ? Effect.void : engine.owner.run(abandonTry(engine, session, sent, keyText, shared))),

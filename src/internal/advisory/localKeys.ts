@@ -133,33 +133,32 @@ export const makeLocalKeys = (): LocalKeys => {
       )
     })
 
+  /**
+   * Admits now, in this one step and with no ticket, when nothing local is in the way and nobody
+   * is queued. Abandoned tickets are pumped out first: they must not count as somebody queued.
+   */
+  const admitNow = (key: string, mode: LockMode): Admission | undefined => {
+    const existing = entries.get(key)
+    if (existing !== undefined) pump(key, existing)
+    const entry = entryOf(key)
+    if (entry.queue.length > 0 || !admissible(entry, mode)) return undefined
+    take(entry, mode)
+    return { key, mode }
+  }
+
   return {
     tryAdmit: (key, mode) =>
       Effect.sync(() => {
-        // Pumped first: abandoned tickets must not count as somebody queued (a spurious Busy).
-        const existing = entries.get(key)
-        if (existing !== undefined) pump(key, existing)
-        const entry = entryOf(key)
-        if (entry.queue.length === 0 && admissible(entry, mode)) {
-          take(entry, mode)
-          return Option.some({ key, mode })
-        }
-        pump(key, entry)
-        return Option.none()
+        const admitted = admitNow(key, mode)
+        // An entry made only to look is dropped again.
+        if (admitted === undefined) pump(key, entryOf(key))
+        return Option.fromNullable(admitted)
       }),
 
     admit: (key, mode, wait) =>
       Effect.suspend(() => {
-        // Nothing local in the way and nobody queued: admitted at once, in this one step, with
-        // no ticket (abandoned tickets are pumped out first, as in `tryAdmit`).
-        const existing = entries.get(key)
-        if (existing !== undefined) pump(key, existing)
-        const entry = entryOf(key)
-        if (entry.queue.length === 0 && admissible(entry, mode)) {
-          take(entry, mode)
-          return Effect.succeed(Option.some<Admission>({ key, mode }))
-        }
-        return queued(key, mode, wait)
+        const admitted = admitNow(key, mode)
+        return admitted !== undefined ? Effect.succeed(Option.some(admitted)) : queued(key, mode, wait)
       }),
 
     granted: (admission) =>

@@ -135,13 +135,61 @@ export const NOW_SQL = "select (extract(epoch from clock_timestamp()) * 1000)::f
 // ------------------------------------------------------------------------------------ permits
 //
 // Semaphores (`permits.ts`). Keys of one semaphore name, all in a key space of their own
-// (`permits.ts`' namespaces): the fencing row's key (also the notification payload and the base
-// of the interest key), slot `i` = slotBase # i for i < limit (one session lock per permit), and
-// the limit marker of limit `L` = markerBase # L, held shared by every holder and waiter of the
-// name with limit `L` (`#` is bigint XOR, so the statement can derive a marker from a stored limit).
+// (`permits.ts`' namespaces): the fencing row's key (also the base of the interest key), slot `i`
+// = slotBase # i for i < limit (one session lock per permit), and the limit marker of limit `L` =
+// markerBase # L, held shared by every holder and waiter of the name with limit `L` (`#` is bigint
+// XOR, so a statement can derive a marker from a stored limit). Each waiter also holds a random
+// key of its own, its *waiter key*, for as long as it waits: its place in the queue is live
+// exactly while that key is held, so a waiter whose session died loses its place to the next
+// statement that looks.
+//
+// The queue is the fencing row's `permit_queue`: a JSON array of `{k, p, s}` (waiter key in
+// decimal, permits asked, backend pid of its session), first come first; null when empty.
 //
 // Every statement below runs on a session that never blocks (the home session) and waits for
-// nothing but the semaphore's fencing row, which other attempts hold for one statement at most.
+// nothing but the semaphore's fencing row, which other statements hold for one statement at most.
+
+/** Payload prefix of a permit wake-up: `permit:<row key>:<waiter key>,<waiter key>…`. */
+export const PERMIT_WAKE_PREFIX = "permit:"
+
+/** Waiter keys per notification (a payload stays far under NOTIFY's 8000 bytes). */
+const WAKE_CHUNK = 200
+
+/**
+ * The queue of `source` (a CTE with `queue`), one row per entry with its liveness proven: an entry
+ * of this very session (its pid) is live when this process says it waits (`ownKeys`, a bigint[]
+ * parameter: the session's own locks never conflict with its own tries, so a try proves nothing
+ * there); any other is live while its waiter key is held — a try of it fails. A try that succeeds
+ * is a transaction lock, gone at commit.
+ */
+const queueLineSql = (source: string, ownKeys: string, where: string): string =>
+  `select q.pos, e.k, e.p, e.s, case when e.s = pg_backend_pid() then e.k = any(${ownKeys}::bigint[]) ` +
+  `else not pg_try_advisory_xact_lock(e.k) end as live ` +
+  `from ${source} src, jsonb_array_elements(src.queue) with ordinality as q(e0, pos), ` +
+  `lateral (select (q.e0->>'k')::bigint as k, (q.e0->>'p')::int as p, (q.e0->>'s')::int as s) as e where ${where}`
+
+/** The live entries of `line` as a queue value (`null` when none is left). */
+const queueValueSql = (line: string, where: string): string =>
+  `(select jsonb_agg(jsonb_build_object('k', l.k::text, 'p', l.p, 's', l.s) order by l.pos) from ${line} l where l.live and ${where})`
+
+/**
+ * The waiters to wake: the live entries of `line` (other than the statement's own), in order,
+ * while their permits add up to at most `free` — the head waiters that now fit, and no other.
+ * Those of other sessions are notified (`notified`: how many notifications), those of this
+ * session are returned (`wake`, text[]) for the process to wake itself, with no NOTIFY.
+ */
+const wakeCtesSql = (line: string, where: string, free: string, channel: string, payloadKey: string): string =>
+  `wake as materialized (` +
+  `select w.k, w.s from (select l.k, l.s, sum(l.p) over (order by l.pos) as cum from ${line} l where l.live and ${where}) as w ` +
+  `where w.cum <= ${free}` +
+  `), told as materialized (` +
+  `select count(pg_notify(${channel}::text, '${PERMIT_WAKE_PREFIX}' || ${payloadKey}::bigint::text || ':' || c.ks))::int as n ` +
+  `from (select string_agg(x.k::text, ',') as ks from (select w.k, row_number() over () as r from wake w ` +
+  `where w.s <> pg_backend_pid()) as x group by (x.r - 1) / ${WAKE_CHUNK}) as c)`
+
+const wakeColumnsSql =
+  `(select coalesce(array_agg(w.k::text), '{}') from wake w where w.s = pg_backend_pid()) as wake, ` +
+  `(select n from told) as notified`
 
 /**
  * Makes sure a semaphore's fencing row exists (token 0, no limit yet): an attempt locks the row
@@ -157,39 +205,56 @@ export const permitRowSql = (table: TableRef): string =>
  * CTE fed by the one before so that none is reordered, inlined or skipped:
  *
  * 1. `cur`: locks the semaphore's fencing row (`FOR UPDATE`). Every attempt on the name, in any
- *    process, serializes here, so the limit check and a change of limit below are race-free.
+ *    process, serializes here (and so do the releases and leaves that look at the queue), so the
+ *    limit check, the queue and a change of limit below are race-free.
  * 2. `decide`: the limit. A registered waiter already holds its marker (`held`). Otherwise, with
  *    the stored limit equal to ours (or none yet), the request takes its marker shared (`same`).
  *    With another stored limit it tries the *stored* limit's marker exclusively for this
  *    transaction: success proves that no session holds it — no holder, no waiter uses the stored
  *    limit — and none can take it meanwhile (that needs this row lock), so the name is free and
  *    the request takes it over with its own limit (`takeover`, its marker shared; the row gets the
- *    new limit below). Failure: the name is in use with the stored limit (`mismatch`). A marker
- *    found held exclusively is another transaction's probe about to end (`retry`).
- *    (PostgreSQL never lets a session's own locks conflict with its own requests: the caller
- *    refuses another limit itself while this session holds a marker of the name.)
- * 3. `reg`: a request that registers as a waiter takes the interest key shared *before* it tries
+ *    new limit below, and an empty queue: every waiter of the old limit is gone). Failure: the
+ *    name is in use with the stored limit (`mismatch`). A marker found held exclusively is another
+ *    transaction's probe about to end (`retry`). (PostgreSQL never lets a session's own locks
+ *    conflict with its own requests: the caller refuses another limit itself while this session
+ *    holds a marker of the name.)
+ * 3. `line`: the queue, each entry's liveness proven (`queueLineSql`); dead ones are dropped below.
+ *    `need`: the permits of the live waiters ahead of this request (all of them for a newcomer, or
+ *    for a registered waiter whose entry is gone) and of every other live waiter.
+ * 4. `reg`: a request that registers as a waiter takes the interest key shared *before* it tries
  *    the slots, so a release either frees a slot before those tries or sees the interest and
- *    notifies (see `releaseSql`).
- * 4. `slots`: try-locks free slots in order until it has `permits` of them (LIMIT stops the scan),
- *    skipping the slots this session already holds for other requests of this process (a session
- *    is granted its own lock again: without the skip one slot would count twice).
- * 5. `fin`: granted when all `permits` were taken; otherwise every slot taken here is unlocked
- *    again in this same statement, and the marker too unless the request now waits registered.
- *    `failed` when an unlock was refused (the caller then destroys the session).
- * 6. `bumped`: on a grant the counter goes up by `permits` (tokens counter-permits+1 .. counter),
- *    and the row keeps the limit in use.
+ *    looks at the queue (see `permitReleaseSql`).
+ * 5. `slots`: try-locks free slots in order, skipping the slots this session already holds for
+ *    other requests of this process (a session is granted its own lock again: without the skip
+ *    one slot would count twice), until it has `permits` plus the other waiters' permits (LIMIT
+ *    stops the scan: with nobody waiting, it stops at `permits`, as with no queue at all).
+ * 6. `fin`: **granted** only when the free slots cover this request *and every live waiter ahead
+ *    of it* — a request never takes a permit a waiter ahead of it is waiting for, so nobody ahead
+ *    waits longer for it (first in, first out; a try, too, finds the permits busy). It keeps the
+ *    first `permits` slots; every other slot taken here is unlocked again in this same statement,
+ *    and, when not granted, the marker too unless the request now waits registered (its waiter
+ *    key taken). `failed` when an unlock was refused (the caller then destroys the session).
+ * 7. `queue` / `bumped`: the queue without its dead entries, without this request once granted,
+ *    with it appended once it registers; on a grant the counter goes up by `permits` (tokens
+ *    counter-permits+1 .. counter). The row is written only when the grant, the queue or the limit
+ *    in use changes.
+ * 8. `wake` / `told`: the head waiters that fit in the free slots this statement counted (an
+ *    attempt that finds permits freed by a crashed holder, which notified nobody, or that drops a
+ *    dead head, lets the waiters behind know).
  *
- * Outcomes: granted | waiting (registered: marker and interest held) | busy | mismatch | retry |
- * missing (no fencing row) | failed. Parameters: $1 key, $2 limit, $3 permits, $4 slot base,
- * $5 marker base, $6 interest key, $7 register as a waiter if busy, $8 already registered,
- * $9 slots this session holds for the name (int[]). Needs PostgreSQL 12+ (MATERIALIZED).
+ * Outcomes: granted | waiting (registered: marker, interest and waiter key held, in the queue) |
+ * busy | mismatch | retry | missing (no fencing row) | failed. Parameters: $1 key, $2 limit,
+ * $3 permits, $4 slot base, $5 marker base, $6 interest key, $7 register as a waiter if busy,
+ * $8 already registered, $9 slots this session holds for the name (int[]), $10 the request's
+ * waiter key (when it registers or is registered), $11 the waiter keys this process has on this
+ * session for the name (bigint[]), $12 channel. Needs PostgreSQL 12+ (MATERIALIZED).
  */
 export const permitAttemptSql = (table: TableRef): string =>
   `with cur as materialized (` +
-  `select f.token, f.permit_limit from ${table.sql} f where f.key = $1::bigint for update` +
+  `select f.token, f.permit_limit, coalesce(f.permit_queue, '[]'::jsonb) as queue from ${table.sql} f ` +
+  `where f.key = $1::bigint for update` +
   `), decide as materialized (` +
-  `select c.token as counter, c.permit_limit as stored, case ` +
+  `select c.token as counter, c.permit_limit as stored, c.queue, case ` +
   `when c.token is null then null ` +
   `when $8::boolean then case when c.permit_limit is distinct from $2::int and c.permit_limit is not null ` +
   `then 'mismatch' else 'held' end ` +
@@ -199,52 +264,134 @@ export const permitAttemptSql = (table: TableRef): string =>
   `case when pg_try_advisory_lock_shared($5::bigint # $2::bigint) then 'takeover' else 'retry' end ` +
   `else 'mismatch' end as verdict ` +
   `from (values (1)) as one(x) left join cur c on true` +
+  `), line as materialized (` +
+  queueLineSql("decide", "$11", "src.verdict in ('same', 'held')") +
+  `), need as materialized (` +
+  `select p.*, coalesce((select sum(l.p) from line l where l.live and (p.mine is null or l.pos < p.mine)), 0)::int as ahead, ` +
+  `coalesce((select sum(l.p) from line l where l.live and l.pos is distinct from p.mine), 0)::int as others from (` +
+  `select d.counter, d.stored, d.verdict, d.queue, ` +
+  `(select min(l.pos) from line l where $8::boolean and l.k = $10::bigint) as mine from decide d) as p` +
   `), reg as materialized (` +
-  `select d.counter, d.stored, d.verdict, case when d.verdict in ('same', 'takeover') and $7::boolean ` +
-  `then pg_try_advisory_lock_shared($6::bigint) end as interested from decide d` +
+  `select n.*, case when n.verdict in ('same', 'takeover') and $7::boolean ` +
+  `then pg_try_advisory_lock_shared($6::bigint) end as interested from need n` +
   `), slots as materialized (` +
   `select g.i from reg r, ` +
   `generate_series(0, case when r.verdict in ('same', 'takeover', 'held') then $2::int - 1 else -1 end) as g(i) ` +
   `where case when g.i = any($9::int[]) then false else pg_try_advisory_lock($4::bigint # g.i::bigint) end ` +
-  `limit $3::int` +
+  `limit (select $3::int + r2.others from reg r2)` +
   `), tally as materialized (` +
-  `select r.counter, r.stored, r.verdict, r.interested, (select count(*) from slots)::int as n, ` +
-  `(select coalesce(array_agg(s.i), '{}') from slots s) as taken from reg r` +
+  `select r.*, (select count(*) from slots)::int as n, ` +
+  `(select coalesce(array_agg(s.i order by s.i), '{}') from slots s) as found, ` +
+  `(r.verdict in ('same', 'takeover', 'held') and (select count(*) from slots) >= r.ahead + $3::int) as fits from reg r` +
   `), fin as materialized (` +
-  `select t.counter, t.stored, t.verdict, t.interested, t.n, t.taken, case ` +
+  `select t.counter, t.stored, t.verdict, t.queue, t.mine, t.n, t.fits, t.interested, ` +
+  `case when t.fits then t.found[1:$3::int] else '{}'::int[] end as taken, case ` +
   `when t.verdict is null then 'missing' ` +
   `when t.verdict in ('mismatch', 'retry') then t.verdict ` +
-  `when t.n = $3::int then case when ($8::boolean or coalesce(t.interested, false)) ` +
-  `and not pg_advisory_unlock_shared($6::bigint) then 'failed' else 'granted' end ` +
-  `when (select count(*) from slots s where pg_advisory_unlock($4::bigint # s.i::bigint)) <> t.n then 'failed' ` +
+  `when (select count(*) from unnest(case when t.fits then t.found[$3::int + 1:] else t.found end) as u(i) ` +
+  `where pg_advisory_unlock($4::bigint # u.i::bigint)) <> t.n - case when t.fits then $3::int else 0 end then 'failed' ` +
+  `when t.fits then case ` +
+  `when ($8::boolean or coalesce(t.interested, false)) and not pg_advisory_unlock_shared($6::bigint) then 'failed' ` +
+  `when $8::boolean and not pg_advisory_unlock($10::bigint) then 'failed' ` +
+  `else 'granted' end ` +
   `when $8::boolean then 'busy' ` +
-  `when t.interested then 'waiting' ` +
+  `when t.interested then case when pg_try_advisory_lock($10::bigint) then 'waiting' else 'failed' end ` +
   `when not pg_advisory_unlock_shared($5::bigint # $2::bigint) then 'failed' ` +
   `when t.interested is null then 'busy' ` +
   `else 'retry' end as outcome from tally t` +
+  `), queue as materialized (` +
+  `select f.outcome, case when f.outcome in ('granted', 'busy', 'waiting') then ` +
+  `coalesce(${queueValueSql("line", "not (f.outcome = 'granted' and l.pos is not distinct from f.mine)")}, '[]'::jsonb) || ` +
+  `case when f.outcome = 'waiting' or (f.outcome = 'busy' and $8::boolean and f.mine is null) ` +
+  `then jsonb_build_array(jsonb_build_object('k', ($10::bigint)::text, 'p', $3::int, 's', pg_backend_pid())) ` +
+  `else '[]'::jsonb end end as next from fin f` +
   `), bumped as (` +
-  `update ${table.sql} f set token = f.token + case when (select outcome from fin) = 'granted' then $3::int else 0 end, ` +
-  `permit_limit = $2::int where f.key = $1::bigint and ((select outcome from fin) = 'granted' ` +
-  `or ((select outcome from fin) = 'waiting' and (select stored from fin) is distinct from $2::int)) ` +
+  `update ${table.sql} f set token = f.token + case when q.outcome = 'granted' then $3::int else 0 end, ` +
+  `permit_limit = $2::int, permit_queue = case when q.next = '[]'::jsonb then null else q.next end ` +
+  `from queue q, fin x where f.key = $1::bigint and q.next is not null and (q.outcome = 'granted' ` +
+  `or q.next is distinct from x.queue or (q.outcome = 'waiting' and x.stored is distinct from $2::int)) ` +
   `returning f.token` +
-  `) select fin.outcome, fin.stored, fin.taken, fin.interested, (select b.token::text from bumped b) as token, ` +
-  `pg_backend_pid() as pid from fin`
+  `), ` +
+  wakeCtesSql(
+    "line",
+    "(select f.outcome in ('granted', 'busy', 'waiting') from fin f) and l.pos is distinct from (select f.mine from fin f)",
+    "(select case when f.fits then f.n - $3::int else f.n end from fin f)",
+    "$12",
+    "$1"
+  ) +
+  ` select fin.outcome, fin.stored, fin.taken, fin.interested, (select b.token::text from bumped b) as token, ` +
+  `${wakeColumnsSql}, pg_backend_pid() as pid from fin`
 
 /**
- * Gives a grant of permits back: unlocks its slots, then its marker, then (as `releaseSql` does
- * for a lock) notifies only when a waiter of another session registered interest. The unlocks
- * run in a fenced subquery, before the interest check: a waiter that registered after that check
- * tries the slots after they were freed.
- *
- * Parameters: $1 slot base, $2 slots (int[]), $3 marker key, $4 interest key, $5 channel, $6 payload.
+ * The queue of a semaphore and its free slots, once the statement's own locks are given back:
+ * the fencing row locked (`cur`, only when `when` holds), the live entries (`line`, without
+ * `exclude`'s), and the free slots counted (`free`) by transaction try-locks on the slots this
+ * session does not hold (`ownSlots`) — no more than the live waiters ask for.
  */
-export const PERMIT_RELEASE_SQL =
-  `select x.unlocked, x.marker, case when pg_try_advisory_xact_lock($4::bigint) then null ` +
-  `else pg_notify($5::text, $6::text) end as notified, pg_backend_pid() as pid from (` +
-  `select (select count(*) from unnest($2::int[]) as u(i) where pg_advisory_unlock($1::bigint # u.i::bigint))::int ` +
-  `as unlocked, pg_advisory_unlock_shared($3::bigint) as marker offset 0) as x`
+const queueAndFreeSql = (
+  table: TableRef,
+  key: string,
+  when: string,
+  slotBase: string,
+  ownSlots: string,
+  ownKeys: string,
+  exclude: string
+): string =>
+  `cur as materialized (` +
+  `select f.permit_limit, coalesce(f.permit_queue, '[]'::jsonb) as queue from ${table.sql} f ` +
+  `where f.key = ${key}::bigint and ${when} for update` +
+  `), line as materialized (` +
+  queueLineSql("cur", ownKeys, `e.k is distinct from ${exclude}`) +
+  `), free as materialized (` +
+  `select count(*)::int as n from (select g.i from cur c, generate_series(0, coalesce(c.permit_limit, 0) - 1) as g(i) ` +
+  `where case when g.i = any(${ownSlots}::int[]) then false else pg_try_advisory_xact_lock(${slotBase}::bigint # g.i::bigint) end ` +
+  `limit (select coalesce(sum(l.p), 0) from line l where l.live)) as s)`
 
-/** A registered permit waiter leaves without a grant. Parameters: $1 marker key, $2 interest key. */
-export const PERMIT_UNREGISTER_SQL =
-  "select pg_advisory_unlock_shared($1::bigint) as marker, pg_advisory_unlock_shared($2::bigint) as interest, " +
-  "pg_backend_pid() as pid"
+/**
+ * Gives a grant of permits back: unlocks its slots, then its marker. Then, as `releaseSql` does
+ * for a lock, it tries the interest key for its own transaction: it fails only when a waiter of
+ * another session registered interest, and only then — or when this process has waiters of the
+ * name itself (`$7`) — does the release look at the queue: it locks the fencing row, counts the
+ * free slots and wakes the head waiters that now fit (`wakeCtesSql`), none other. A release nobody
+ * waits for costs what it cost before there was a queue: the unlocks and one try. The unlocks run
+ * first, in their own CTE: a waiter that registered after the interest check tries the slots after
+ * they were freed.
+ *
+ * Parameters: $1 slot base, $2 slots (int[]), $3 marker key, $4 interest key, $5 channel, $6 the
+ * fencing row's key, $7 this process has waiters of the name, $8 slots this session still holds for
+ * the name (int[]), $9 the waiter keys this process has on this session for the name (bigint[]).
+ */
+export const permitReleaseSql = (table: TableRef): string =>
+  `with x as materialized (` +
+  `select (select count(*) from unnest($2::int[]) as u(i) where pg_advisory_unlock($1::bigint # u.i::bigint))::int ` +
+  `as unlocked, pg_advisory_unlock_shared($3::bigint) as marker` +
+  `), look as materialized (` +
+  `select x.unlocked, x.marker, case when $7::boolean then true else not pg_try_advisory_xact_lock($4::bigint) end ` +
+  `as contended from x` +
+  `), ` +
+  queueAndFreeSql(table, "$6", "(select contended from look)", "$1", "$8", "$9", "null::bigint") +
+  `, ` +
+  wakeCtesSql("line", "true", "(select n from free)", "$5", "$6") +
+  ` select look.unlocked, look.marker, ${wakeColumnsSql}, pg_backend_pid() as pid from look`
+
+/**
+ * A registered permit waiter leaves without a grant (its deadline, an interruption): under the
+ * fencing row's lock it unlocks its waiter key, marker and interest, takes its entry (and any dead
+ * one) out of the queue, and wakes the head waiters that now fit — it may have been the one the
+ * others waited behind. Parameters: $1 the fencing row's key, $2 waiter key, $3 marker key,
+ * $4 interest key, $5 slot base, $6 slots this session holds for the name (int[]), $7 the other
+ * waiter keys this process has on this session for the name (bigint[]), $8 channel.
+ */
+export const permitLeaveSql = (table: TableRef): string =>
+  `with ` +
+  queueAndFreeSql(table, "$1", "true", "$5", "$6", "$7", "$2::bigint") +
+  `, gone as materialized (` +
+  `select pg_advisory_unlock($2::bigint) as waiter, pg_advisory_unlock_shared($3::bigint) as marker, ` +
+  `pg_advisory_unlock_shared($4::bigint) as interest from (values (1)) as one(x) left join cur c on true` +
+  `), saved as (` +
+  `update ${table.sql} f set permit_queue = ${queueValueSql("line", "true")} from cur c ` +
+  `where f.key = $1::bigint and ${queueValueSql("line", "true")} is distinct from nullif(c.queue, '[]'::jsonb) returning 1` +
+  `), ` +
+  wakeCtesSql("line", "true", "(select n from free)", "$8", "$1") +
+  ` select g.waiter, g.marker, g.interest, ${wakeColumnsSql}, (select count(*) from saved)::int as saved, ` +
+  `pg_backend_pid() as pid from gone g`

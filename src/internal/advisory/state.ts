@@ -5,8 +5,8 @@
  */
 import type * as Deferred from "effect/Deferred"
 import type * as Effect from "effect/Effect"
-import type * as PubSub from "effect/PubSub"
 import type * as Queue from "effect/Queue"
+import type * as Scope from "effect/Scope"
 import type pg from "pg"
 import type { LockMode } from "../../Lease.js"
 import type { LostReason } from "../../LockError.js"
@@ -152,6 +152,18 @@ export type Hint =
   /** A lock on this key was released (here, or elsewhere as a notification said). */
   | { readonly _tag: "Released"; readonly keyText: string }
 
+/**
+ * Where hints go. Lock requests waiting in-process subscribe to every hint; a permit wake-up (a
+ * release notification whose payload names waiters, see `sql.ts`' `PERMIT_WAKE_PREFIX`) goes
+ * straight to the permit waiters it names, and never through the subscription: nothing drops it.
+ */
+export interface Hints {
+  /** Delivers a hint at once; callable from driver events, outside any fiber. */
+  readonly unsafeOffer: (hint: Hint) => void
+  /** The hints for lock requests waiting in-process, from now on. */
+  readonly subscribe: Effect.Effect<Queue.Dequeue<Hint>, never, Scope.Scope>
+}
+
 /** Everything the engine's pieces share; one per layer. */
 export interface Engine {
   readonly options: BackendOptions
@@ -163,7 +175,9 @@ export interface Engine {
   readonly sharedGrants: Map<string, ServerGrant>
   /** Losses to report; driver events arrive outside any fiber, so they are told from one. */
   readonly lost: Queue.Queue<Holder>
-  readonly hints: PubSub.PubSub<Hint>
+  readonly hints: Hints
+  /** Hints for the permit store (`permits.ts`), set when it is built: its wake-ups, and session changes. */
+  permitHint: (hint: Hint) => void
   /** Runs the engine's own work (session workers, openers, clean-ups of abandoned statements). */
   readonly owner: Owner
   closing: boolean

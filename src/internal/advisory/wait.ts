@@ -95,12 +95,7 @@ const abandonWait = (engine: Engine, session: Session, sent: Submitted): Effect.
  * the deadline, or a reason to start over.
  */
 export const blockingWait = (
-  engine: Engine,
-  session: Session,
-  request: AcquireRequest,
-  key: bigint,
-  keyText: string,
-  admission: Admission
+  engine: Engine, session: Session, request: AcquireRequest, key: bigint, keyText: string, admission: Admission
 ): Effect.Effect<Step, LockBackendError> =>
   Effect.gen(function*() {
     while (true) {
