@@ -20,7 +20,6 @@ import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as metrics from "../core/metrics.js"
 import { monotonicMillis } from "../core/clock.js"
 import * as driver from "../pg/driver.js"
-import { withinOrFail } from "../runtime/stallSafe.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, setupSql, tryBatchSql } from "./sql.js"
 import type { Engine, Job, Row, ServerGrant, Session, Settled, StatementJob, TryJob } from "./state.js"
@@ -301,16 +300,12 @@ export const takeBack = (job: TryJob | StatementJob): boolean => {
   return true
 }
 
+/** What every new job starts as: queued (it can still be taken back), its outcome to come. */
+const queued = () => ({ state: "queued" as const, done: Deferred.unsafeMake<Settled>(FiberId.none) })
+
 /** Queues a try-lock of one key (batched with the others queued on the session). */
 export const submitTry = (session: Session, keyText: string, name: string, shared: boolean): Submitted =>
-  submitted(session, {
-    _tag: "Try",
-    keyText,
-    name,
-    shared,
-    state: "queued",
-    done: Deferred.unsafeMake<Settled>(FiberId.none)
-  })
+  submitted(session, { _tag: "Try", keyText, name, shared, ...queued() })
 
 /** Queues one statement. */
 export const submitStatement = (
@@ -318,15 +313,7 @@ export const submitStatement = (
   text: string,
   values: ReadonlyArray<unknown> | undefined,
   timeoutMillis: number
-): Submitted =>
-  submitted(session, {
-    _tag: "Statement",
-    text,
-    values,
-    timeoutMillis,
-    state: "queued",
-    done: Deferred.unsafeMake<Settled>(FiberId.none)
-  })
+): Submitted => submitted(session, { _tag: "Statement", text, values, timeoutMillis, ...queued() })
 
 /** Runs one bounded statement on the session and waits for its outcome. */
 export const statement = (
@@ -341,7 +328,7 @@ export const statement = (
 const connectError = (cause: unknown) => new LockBackendError({ operation: "connect", cause })
 
 /**
- * Opens one session: connect and setup, each bounded by the connect timeout, then the affinity
+ * Opens one session: connect and setup, together bounded by the connect timeout, then the affinity
  * check. A client that does not become a session is destroyed. Not added to the engine's
  * sessions (see `adopt`); its worker runs in the engine's fiber set.
  */
@@ -350,26 +337,21 @@ export const open = (
   role: Session["role"]
 ): Effect.Effect<Session, LockBackendError | UnsafeConnectionPooling> =>
   Effect.gen(function*() {
-    const bound = engine.options.connect.connectTimeoutMillis
     const events = { session: undefined as Session | undefined, closedEarly: false }
-    const client = yield* withinOrFail(
-      driver.connect(engine.driver, engine.clientConfig, {
+    const { client, setup } = yield* driver.open(engine.driver, engine.clientConfig, {
+      events: {
         onClosed: () => {
           if (events.session === undefined) events.closedEarly = true
           else markDead(engine, events.session)
         },
         ...(role === "home" ? { onNotification: (channel, payload) => onNotification(engine, channel, payload) } : {})
-      }),
-      bound,
-      () => new Error(`connecting got no answer within ${bound} ms`)
-    ).pipe(Effect.mapError(connectError))
+      },
+      setup: setupSql(role === "home"),
+      // One bound on opening a session, connect and setup together: past it the client is destroyed.
+      boundMillis: engine.options.connect.connectTimeoutMillis
+    }).pipe(Effect.mapError(connectError))
     return yield* Effect.gen(function*() {
-      const setup = yield* withinOrFail(
-        Effect.mapError(driver.query(client, setupSql(role === "home")), (failure) => failure.error),
-        bound,
-        () => new Error(`the session setup got no answer within ${bound} ms`)
-      ).pipe(Effect.mapError(connectError))
-      const pid = setup.rows[0]?.pid
+      const pid = setup?.rows[0]?.pid
       if (typeof pid !== "number") return yield* connectError(new Error("the session setup returned no backend pid"))
       // A direct connection announces the backend's own pid at startup; a pooler announces its own
       // key. Only then can the session be moved, so only then is the behavioural probe needed.

@@ -1,17 +1,28 @@
 /**
- * The only module that touches node-postgres directly, driver-private fields included
- * (`processID`, `secretKey`, the socket). Each driver call is wrapped once here as an Effect
- * (as `@effect/sql-pg`'s PgClient does): callbacks and sockets stop at this file, everything
- * above it is Effect.
+ * The node-postgres edge both PostgreSQL backends use, and the only module (with `cancel.ts`, for
+ * the cancel request) that touches node-postgres directly: loading the driver, opening a client
+ * (with the session setup a backend needs), a statement with its client-side bound, destroying a
+ * client, and classifying a failure. Each driver call is wrapped once here (as `@effect/sql-pg`'s
+ * PgClient does): callbacks and sockets stop at this file and the two backend-specific pieces
+ * beside it — PgAdvisory's cancel request and announced pid (`cancel.ts`), PgLease's pool of own
+ * connections (`pool.ts`).
  *
  * `pg` is loaded lazily, once, when a layer is built (`load`), so importing `effect-lock` never
  * loads the driver; only its types are imported statically.
+ *
+ * Bounds are timers here, not racing fibers: a race per statement costs more than the statement,
+ * and a bound's expiry must destroy the connection in the same step. They follow `stallSafe`'s
+ * rule: when a timer fires, the event loop first reads the sockets (two hops through the check
+ * phase) and only an answer still missing then is a timeout — after an event-loop stall Node runs
+ * due timers before it reads the answers that arrived meanwhile, and a live statement must not be
+ * failed for that.
  */
 import * as Effect from "effect/Effect"
-import * as Net from "node:net"
 import type pg from "pg"
 import { LockBackendError } from "../../LockError.js"
 import { sqlStateOf } from "../sql/state.js"
+
+export { announcedPid, sendCancel } from "./cancel.js"
 
 /** The `pg` module, as loaded by `load`. */
 export type Driver = typeof pg
@@ -19,23 +30,27 @@ export type Driver = typeof pg
 let loading: Promise<Driver> | undefined
 
 /**
- * Loads `pg` (once per process). Fails with a `LockBackendError` naming the package when it is
- * not installed.
+ * Loads `pg` (once per process) for `backend`. Fails with a `LockBackendError` (`operation`)
+ * naming the package when it is not installed; a later call tries again.
  */
-export const load: Effect.Effect<Driver, LockBackendError> = Effect.tryPromise({
-  try: () => {
-    loading ??= import("pg").then((module: { readonly default?: Driver }) => module.default ?? (module as unknown as Driver))
-    return loading.catch((error: unknown) => {
-      loading = undefined
-      throw error
-    })
-  },
-  catch: (cause) =>
-    new LockBackendError({
-      operation: "load driver",
-      cause: new Error(`PgAdvisory needs the "pg" package (npm install pg): ${String(cause)}`)
-    })
-})
+export const loadFor = (backend: string, operation: string): Effect.Effect<Driver, LockBackendError> =>
+  Effect.tryPromise({
+    try: () => {
+      loading ??= import("pg").then((module: { readonly default?: Driver }) => module.default ?? (module as unknown as Driver))
+      return loading.catch((error: unknown) => {
+        loading = undefined
+        throw error
+      })
+    },
+    catch: (cause) =>
+      new LockBackendError({
+        operation,
+        cause: new Error(`${backend} needs the "pg" package (npm install pg): ${String(cause)}`)
+      })
+  })
+
+/** PgAdvisory's load. */
+export const load: Effect.Effect<Driver, LockBackendError> = loadFor("PgAdvisory", "load driver")
 
 /** A statement's failure, classified by what it proves about the session. */
 export type StatementFailure =
@@ -51,6 +66,13 @@ export const classify = (error: unknown): StatementFailure => {
   const code = sqlStateOf(error)
   if (code !== undefined && !FATAL_CLASSES.some((c) => code.startsWith(c))) return { _tag: "Sql", code, error }
   return { _tag: "Connection", error }
+}
+
+/** A statement (or an open) that got no answer within its bound; its connection was destroyed. */
+export class StatementTimeout extends Error {
+  constructor(readonly boundMillis: number, what = "the statement") {
+    super(`${what} got no answer within ${boundMillis} ms`)
+  }
 }
 
 /** How to reach the server, resolved once per layer. */
@@ -105,6 +127,29 @@ export const clientConfig = (config: ConnectConfig): pg.ClientConfig => {
   }
 }
 
+/** The longest delay `setTimeout` keeps (a longer one fires at once). */
+const MAX_TIMER_MILLIS = 2_147_483_647
+
+/**
+ * A stall-safe timer: `onTimeout` runs `millis` after now unless cancelled, but only after the
+ * event loop has read the I/O that was ready when the timer fired. Returns the cancel.
+ */
+export const stallSafeTimer = (millis: number, onTimeout: () => void): () => void => {
+  let cancelled = false
+  const timer = setTimeout(() =>
+    setImmediate(() =>
+      setImmediate(() => {
+        if (!cancelled) onTimeout()
+      })
+    ), Math.min(Math.max(0, millis), MAX_TIMER_MILLIS))
+  return () => {
+    cancelled = true
+    clearTimeout(timer)
+  }
+}
+
+const noTimer = () => {}
+
 /** Callbacks a session owner wants for the life of one client (called outside any fiber). */
 export interface ClientEvents {
   /** The connection is gone ('error' or 'end'): every session lock on it is gone too. */
@@ -112,79 +157,164 @@ export interface ClientEvents {
   readonly onNotification?: (channel: string, payload: string | undefined) => void
 }
 
+/** What a backend wants of a new client besides the connect. */
+export interface OpenOptions {
+  readonly events?: ClientEvents | undefined
+  /** Run once on the new client (simple protocol) before it is handed out, with its answer. */
+  readonly setup?: string | undefined
+  /** Bound on the connect and the setup together; past it the client is destroyed. */
+  readonly boundMillis?: number | undefined
+}
+
+/** An open client, and the answer to its setup when there was one. */
+export interface Opened {
+  readonly client: pg.Client
+  readonly setup: pg.QueryResult | undefined
+}
+
 /**
- * Connects a raw client. The 'error' listener is attached before connect: without one, a
- * terminated backend would crash the Node process. Interrupting the connect destroys the client.
+ * Opens a client: connect, then the setup; `done` is called once, with the client or with why it
+ * did not open (a client that did not open is destroyed). The 'error' listener is attached before
+ * connect: without one, a terminated backend would crash the Node process. Returns the abort,
+ * which destroys a client still opening.
  */
+export const openClient = (
+  driver: Driver,
+  config: pg.ClientConfig,
+  options: OpenOptions,
+  done: (opened: Opened | undefined, error?: unknown) => void
+): () => void => {
+  const client = new driver.Client(config)
+  // A password function must survive a URL: node-pg lets the URL's (possibly empty) password
+  // override the config's, so it is set on the client itself, where pg asks it at connect.
+  if (typeof config.password === "function") (client as unknown as { password: unknown }).password = config.password
+  const events = options.events
+  let connected = false
+  let settled = false
+  client.on("error", (error: unknown) => {
+    if (connected) events?.onClosed(error)
+  })
+  client.on("end", () => {
+    if (connected) events?.onClosed(new Error("connection ended"))
+  })
+  const onNotification = events?.onNotification
+  if (onNotification !== undefined) client.on("notification", (message) => onNotification(message.channel, message.payload))
+  const finish = (setup: pg.QueryResult | undefined, error?: unknown) => {
+    if (settled) return
+    settled = true
+    cancelTimer()
+    if (error === undefined) return done({ client, setup })
+    // Half open: nobody will use it, and the server must not keep it.
+    destroy(client)
+    done(undefined, error)
+  }
+  const bound = options.boundMillis
+  const cancelTimer = bound === undefined
+    ? noTimer
+    : stallSafeTimer(bound, () => finish(undefined, new StatementTimeout(bound, "opening a connection")))
+  client.connect((error: Error | undefined) => {
+    if (error) return finish(undefined, error)
+    // Past its bound or aborted: already destroyed (again here, in case the connect outran it).
+    if (settled) return destroy(client)
+    connected = true
+    if (options.setup === undefined) return finish(undefined)
+    send(client, options.setup, undefined, undefined, undefined, (failure, result) =>
+      failure === undefined ? finish(result) : finish(undefined, failure.error))
+  })
+  return () => {
+    if (settled) return
+    settled = true
+    cancelTimer()
+    destroy(client)
+  }
+}
+
+/** `openClient` as an Effect; interrupting it destroys the client. */
+export const open = (driver: Driver, config: pg.ClientConfig, options: OpenOptions): Effect.Effect<Opened, unknown> =>
+  Effect.async<Opened, unknown>((resume) => {
+    const abort = openClient(driver, config, options, (opened, error) =>
+      resume(opened === undefined ? Effect.fail(error) : Effect.succeed(opened)))
+    return Effect.sync(abort)
+  })
+
+/** Opens a raw client with no setup and no bound of its own (the caller bounds it). */
 export const connect = (driver: Driver, config: pg.ClientConfig, events: ClientEvents): Effect.Effect<pg.Client, unknown> =>
   Effect.async<pg.Client, unknown>((resume) => {
-    const client = new driver.Client(config)
-    // A password function must survive a URL: node-pg lets the URL's (possibly empty) password
-    // override the config's, so it is set on the client itself, where pg asks it at connect.
-    if (typeof config.password === "function") (client as unknown as { password: unknown }).password = config.password
-    let connected = false
-    client.on("error", (error: unknown) => {
-      if (connected) events.onClosed(error)
-    })
-    client.on("end", () => {
-      if (connected) events.onClosed(new Error("connection ended"))
-    })
-    if (events.onNotification !== undefined) {
-      const onNotification = events.onNotification
-      client.on("notification", (message) => onNotification(message.channel, message.payload))
-    }
-    client.connect((error: Error | undefined) => {
-      if (error) {
-        destroy(client)
-        resume(Effect.fail(error))
-      } else {
-        connected = true
-        resume(Effect.succeed(client))
-      }
-    })
-    return Effect.sync(() => destroy(client))
+    const abort = openClient(driver, config, { events }, (opened, error) =>
+      resume(opened === undefined ? Effect.fail(error) : Effect.succeed(opened.client)))
+    return Effect.sync(abort)
   })
 
 /** Statements of each client still waiting for their answer, so that `destroy` can end them. */
 const unanswered = new WeakMap<pg.Client, Set<(failure: StatementFailure) => void>>()
 
+/** Stops waiting for a sent statement; true when it was still unanswered (`done` is then never called). */
+export type Abandon = () => boolean
+
 /**
- * Runs one statement; a text without values goes over the simple protocol (several statements
- * allowed; the last result is kept). A sent statement cannot be taken back: interrupting this
- * only stops waiting for its answer. `destroy` ends it with a `Connection` failure.
+ * Sends one statement; a text without values goes over the simple protocol (several statements
+ * allowed; the last result is kept), with `prepared` as a named statement. `done` is called once:
+ * with the answer, with the server's refusal (`Sql`), or with a `Connection` failure — the
+ * connection failed, `destroy` ended the client first, or `boundMillis` passed first (stall-safe),
+ * in which case the client is destroyed. A sent statement cannot be taken back: abandoning it
+ * only stops waiting for its answer.
+ */
+export const send = (
+  client: pg.Client,
+  text: string,
+  values: ReadonlyArray<unknown> | undefined,
+  prepared: string | undefined,
+  boundMillis: number | undefined,
+  done: (failure: StatementFailure | undefined, result: pg.QueryResult | undefined) => void
+): Abandon => {
+  let waiting = unanswered.get(client)
+  if (waiting === undefined) unanswered.set(client, waiting = new Set())
+  const pending = waiting
+  let answered = false
+  const stop = (): boolean => {
+    if (answered) return false
+    answered = true
+    pending.delete(fail)
+    cancelTimer()
+    return true
+  }
+  const answer = (failure: StatementFailure | undefined, result?: pg.QueryResult) => {
+    if (stop()) done(failure, result)
+  }
+  const fail = (failure: StatementFailure) => answer(failure)
+  const cancelTimer = boundMillis === undefined ? noTimer : stallSafeTimer(boundMillis, () => {
+    answer({ _tag: "Connection", error: new StatementTimeout(boundMillis) })
+    // No answer in time: what the server did is unknown, so the session is destroyed, never reused.
+    destroy(client)
+  })
+  pending.add(fail)
+  const callback = (error: Error | null, result: pg.QueryResult | Array<pg.QueryResult> | undefined) => {
+    if (error) return answer(classify(error))
+    const last = Array.isArray(result) ? result[result.length - 1] : result
+    if (last === undefined) answer({ _tag: "Connection", error: new Error("the statement returned no result") })
+    else answer(undefined, last)
+  }
+  if (values === undefined) client.query(text, callback as never)
+  else if (prepared !== undefined) client.query({ name: prepared, text, values: [...values] }, callback as never)
+  else client.query(text, [...values], callback as never)
+  return stop
+}
+
+/**
+ * `send` as an Effect. Interrupting it only stops waiting for the answer; `destroy` ends it with a
+ * `Connection` failure, and so does `boundMillis` passing (the client is then destroyed).
  */
 export const query = (
   client: pg.Client,
   text: string,
   values?: ReadonlyArray<unknown>,
-  prepared?: string
+  prepared?: string,
+  boundMillis?: number
 ): Effect.Effect<pg.QueryResult, StatementFailure> =>
   Effect.async<pg.QueryResult, StatementFailure>((resume) => {
-    let waiting = unanswered.get(client)
-    if (waiting === undefined) unanswered.set(client, waiting = new Set())
-    const pending = waiting
-    let answered = false
-    const abort = (failure: StatementFailure) => {
-      if (answered) return
-      answered = true
-      resume(Effect.fail(failure))
-    }
-    pending.add(abort)
-    const callback = (error: Error | null, result: pg.QueryResult | Array<pg.QueryResult> | undefined) => {
-      pending.delete(abort)
-      if (answered) return
-      answered = true
-      if (error) return resume(Effect.fail(classify(error)))
-      const last = Array.isArray(result) ? result[result.length - 1] : result
-      resume(
-        last === undefined
-          ? Effect.fail({ _tag: "Connection", error: new Error("the statement returned no result") })
-          : Effect.succeed(last)
-      )
-    }
-    if (values === undefined) client.query(text, callback as never)
-    else if (prepared !== undefined) client.query({ name: prepared, text, values: [...values] }, callback as never)
-    else client.query(text, [...values], callback as never)
+    const abandon = send(client, text, values, prepared, boundMillis, (failure, result) =>
+      resume(failure === undefined ? Effect.succeed(result!) : Effect.fail(failure)))
+    return Effect.sync(abandon)
   })
 
 const preparedNames = new Map<string, string>()
@@ -205,37 +335,19 @@ export const preparedName = (text: string): string => {
 /** True when the session is idle outside any transaction (ReadyForQuery status 'I'). */
 export const isIdle = (client: pg.Client): boolean => client.getTransactionStatus() === "I"
 
-interface DriverPrivate {
-  readonly processID?: unknown
-  readonly secretKey?: unknown
-  readonly connectionParameters?: { readonly host?: unknown; readonly port?: unknown }
-  readonly connection?: { readonly stream?: { destroy?: () => void } }
-}
-
-const internals = (client: pg.Client): DriverPrivate => client as unknown as DriverPrivate
-
-/**
- * The process id the server announced at startup (BackendKeyData). On a direct connection it
- * equals `pg_backend_pid()`; a pooler announces its own key, so they differ behind one.
- */
-export const announcedPid = (client: pg.Client): number | undefined => {
-  const pid = internals(client).processID
-  return typeof pid === "number" ? pid : undefined
-}
-
 /**
  * Closes the socket without waiting for anything: the server ends the backend when it notices,
- * and with it every session lock the backend held.
+ * and with it every session lock the backend held. Statements still unanswered fail at once.
  */
 export const destroy = (client: pg.Client): void => {
   const waiting = unanswered.get(client)
   if (waiting !== undefined) {
     unanswered.delete(client)
     const failure: StatementFailure = { _tag: "Connection", error: new Error("the session was destroyed") }
-    for (const abort of waiting) abort(failure)
+    for (const fail of waiting) fail(failure)
   }
   try {
-    internals(client).connection?.stream?.destroy?.()
+    client.connection?.stream?.destroy?.()
   } catch {
     // already closed
   }
@@ -246,51 +358,6 @@ export const destroy = (client: pg.Client): void => {
 export const end = (client: pg.Client): Effect.Effect<void> =>
   Effect.async<void>((resume) => {
     client.end().then(() => resume(Effect.void), () => resume(Effect.void))
-  })
-
-const CANCEL_REQUEST_CODE = 80877102
-
-/**
- * Sends a protocol CancelRequest (process id + secret key) over a throw-away socket: it needs no
- * pool slot and no login. Completes with true when the server has closed that socket (by then the
- * cancel signal has been delivered to the backend), false when it could not be sent. Never fails
- * and has no bound of its own: the caller bounds it; interrupting it closes the socket.
- */
-export const sendCancel = (client: pg.Client): Effect.Effect<boolean> =>
-  Effect.async<boolean>((resume) => {
-    const priv = internals(client)
-    const pid = priv.processID
-    const secret = priv.secretKey
-    const host = priv.connectionParameters?.host
-    const port = priv.connectionParameters?.port
-    if (typeof pid !== "number" || typeof secret !== "number" || typeof port !== "number") {
-      resume(Effect.succeed(false))
-      return
-    }
-    const socket = typeof host === "string" && host.startsWith("/")
-      ? Net.connect({ path: `${host}/.s.PGSQL.${port}` })
-      : Net.connect({ host: typeof host === "string" && host !== "" ? host : "localhost", port })
-    let done = false
-    const finish = (sent: boolean) => {
-      if (done) return
-      done = true
-      socket.destroy()
-      resume(Effect.succeed(sent))
-    }
-    socket.on("connect", () => {
-      const packet = Buffer.alloc(16)
-      packet.writeInt32BE(16, 0)
-      packet.writeInt32BE(CANCEL_REQUEST_CODE, 4)
-      packet.writeInt32BE(pid, 8)
-      packet.writeInt32BE(secret | 0, 12)
-      socket.write(packet)
-    })
-    socket.on("close", () => finish(true))
-    socket.on("error", () => finish(false))
-    return Effect.sync(() => {
-      done = true
-      socket.destroy()
-    })
   })
 
 /** Quotes a text literal for the simple protocol (as `pg.escapeLiteral`, without loading pg). */
