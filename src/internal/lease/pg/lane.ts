@@ -32,7 +32,8 @@ import * as Stream from "effect/Stream"
 import type pg from "pg"
 import { LockBackendError } from "../../../LockError.js"
 import { monotonicMillis } from "../../core/clock.js"
-import * as Driver from "../../pg/leaseDriver.js"
+import * as Driver from "../../pg/pool.js"
+import { identifier } from "../../pg/driver.js"
 import type { Lane, Sent } from "../lane.js"
 import { awaitWithin, type Owner } from "../../runtime/owner.js"
 import { withinOrFail } from "../../runtime/stallSafe.js"
@@ -110,13 +111,11 @@ const listenOn = (driver: Driver.Driver, config: pg.ClientConfig, bound: Duratio
     client.on("error", dead)
     client.on("end", dead)
     if (connection.broken) dead()
-    yield* Driver.query(connection, `listen ${quoteIdentifier(channel)}`, [], millis).pipe(
+    yield* Driver.query(connection, `listen ${identifier(channel)}`, [], millis).pipe(
       Effect.mapError(statementError("listen", undefined, bound))
     )
     return yield* Deferred.await(lost)
   }))
-
-const quoteIdentifier = (identifier: string) => `"${identifier.replace(/"/g, "\"\"")}"`
 
 /** The lane of connections the backend owns. */
 export const own = (

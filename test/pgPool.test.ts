@@ -9,7 +9,7 @@
 import { describe, expect, it } from "@effect/vitest"
 import { Duration, Effect, Fiber, Layer } from "effect"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
-import * as Driver from "effect-lock/internal/pg/leaseDriver"
+import * as Driver from "effect-lock/internal/pg/pool"
 import * as Net from "node:net"
 import { useTestDatabase, withClient } from "./support/pg.js"
 
