@@ -13,7 +13,6 @@
  */
 import type * as SqlClient from "@effect/sql/SqlClient"
 import type { SqlError } from "@effect/sql/SqlError"
-import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -23,7 +22,7 @@ import type { LockMode } from "../../Lease.js"
 import { LockBackendError, LockTimeout } from "../../LockError.js"
 import { monotonicMillis } from "../core/clock.js"
 import { sqlStateOf } from "../sql/state.js"
-import { detachedRaceFirst, detachedWithin, sleepThenReadIO } from "../runtime/stallSafe.js"
+import { detachedWithin } from "../runtime/stallSafe.js"
 
 /** Default bound on each statement withXactLock sends itself, and on COMMIT/ROLLBACK. */
 export const DEFAULT_STATEMENT_TIMEOUT_MS = 5_000
@@ -132,7 +131,7 @@ const lockInTransaction = (
 
       // The first statement is bounded by the watchdog of `run` (no race of its own: the
       // uncontended path stays one statement); the contended path's statements bound themselves.
-      yield* Deferred.succeed(progress.began, undefined)
+      yield* Effect.sync(() => advance(progress, "began"))
       const tried = yield* sql.unsafe<{ granted: boolean }>(
         `select pg_try_advisory_xact_lock${shared}($1::bigint) as granted`,
         [keyText]
@@ -186,15 +185,78 @@ const lockInTransaction = (
     })
   )
 
-/** What the watchdog of `run` watches. */
+/** What the watchdog of `run` watches: plain fields, set by the transaction's fiber as it goes. */
 interface Progress {
   /** The transaction began (BEGIN answered; the pool's wait for a connection is the pool's to bound). */
-  readonly began: Deferred.Deferred<void>
+  began: boolean
   /** The first lock statement answered. */
   tried: boolean
   /** The body ended (or the lock failed): the COMMIT or ROLLBACK is on its way. */
-  readonly ended: Deferred.Deferred<void>
+  ended: boolean
+  /** The watchdog's hook, called on `began` and `ended`. */
+  onChange: (() => void) | undefined
 }
+
+const advance = (progress: Progress, step: "began" | "ended"): void => {
+  progress[step] = true
+  progress.onChange?.()
+}
+
+type Outcome<A, E> =
+  | { readonly _tag: "Done"; readonly exit: Exit.Exit<A, E> }
+  | { readonly _tag: "Overdue"; readonly what: string }
+
+/**
+ * Waits for the transaction's fiber to end, or for the step it is in to be overdue: the first
+ * lock statement `bound` ms after BEGIN answered, the COMMIT or ROLLBACK `bound` ms after the body
+ * ended. One callback-driven wait, no fiber: it runs once per transaction, on the hot path.
+ */
+const watch = <A, E>(fiber: Fiber.RuntimeFiber<A, E>, progress: Progress, bound: number): Effect.Effect<Outcome<A, E>> =>
+  Effect.async<Outcome<A, E>>((resume) => {
+    let settled = false
+    let stage: "none" | "first" | "commit" = "none"
+    // A real timer, not the Clock's: the statements it bounds run on real time, and a fiber per
+    // transaction is what this replaces.
+    let timer: ReturnType<typeof setTimeout> | undefined
+    let hop: ReturnType<typeof setImmediate> | undefined
+    const stop = () => {
+      clearTimeout(timer)
+      clearImmediate(hop)
+      progress.onChange = undefined
+      fiber.removeObserver(observe)
+    }
+    const settle = (outcome: Outcome<A, E>) => {
+      if (settled) return
+      settled = true
+      stop()
+      resume(Effect.succeed(outcome))
+    }
+    const observe = (exit: Exit.Exit<A, E>) => settle({ _tag: "Done", exit })
+    // Stall-safe (as `sleepThenReadIO`): the timer only opens the question; two turns through the
+    // check phase read what had already arrived before a missing answer counts as overdue.
+    const fire = () => {
+      if (stage === "first" && !progress.tried) settle({ _tag: "Overdue", what: "the transaction lock's first statement" })
+      else if (stage === "commit") settle({ _tag: "Overdue", what: "the transaction's COMMIT or ROLLBACK" })
+    }
+    const arm = (next: "first" | "commit") => {
+      clearTimeout(timer)
+      clearImmediate(hop)
+      stage = next
+      timer = setTimeout(() => {
+        hop = setImmediate(() => {
+          hop = setImmediate(fire)
+        })
+      }, bound)
+    }
+    progress.onChange = () => {
+      if (progress.ended) {
+        if (stage !== "commit") arm("commit")
+      } else if (progress.began && stage === "none") arm("first")
+    }
+    progress.onChange()
+    fiber.addObserver(observe)
+    return Effect.sync(stop)
+  })
 
 /**
  * Runs `self` in a transaction holding the lock. The transaction runs in a daemon fiber watched
@@ -211,7 +273,7 @@ export const run = <A, E, R>(
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
       const { name, statementTimeoutMillis: bound } = request
-      const progress: Progress = { began: yield* Deferred.make<void>(), tried: false, ended: yield* Deferred.make<void>() }
+      const progress: Progress = { began: false, tried: false, ended: false, onChange: undefined }
       // The body's failures and defects are marked so they pass through unchanged; everything
       // else that fails or dies here belongs to the transaction machinery.
       const body = self.pipe(
@@ -220,7 +282,7 @@ export const run = <A, E, R>(
       )
       const transaction = sql.withTransaction(
         Effect.zipRight(lockInTransaction(sql, request, progress), body).pipe(
-          Effect.ensuring(Deferred.succeed(progress.ended, undefined))
+          Effect.ensuring(Effect.sync(() => advance(progress, "ended")))
         )
       ).pipe(
         Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
@@ -238,22 +300,7 @@ export const run = <A, E, R>(
       // A daemon, not a child: a parent fiber waits for its children when it exits, and a stuck
       // COMMIT/ROLLBACK (uninterruptible in @effect/sql) would hold the caller with it.
       const fiber = yield* Effect.forkDaemon(restore(transaction))
-      const watchdog = Effect.gen(function*() {
-        yield* Deferred.await(progress.began)
-        yield* sleepThenReadIO(Duration.millis(bound))
-        if (!progress.tried) return "the transaction lock's first statement"
-        yield* Deferred.await(progress.ended)
-        yield* sleepThenReadIO(Duration.millis(bound))
-        return "the transaction's COMMIT or ROLLBACK"
-      })
-      const outcome = yield* restore(
-        // Detached, not children: an uninterruptible caller's held-back interruption (a guarded
-        // body whose lease was lost) would otherwise end the wait for the transaction at once.
-        detachedRaceFirst(
-          Effect.map(Fiber.await(fiber), (exit) => ({ _tag: "Done", exit }) as const),
-          Effect.map(watchdog, (what) => ({ _tag: "Overdue", what }) as const)
-        )
-      ).pipe(
+      const outcome = yield* restore(watch(fiber, progress, bound)).pipe(
         // Interrupted: the transaction is rolled back; its ROLLBACK gets the same bound.
         Effect.onInterrupt(() => Effect.asVoid(detachedWithin(Fiber.interrupt(fiber), bound)))
       )

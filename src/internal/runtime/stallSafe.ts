@@ -131,22 +131,3 @@ export const detachedWithin = <A, E, R>(
       return Option.some(yield* settled.value)
     })
   )
-
-/**
- * The first of `left` and `right` to end, each run in a fiber of its own rather than as a child of
- * the caller (as `detachedWithin`, for the same reason: a held-back interruption of an
- * uninterruptible caller must not end them); the other is then interrupted in the background.
- * The caller's own interruption, where it is interruptible, interrupts both.
- */
-export const detachedRaceFirst = <A, B>(left: Effect.Effect<A>, right: Effect.Effect<B>): Effect.Effect<A | B> =>
-  Effect.uninterruptibleMask((restore) =>
-    Effect.gen(function*() {
-      const first = yield* Deferred.make<A | B>()
-      const a = yield* forkHelper(Effect.flatMap(Effect.interruptible(left), (value) => Deferred.succeed(first, value)))
-      const b = yield* forkHelper(Effect.flatMap(Effect.interruptible(right), (value) => Deferred.succeed(first, value)))
-      const stop = Effect.zipRight(Fiber.interruptFork(a), Fiber.interruptFork(b))
-      const winner = yield* restore(Deferred.await(first)).pipe(Effect.onInterrupt(() => stop))
-      yield* stop
-      return winner
-    })
-  )
