@@ -12,11 +12,12 @@ import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import type { LockMode } from "effect-lock/Lease"
-import type { Grant, LockBackend } from "effect-lock/LockBackend"
+import type { LostReason } from "effect-lock/LockError"
+import type { AcquireRequest, Grant, LockBackend } from "effect-lock/LockBackend"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import * as Net from "node:net"
 import { monotonicMillis } from "../src/internal/core/clock.js"
-import { contractSuite, freshName, stallSuite, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
+import { contractSuite, freshName, holdFor, stallSuite, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./support/faults.js"
 
 const store = Effect.runSync(MemoryBackend.makeStore)
@@ -29,7 +30,6 @@ contractSuite("MemoryBackend", {
     Effect.map(MemoryBackend.holders(store), (all) => all.filter((lease) => lease.name === name).length),
   advance: TestClock.adjust,
   revoke: (name) => MemoryBackend.revoke(store, name),
-  unordered: "memory locks: a release wakes every waiter, a try and new shared requests may go first (issue 22)",
   maxNameBytes: 1024,
   minTtl: Duration.millis(100)
 })
@@ -158,6 +158,123 @@ describe("MemoryBackend exclusion when the runtime switches fibers every 12 ops"
         if (probe.violations() > 0) overlapping++
       }
       expect(overlapping, `seed ${seed} (re-run with EFFECT_LOCK_TEST_SEED=${seed})`).toBe(0)
+    }))
+})
+
+/**
+ * A waiting request straight to the store (no renewal loop): its lease runs out `ttl` after its
+ * grant. `waits` counts the waits it began.
+ */
+const storeRequest = (
+  name: string,
+  ttl: Duration.DurationInput,
+  lost: Array<LostReason>,
+  waits = { count: 0 }
+): AcquireRequest => ({
+  name,
+  mode: "exclusive",
+  attempt: "wait",
+  ttl: Duration.decode(ttl),
+  deadline: Option.none(),
+  interruptible: (e) => e,
+  waitUntilDeadline: (e) => Effect.zipRight(Effect.sync(() => waits.count++), Effect.asSome(e)),
+  onLost: (reason) => Effect.sync(() => lost.push(reason))
+})
+
+describe("MemoryBackend waiting order", () => {
+  it.scoped("a release wakes only the head waiters that now fit: the shared ones at the head together, none behind a waiting exclusive", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const name = "heads"
+      const letGo = yield* holdFor(yield* node(shared), name)
+      const granted: Array<string> = []
+      const release = new Map<string, Effect.Latch>()
+      const waiters = [["b", "shared"], ["c", "shared"], ["d", "exclusive"], ["e", "shared"]] as const
+      for (const [label, mode] of waiters) {
+        const faults = makeFaults()
+        const process = yield* node(shared, faults)
+        const done = yield* Effect.makeLatch(false)
+        release.set(label, done)
+        yield* Effect.forkScoped(
+          Effect.scoped(Effect.zipRight(process.acquire(name, { mode }), Effect.zipRight(Effect.sync(() => granted.push(label)), done.await)))
+        )
+        // Each is queued before the next one arrives.
+        yield* until(`${label} is queued`, Effect.sync(() => waitingFor(faults, name) === 1))
+      }
+      yield* letGo
+      yield* until("b and c hold together", Effect.sync(() => granted.length === 2))
+      expect([...granted].sort()).toEqual(["b", "c"])
+      // e would fit beside b and c, but it came after the waiting d: both keep waiting.
+      yield* yieldTimes(200)
+      expect(granted).toHaveLength(2)
+      expect((yield* MemoryBackend.holders(shared)).map((h) => h.mode)).toEqual(["shared", "shared"])
+      yield* release.get("b")!.open
+      yield* yieldTimes(200)
+      expect(granted).toHaveLength(2)
+      yield* release.get("c")!.open
+      yield* until("d holds", Effect.sync(() => granted.length === 3))
+      expect(granted[2]).toBe("d")
+      yield* release.get("d")!.open
+      yield* until("e holds", Effect.sync(() => granted.length === 4))
+      expect(granted[3]).toBe("e")
+      yield* release.get("e")!.open
+      yield* until("nothing is held", Effect.map(MemoryBackend.holders(shared), (all) => all.length === 0))
+    }))
+
+  it.scoped("a waiter is woken when the lease ahead of it runs out, also one granted from the queue after it began to wait", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const name = "expiry-ahead"
+      const store = yield* MemoryBackend.makeBackend({ store: shared })
+      const lost: Array<LostReason> = []
+      // a holds for 10 s; b (never renewed, 1 s) and then c wait behind it.
+      const a = yield* store.acquire({ ...storeRequest(name, "10 seconds", lost), attempt: "once" })
+      if (a._tag !== "Granted") throw new Error("expected a grant")
+      const bWaits = { count: 0 }
+      const b = yield* Effect.fork(store.acquire(storeRequest(name, "1 second", lost, bWaits)))
+      yield* until("b is queued", Effect.sync(() => bWaits.count === 1))
+      const cFaults = makeFaults()
+      const c = yield* node(shared, cFaults)
+      const cGrantedAt = yield* Effect.fork(Effect.zipRight(c.acquire(name), monotonicMillis))
+      yield* until("c is queued", Effect.sync(() => waitingFor(cFaults, name) === 1))
+      // b takes the lock at once, with a lease that runs out in 1 s, well before a's would have.
+      const start = yield* monotonicMillis
+      yield* a.grant.release
+      const bGrant = yield* Fiber.join(b)
+      expect(bGrant._tag).toBe("Granted")
+      yield* TestClock.adjust("1 second")
+      // c is woken by b's expiry (not at a's 10 s, whose timer is still pending).
+      yield* until("c got the lock", Effect.map(Fiber.poll(cGrantedAt), Option.isSome))
+      expect(yield* Fiber.join(cGrantedAt)).toBe(start + 1000)
+      expect(lost).toEqual(["stolen"])
+    }))
+
+  it.scoped("a woken waiter interrupted before it takes the lock hands its place on (every yield point)", () =>
+    Effect.gen(function*() {
+      for (let at = 0; at < 40; at++) {
+        yield* Effect.scoped(
+          Effect.gen(function*() {
+            const shared = yield* MemoryBackend.makeStore
+            const name = "handed-on"
+            const letGo = yield* holdFor(yield* node(shared), name)
+            const bFaults = makeFaults()
+            const b = yield* node(shared, bFaults)
+            const cFaults = makeFaults()
+            const c = yield* node(shared, cFaults)
+            const bFiber = yield* Effect.fork(Effect.scoped(Effect.zipRight(b.acquire(name), Effect.never)))
+            yield* until("b is queued", Effect.sync(() => waitingFor(bFaults, name) === 1))
+            const cFiber = yield* Effect.fork(Effect.scoped(Effect.map(c.acquire(name), (lease) => lease.token)))
+            yield* until("c is queued", Effect.sync(() => waitingFor(cFaults, name) === 1))
+            // The release wakes b alone, setting the lock aside for it; b is interrupted `at` turns later.
+            yield* letGo
+            yield* yieldTimes(at)
+            yield* Fiber.interrupt(bFiber)
+            yield* until("c got the lock", Effect.map(Fiber.poll(cFiber), Option.isSome))
+            expect((yield* Fiber.join(cFiber)) > 1n).toBe(true)
+            expect(yield* MemoryBackend.holders(shared)).toEqual([])
+          }).pipe(withYieldBudget(TIGHT_YIELD_BUDGET))
+        )
+      }
     }))
 })
 

@@ -54,11 +54,6 @@ export interface ContractTarget {
   /** How many requests for `name` are queued in the store itself; with `waiting`. */
   readonly waitingCount?: (name: string) => Effect.Effect<number, unknown>
   /**
-   * Why the backend's locks do not keep the waiting order (first in, first out; no try ahead of
-   * a waiter; shared behind a waiting exclusive), when they do not: those cases are skipped, saying so.
-   */
-  readonly unordered?: string
-  /**
    * Takes the lock `name` away from its holder, as an operator would (a lease row revoked, the
    * holding session terminated): its holder learns of the loss on its own.
    */
@@ -105,6 +100,18 @@ export const waitUntil = <E, R>(
     })
   return Effect.suspend(() => step(0))
 }
+
+/** `service` holds `name` from now on; the effect returned lets it go and waits for the release. */
+export const holdFor = (service: DistributedLock.Service, name: string, options?: DistributedLock.AcquireOptions) =>
+  Effect.gen(function*() {
+    const letGo = yield* Effect.makeLatch(false)
+    const holding = yield* Deferred.make<void>()
+    const holder = yield* Effect.fork(
+      Effect.scoped(Effect.zipRight(Effect.zipRight(service.acquire(name, options), Deferred.succeed(holding, undefined)), letGo.await))
+    )
+    yield* Deferred.await(holding)
+    return Effect.zipRight(letGo.open, Fiber.join(holder))
+  })
 
 export const contractSuite = (label: string, target: ContractTarget) => {
   // Both runs of the cases side by side (on real time), then each one's floor case alone.
@@ -216,18 +223,6 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
     until("a renewal reached the store", Effect.sync(() => faults.renewCalls.length > before))
 
   const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
-
-  /** `service` holds `name` from now on; the effect returned lets it go and waits for the release. */
-  const holdFor = (service: DistributedLock.Service, name: string, options?: DistributedLock.AcquireOptions) =>
-    Effect.gen(function*() {
-      const letGo = yield* Effect.makeLatch(false)
-      const holding = yield* Deferred.make<void>()
-      const holder = yield* Effect.fork(
-        Effect.scoped(Effect.zipRight(Effect.zipRight(service.acquire(name, options), Deferred.succeed(holding, undefined)), letGo.await))
-      )
-      yield* Deferred.await(holding)
-      return Effect.zipRight(letGo.open, Fiber.join(holder))
-    })
 
   /**
    * Three processes for the nested-lock cases: `a` will hold `outer` and wait for `inner` inside
@@ -396,11 +391,9 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* stopped.await
       }))
 
-    const orderTest = target.unordered === undefined
-      ? test
-      : (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) => base.skip(`${name} (${target.unordered})`, body)
-
-    orderTest("waiters are served first in, first out", () =>
+    // The waiting order, the same on every backend: first in, first out; no try ahead of a waiter;
+    // a shared request behind a waiting exclusive one.
+    test("waiters are served first in, first out", () =>
       Effect.gen(function*() {
         const a = yield* node()
         const name = freshName("fifo")
@@ -427,7 +420,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect(order).toEqual(["b", "c", "d"])
       }))
 
-    orderTest("a try never overtakes a waiter: with the lock just let go and the waiter not yet back, a try finds it busy", () =>
+    test("a try never overtakes a waiter: with the lock just let go and the waiter not yet back, a try finds it busy", () =>
       Effect.gen(function*() {
         const a = yield* node()
         const bFaults = makeFaults()
@@ -452,8 +445,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect((yield* Fiber.join(waiter)) > 0n).toBe(true)
       }))
 
-    const sharedOrderTest = (target.modes ?? ["exclusive", "shared"]).includes("shared") ? orderTest : test.skip
-    sharedOrderTest("a new shared request queues behind a waiting exclusive one", () =>
+    sharedTest("a new shared request queues behind a waiting exclusive one", () =>
       Effect.gen(function*() {
         const a = yield* node()
         const bFaults = makeFaults()
