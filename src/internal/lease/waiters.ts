@@ -5,11 +5,8 @@
  * from is the hub's business: PostgreSQL's LISTEN connection (`pg/wake`), or this process's
  * own give-backs (`SqliteLease`, whose waiters of other processes poll).
  */
-import * as Deferred from "effect/Deferred"
-import type * as Duration from "effect/Duration"
+import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import * as Exit from "effect/Exit"
-import * as FiberId from "effect/FiberId"
 import type * as Scope from "effect/Scope"
 
 /** What a waiter holds while it waits for one name. */
@@ -91,19 +88,25 @@ export const makeWaiters = (): Waiters => {
         })
     ).pipe(Effect.map((waiter): Subscription => ({
       mark: Effect.sync(() => waiter.wakes),
-      // Clock-driven (TestClock can drive it); a wake-up completes the signal from any callback, in one step.
+      // A raw timer and a callback in one step, not the Clock's sleep raced against the wake-up:
+      // that race is two fibers per wait on every handoff's path (issue 23), and an interrupted
+      // sleep is the TestClock trap of Effect-TS/effect#6910. Lease backends run on real time only.
       wait: (mark, delay) =>
-        Effect.suspend(() => {
-          if (waiter.wakes !== mark) return Effect.succeed(true)
-          const signal = Deferred.unsafeMake<void>(FiberId.none)
-          const woken = () => Deferred.unsafeDone(signal, Exit.void)
+        Effect.async<boolean>((resume) => {
+          if (waiter.wakes !== mark) return resume(Effect.succeed(true))
+          const timer = setTimeout(() => {
+            if (waiter.resume === woken) waiter.resume = undefined
+            resume(Effect.succeed(false))
+          }, Duration.toMillis(delay))
+          const woken = () => {
+            clearTimeout(timer)
+            resume(Effect.succeed(true))
+          }
           waiter.resume = woken
-          return Deferred.await(signal).pipe(
-            Effect.timeoutTo({ duration: delay, onSuccess: () => true, onTimeout: () => false }),
-            Effect.ensuring(Effect.sync(() => {
-              if (waiter.resume === woken) waiter.resume = undefined
-            }))
-          )
+          return Effect.sync(() => {
+            clearTimeout(timer)
+            if (waiter.resume === woken) waiter.resume = undefined
+          })
         })
     })))
 
