@@ -15,8 +15,10 @@
  * units of a woken waiter are set aside for it until it takes them or leaves, and a newcomer (a
  * try included) is served at once only when nobody is queued: nothing overtakes a waiter.
  *
- * A waiter waits for its wake-up only, never on a timer of its own: the expiry of the holders
- * ahead of it is swept by its backend's alarm (`expiry.ts`), whose timers are never interrupted.
+ * A waiter waits for its wake-up, never on a timer of its own for the holders ahead of it: their
+ * expiry is swept by its backend's alarm (`expiry.ts`), whose timers are never interrupted. Its
+ * own deadline, when it has one, is the core's (`waitUntilDeadline`, a sleep raced against the
+ * wait); a wait without a deadline races no sleep at all.
  *
  * Why a queue of its own rather than Effect's `Semaphore`: a store is shared by several layers
  * (processes), and its holders have leases that expire, are renewed, revoked and fenced.
