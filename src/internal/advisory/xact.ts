@@ -22,7 +22,7 @@ import type { LockMode } from "../../Lease.js"
 import { LockBackendError, LockTimeout } from "../../LockError.js"
 import { monotonicMillis } from "../core/clock.js"
 import { sqlStateOf } from "../sql/state.js"
-import { detachedWithin } from "../runtime/stallSafe.js"
+import { detachedWithin, stallSafeTimer } from "../runtime/stallSafe.js"
 
 /** Default bound on each statement withXactLock sends itself, and on COMMIT/ROLLBACK. */
 export const DEFAULT_STATEMENT_TIMEOUT_MS = 5_000
@@ -216,12 +216,10 @@ const watch = <A, E>(fiber: Fiber.RuntimeFiber<A, E>, progress: Progress, bound:
     let settled = false
     let stage: "none" | "first" | "commit" = "none"
     // A real timer, not the Clock's: the statements it bounds run on real time, and a fiber per
-    // transaction is what this replaces.
-    let timer: ReturnType<typeof setTimeout> | undefined
-    let hop: ReturnType<typeof setImmediate> | undefined
+    // transaction is what this replaces. Stall-safe: it reads what had arrived before it counts.
+    let cancelTimer = () => {}
     const stop = () => {
-      clearTimeout(timer)
-      clearImmediate(hop)
+      cancelTimer()
       progress.onChange = undefined
       fiber.removeObserver(observe)
     }
@@ -232,21 +230,14 @@ const watch = <A, E>(fiber: Fiber.RuntimeFiber<A, E>, progress: Progress, bound:
       resume(Effect.succeed(outcome))
     }
     const observe = (exit: Exit.Exit<A, E>) => settle({ _tag: "Done", exit })
-    // Stall-safe (as `sleepThenReadIO`): the timer only opens the question; two turns through the
-    // check phase read what had already arrived before a missing answer counts as overdue.
     const fire = () => {
       if (stage === "first" && !progress.tried) settle({ _tag: "Overdue", what: "the transaction lock's first statement" })
       else if (stage === "commit") settle({ _tag: "Overdue", what: "the transaction's COMMIT or ROLLBACK" })
     }
     const arm = (next: "first" | "commit") => {
-      clearTimeout(timer)
-      clearImmediate(hop)
+      cancelTimer()
       stage = next
-      timer = setTimeout(() => {
-        hop = setImmediate(() => {
-          hop = setImmediate(fire)
-        })
-      }, bound)
+      cancelTimer = stallSafeTimer(bound, fire)
     }
     progress.onChange = () => {
       if (progress.ended) {

@@ -16,10 +16,10 @@ import type { HeldLock, Lease, LockMode } from "../../Lease.js"
 import type { AcquireRequest, AcquireResult, Grant, LockBackend } from "../../LockBackend.js"
 import { LockBackendError, LockTimeout } from "../../LockError.js"
 import type { InvalidLockName, LostReason } from "../../LockError.js"
-import { fiberMillis, monotonicMillis, wholeMillis } from "./clock.js"
+import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./clock.js"
 import * as metrics from "./metrics.js"
 import { type Held, makeRegistry, type Registry, safetyDeadlineOf } from "./registry.js"
-import { timeoutOption } from "../runtime/stallSafe.js"
+import { sleepThenReadIO, stallSafeTimer } from "../runtime/stallSafe.js"
 import { isTraced } from "./tracing.js"
 import { clampTtl, decodeDuration, modeProblem, nameProblem } from "./validate.js"
 
@@ -202,6 +202,8 @@ const attemptOnce = <G extends Grant, X extends object>(
   // Per attempt: a loss reported for a grant that was never handed out concerns only it.
   const state: AttemptState<G> = { held: undefined, lostEarly: undefined, discarded: false }
   const { deadline, registry } = take
+  // A raw timer only on the live clock: a TestClock (or the user's own Clock) drives deadlines.
+  const liveClock = clockOf(take.fiber) === LIVE_CLOCK
   const request: AcquireRequest & X = {
     ...take.extra,
     name: take.name,
@@ -211,13 +213,14 @@ const attemptOnce = <G extends Grant, X extends object>(
     deadline,
     interruptible: restore,
     // A wait also ends when the service starts closing (an ordered shutdown does not wait for it).
+    // One race per wait: the step against one callback-driven end (deadline timer, closing).
     waitUntilDeadline: (step) =>
-      restore(Effect.raceFirst(
-        Option.isNone(deadline)
-          ? Effect.asSome(step)
-          : Effect.flatMap(monotonicMillis, (now) => timeoutOption(step, wholeMillis(deadline.value - now))),
-        Effect.as(registry.closing, Option.none())
-      )),
+      Effect.flatMap(monotonicMillis, (now) =>
+        restore(Effect.raceFirst(
+          Effect.asSome(step),
+          // Interruptible even inside an uninterruptible caller: the losing end must stop at once.
+          Effect.interruptible(waitEnd(registry, Option.map(deadline, (at) => wholeMillis(at - now)), liveClock))
+        ))),
     onLost: (reason) =>
       Effect.suspend(() => {
         if (state.discarded) return Effect.void
@@ -230,6 +233,36 @@ const attemptOnce = <G extends Grant, X extends object>(
   }
   return Effect.flatMap(take.backend.acquire(request), (result) => settle(take, state, result, restore))
 }
+
+/**
+ * `None` once `millis` have passed (stall-safe: an answer that had arrived is read first) or the
+ * service starts closing, whichever is first; never without a deadline until closing.
+ */
+const waitEnd = (
+  registry: Pick<Registry<Grant>, "whenClosing">,
+  millis: Option.Option<number>,
+  liveClock: boolean
+): Effect.Effect<Option.Option<never>> => {
+  const closing = Effect.async<Option.Option<never>>((resume) => {
+    const unsubscribe = registry.whenClosing(() => resume(Effect.succeedNone))
+    return Effect.sync(unsubscribe)
+  })
+  if (Option.isNone(millis)) return closing
+  // On another clock the deadline is its sleep (a second race, off the production path).
+  if (!liveClock) return Effect.raceFirst(Effect.as(sleepThenReadIO(Duration.millis(millis.value)), Option.none()), closing)
+  return Effect.async<Option.Option<never>>((resume) => {
+    const end = () => resume(Effect.succeedNone)
+    const cancelTimer = stallSafeTimer(millis.value, end)
+    const unsubscribe = registry.whenClosing(end)
+    return Effect.sync(() => {
+      cancelTimer()
+      unsubscribe()
+    })
+  })
+}
+
+/** The Clock of the default runtime: a fiber on it runs on real time. */
+const LIVE_CLOCK = Effect.runSync(Effect.clock)
 
 /** Hands the grant out, or gives it back and decides what next; the checks and the hand-over are one step. */
 const settle = <G extends Grant, X extends object>(

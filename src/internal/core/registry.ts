@@ -138,8 +138,12 @@ export interface Registry<G extends Grant> {
   readonly snapshot: Effect.Effect<ReadonlyArray<HeldLock>>
   /** True once the service is closing: no new grants are handed out. */
   readonly isClosed: () => boolean
-  /** Completes when the service starts closing: waits of acquisitions in flight end then. */
-  readonly closing: Effect.Effect<void>
+  /**
+   * Calls `listener` when the service starts closing (at once if it has): waits of acquisitions
+   * in flight end then. Returns the unsubscribe. A callback, not an Effect to race: it is armed
+   * on every wait of every acquisition.
+   */
+  readonly whenClosing: (listener: () => void) => () => void
   /**
    * Counts an acquisition in flight until `self` ends: closing waits for it to settle (its grant
    * handed out or given back) before the backend's connections close.
@@ -170,7 +174,7 @@ export const makeRegistry = <G extends Grant>(
     /** Renewal calls in flight; due leases wait for a free slot and then go in one batch. */
     let inFlight = 0
     let closed = false
-    const closingSignal = Deferred.unsafeMake<void>(FiberId.none)
+    const closingListeners = new Set<() => void>()
     /** Acquisitions in flight, and the signal closing waits on for them to settle. */
     let takes = 0
     const takesSettled = Deferred.unsafeMake<void>(FiberId.none)
@@ -253,16 +257,12 @@ export const makeRegistry = <G extends Grant>(
         )
       })
 
-    /** The grant's release, bounded (stall-safe) unless the backend's release is instant. */
-    const giveBack = (name: string, grant: G, labels: metrics.Labels): Effect.Effect<void> => {
-      const release = backend.instantRelease === true
-        ? grant.release
-        : Effect.flatMap(timeoutOption(grant.release, wholeMillis(releaseTimeoutMillis)), (done) =>
-          Option.isSome(done)
-            ? Effect.void
-            : Effect.fail(new Error(`release did not finish within ${Duration.format(options.releaseTimeout)}`)))
-      return Effect.catchAllCause(release, (cause) => giveBackFailed(name, String(grant.token), labels, cause))
-    }
+    /**
+     * The grant's release, its failure reported. Its bound is the one `owned` keeps around it (a
+     * timer, not a race of two more fibers per release: this is on every cycle's path).
+     */
+    const giveBack = (name: string, grant: G, labels: metrics.Labels): Effect.Effect<void> =>
+      Effect.catchAllCause(grant.release, (cause) => giveBackFailed(name, String(grant.token), labels, cause))
 
     /**
      * Runs a release on the owner's runtime and waits for it, bounded whatever it does (an
@@ -301,9 +301,10 @@ export const makeRegistry = <G extends Grant>(
           ? back
           : Effect.zipRight(timeoutOption(Deferred.await(renewing), wholeMillis(releaseTimeoutMillis)), back)
         // An in-process store's release is one synchronous step: nothing to own or to bound.
+        // Bound: releaseTimeout for the release, as much again for a renewal in flight before it.
         const done = backend.instantRelease === true && renewing === undefined
           ? back
-          : owned(work, 2 * releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, String(held.grant.token), held.labels)
+          : owned(work, (renewing === undefined ? 1 : 2) * releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, String(held.grant.token), held.labels)
         return isTraced(fiber)
           ? Effect.withSpan(done, "effect-lock.release", {
             captureStackTrace: false,
@@ -548,7 +549,8 @@ export const makeRegistry = <G extends Grant>(
     const close = Effect.suspend(() => {
       // 1. No new grant is handed out, and waits of acquisitions in flight end now.
       closed = true
-      Deferred.unsafeDone(closingSignal, Exit.void)
+      for (const listener of closingListeners) listener()
+      closingListeners.clear()
       if (takes === 0) Deferred.unsafeDone(takesSettled, Exit.void)
       const held = Array.from(leases.values())
       // Renewals are stopped first and their signals completed (a renewal fiber interrupted before
@@ -589,7 +591,16 @@ export const makeRegistry = <G extends Grant>(
       toLease,
       snapshot,
       isClosed: () => closed,
-      closing: Deferred.await(closingSignal),
+      whenClosing: (listener) => {
+        if (closed) {
+          listener()
+          return () => {}
+        }
+        closingListeners.add(listener)
+        return () => {
+          closingListeners.delete(listener)
+        }
+      },
       taking,
       close
     }

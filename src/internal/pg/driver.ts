@@ -20,6 +20,7 @@
 import * as Effect from "effect/Effect"
 import type pg from "pg"
 import { LockBackendError } from "../../LockError.js"
+import { stallSafeTimer } from "../runtime/stallSafe.js"
 import { sqlStateOf } from "../sql/state.js"
 
 export { announcedPid, sendCancel } from "./cancel.js"
@@ -127,26 +128,8 @@ export const clientConfig = (config: ConnectConfig): pg.ClientConfig => {
   }
 }
 
-/** The longest delay `setTimeout` keeps (a longer one fires at once). */
-const MAX_TIMER_MILLIS = 2_147_483_647
-
-/**
- * A stall-safe timer: `onTimeout` runs `millis` after now unless cancelled, but only after the
- * event loop has read the I/O that was ready when the timer fired. Returns the cancel.
- */
-export const stallSafeTimer = (millis: number, onTimeout: () => void): () => void => {
-  let cancelled = false
-  const timer = setTimeout(() =>
-    setImmediate(() =>
-      setImmediate(() => {
-        if (!cancelled) onTimeout()
-      })
-    ), Math.min(Math.max(0, millis), MAX_TIMER_MILLIS))
-  return () => {
-    cancelled = true
-    clearTimeout(timer)
-  }
-}
+/** A stall-safe timer (`runtime/stallSafe.ts`), re-exported for the pool. */
+export { stallSafeTimer }
 
 const noTimer = () => {}
 

@@ -34,6 +34,29 @@ export const boundHelper: FiberRef.FiberRef<boolean> = FiberRef.unsafeMake(false
 /** Forks `self` as a daemon helper: the flag is set before it starts (the watch checks a fiber's very first run too). */
 const forkHelper = <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.locally(Effect.forkDaemon(self), boundHelper, true)
 
+/** The longest delay Node's timers take (a longer one fires at once). */
+export const MAX_TIMER_MILLIS = 2_147_483_647
+
+/**
+ * A stall-safe timer outside any fiber: `onTimeout` runs `millis` after now unless cancelled, but
+ * only after the event loop has read the I/O that was ready when the timer fired (two turns
+ * through the check phase, as `yieldToIO`). Returns the cancel. For bounds on the hot path, where
+ * a fiber racing a sleep per statement or per wait is the cost (issue 23).
+ */
+export const stallSafeTimer = (millis: number, onTimeout: () => void): () => void => {
+  let cancelled = false
+  const timer = setTimeout(() =>
+    setImmediate(() =>
+      setImmediate(() => {
+        if (!cancelled) onTimeout()
+      })
+    ), Math.min(Math.max(0, millis), MAX_TIMER_MILLIS))
+  return () => {
+    cancelled = true
+    clearTimeout(timer)
+  }
+}
+
 /** One turn of the event loop through its poll phase: I/O already received is read before this ends. */
 const hop: Effect.Effect<void> = Effect.async<void>((resume) => {
   const handle = setImmediate(() => resume(Effect.void))
