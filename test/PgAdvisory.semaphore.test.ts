@@ -4,8 +4,7 @@
  * something observable (a Deferred, a row of pg_locks), with a bound.
  */
 import { afterAll, describe, expect, it } from "@effect/vitest"
-import { Context, Deferred, Effect, Exit, Fiber, Layer, Option, Schedule } from "effect"
-import type * as Scope from "effect/Scope"
+import { Context, Deferred, Effect, Exit, Fiber, Layer, Option, Schedule, Scope } from "effect"
 import pg from "pg"
 import * as DistributedLock from "../src/DistributedLock.js"
 import * as DistributedSemaphore from "../src/DistributedSemaphore.js"
@@ -15,6 +14,7 @@ import * as optionsOf from "../src/internal/advisory/options.js"
 import { markerKeyOf, permitKeysOf, slotKeyOf } from "../src/internal/advisory/permits.js"
 import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
 import { yieldTimes } from "./support/faults.js"
+import { frozen } from "./support/freeze.js"
 import { countSessions, HARNESS_APPLICATION_NAME, terminateBackends, useTestDatabase, withClient } from "./support/pg.js"
 import { seededRandom, testSeed } from "./support/random.js"
 import { eventually as pollUntil } from "./support/eventually.js"
@@ -54,12 +54,12 @@ class AttemptCounter extends pg.Client {
   }
 }
 
-/** `nodeWithoutFallback` whose attempt statements are counted in `attemptsSent`. */
-const countedNode = (applicationName: string) =>
+/** A layer whose attempt statements are counted in `attemptsSent`; by default `nodeWithoutFallback`'s. */
+const countedNode = (applicationName: string, permitRetryMillis = 60_000) =>
   Layer.build(
     DistributedSemaphore.layerBackend(
       Effect.flatMap(optionsOf.resolve({ url: db.url, applicationName }), (options) =>
-        engine.makeWith({ ...options, permitRetryMillis: 60_000 }, { ...pg, Client: AttemptCounter } as unknown as typeof pg))
+        engine.makeWith({ ...options, permitRetryMillis }, { ...pg, Client: AttemptCounter } as unknown as typeof pg))
     )
   )
 
@@ -103,6 +103,27 @@ const locksOf = (applicationName: string): Effect.Effect<ReadonlyArray<HeldKey>>
 
 const eventually = <A>(what: string, read: Effect.Effect<A>, check: (a: A) => boolean, ms = 5_000): Effect.Effect<A> =>
   pollUntil(what, read, check, ms)
+
+/** The backend pids of `applicationName`'s sessions that hold the advisory lock `key` (granted). */
+const pidsHolding = (applicationName: string, key: bigint): Effect.Effect<ReadonlyArray<number>> =>
+  Effect.promise(() =>
+    withClient(db.url, async (client) =>
+      (await client.query<{ pid: number }>(
+        `select l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
+         where l.locktype = 'advisory' and l.objsubid = 1 and l.granted and a.application_name = $1
+           and ((l.classid::int8 << 32) | l.objid::int8) = $2::int8`,
+        [applicationName, key.toString()]
+      )).rows.map((row) => row.pid)
+    )
+  )
+
+/** Whether the server backend `pid` still exists. */
+const backendAlive = (pid: number): Effect.Effect<boolean> =>
+  Effect.promise(() =>
+    withClient(db.url, async (client) =>
+      (await client.query("select 1 from pg_stat_activity where pid = $1", [pid])).rowCount === 1
+    )
+  )
 
 /** Until `applicationName` waits registered for the semaphore `name`: it holds the semaphore's interest key. */
 const registered = (applicationName: string, name: string) => {
@@ -407,6 +428,75 @@ describe("DistributedSemaphore on PgAdvisory", () => {
       expect(served).toEqual(apps)
       // Each waiter tried once more, when its turn came: no release woke a waiter that did not fit.
       expect(apps.map((app, i) => (attemptsSent.get(app) ?? 0) - before[i]!)).toEqual([1, 1, 1, 1])
+    }))
+
+  it.scopedLive("a waiter's re-try with too few permits free wakes nobody behind it: its own place counts first", () =>
+    Effect.gen(function*() {
+      const name = "own-place"
+      const holder = semaphoreOf(yield* node("sem-own-holder"))
+      const [meApp, behindApp] = ["sem-own-me", "sem-own-behind"]
+      // Its fallback re-try every ~50 ms: many re-tries of a registered waiter in little time.
+      const me = semaphoreOf(yield* countedNode(meApp, 50))
+      const behind = semaphoreOf(yield* countedNode(behindApp))
+      const releases = yield* Effect.forEach([0, 1, 2], () => Deferred.make<void>())
+      const holds = yield* Effect.forEach(releases, (release) => holdUntil(holder, name, { limit: 3 }, release))
+      const meWaiting = yield* Effect.fork(Effect.scoped(me.acquire(name, { limit: 3, permits: 2, timeout: "30 seconds" })))
+      yield* registered(meApp, name)
+      const behindWaiting = yield* Effect.fork(Effect.scoped(behind.acquire(name, { limit: 3, timeout: "30 seconds" })))
+      yield* registered(behindApp, name)
+      expect((yield* queueOf(name)).map((entry) => entry.permits)).toEqual([2, 1])
+      // One permit free: too few for the head (2), and the waiter behind it waits for the head.
+      yield* Deferred.succeed(releases[0]!, void 0)
+      yield* Fiber.join(holds[0]!.fiber)
+      const behindBefore = attemptsSent.get(behindApp) ?? 0
+      const meBefore = attemptsSent.get(meApp) ?? 0
+      yield* eventually(
+        `${meApp} re-tried 5 times with one permit free`,
+        Effect.sync(() => (attemptsSent.get(meApp) ?? 0) - meBefore),
+        (n) => n >= 5
+      )
+      // None of those re-tries woke the waiter behind (it would have tried, and found itself behind the head again).
+      expect((attemptsSent.get(behindApp) ?? 0) - behindBefore).toBe(0)
+      yield* Effect.forEach(releases.slice(1), (release) => Deferred.succeed(release, void 0), { discard: true })
+      const [first, second] = [yield* Fiber.join(meWaiting), yield* Fiber.join(behindWaiting)]
+      expect(second.tokens[0]!).toBeGreaterThan(first.tokens[1]!)
+    }))
+
+  it.scopedLive("a waiter registering again after its home session died takes a fresh waiter key: the old backend, frozen with the old key, costs the new session nothing", () =>
+    Effect.gen(function*() {
+      const name = "rekey"
+      const app = "sem-rekey-b"
+      const holder = semaphoreOf(yield* node("sem-rekey-a"))
+      const b = semaphoreOf(yield* node(app))
+      const release = yield* Deferred.make<void>()
+      const held = yield* holdUntil(holder, name, { limit: 1 }, release)
+      const waiting = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 1, timeout: "30 seconds" })))
+      // Waiter keys in decimal (readable in a timeout's message).
+      const queueKeys = Effect.map(queueOf(name), (entries) => entries.map((entry) => entry.key.toString()))
+      const [oldKey] = yield* eventually(`"${name}" has b's waiter in its queue`, queueKeys, (keys) => keys.length === 1)
+      const [home] = yield* eventually(`b's home session holds its waiter key`, pidsHolding(app, BigInt(oldKey!)), (pids) => pids.length === 1)
+      // Frozen: b's heartbeat destroys the session on its side, while the backend lives on with the old waiter key.
+      const freezeScope = yield* Scope.make()
+      yield* Effect.addFinalizer(() => Scope.close(freezeScope, Exit.void))
+      yield* frozen([home!]).pipe(Scope.extend(freezeScope))
+      // Registered again on a new home session, behind its old entry (live to the server while the frozen backend holds its key).
+      const queue = yield* eventually(`b's waiter registered again`, queueKeys, (keys) => keys.length === 2, 10_000)
+      expect(queue[0]).toBe(oldKey)
+      expect(queue[1]).not.toBe(oldKey)
+      const [newHome] = yield* eventually(`b's new home session holds its new waiter key`, pidsHolding(app, BigInt(queue[1]!)), (pids) => pids.length === 1)
+      expect(newHome).not.toBe(home)
+      // Another permit of b, on that same new home session: it must outlive everything below.
+      const other = yield* b.acquire("rekey-other", { limit: 1 })
+      expect(yield* pidsHolding(app, slotKeyOf(permitKeysOf("rekey-other", ""), 0))).toEqual([newHome])
+      yield* Scope.close(freezeScope, Exit.void)
+      // The thawed backend finds its client gone and exits, its old waiter key with it.
+      yield* eventually(`the thawed backend ${home} exited`, backendAlive(home!), (alive) => !alive)
+      yield* Deferred.succeed(release, void 0)
+      yield* Fiber.join(held.fiber)
+      const got = yield* Fiber.join(waiting)
+      expect(got.tokens[0]!).toBeGreaterThan(held.permits.tokens[0]!)
+      expect(yield* other.isHeld).toBe(true)
+      expect(yield* pidsHolding(app, slotKeyOf(permitKeysOf("rekey-other", ""), 0))).toEqual([newHome])
     }))
 
   it.scopedLive("a release in the same layer wakes its waiter at once too", () =>

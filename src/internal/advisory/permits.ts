@@ -8,7 +8,9 @@
  * session lock, so a dead session drops its permits; the limit marker of limit `L`
  * (`markerBase # L`) is held shared by every holder and every registered waiter using limit `L`;
  * the fencing row (the semaphore's own key) keeps the counter, the limit in use and the queue of
- * waiters. Each waiter holds a random key of its own while it waits, its *waiter key*.
+ * waiters. Each waiter holds a random key of its own while it waits, its *waiter key* — a new one
+ * each time it registers: the backend of a session this process destroyed may live on for a while
+ * (until its statement ends, or frozen) and still hold the key of an earlier registration.
  *
  * Granting
  * --------
@@ -61,6 +63,15 @@
  * returned true and the session is idle afterwards, the session is destroyed (its other holders
  * are told `connection-lost`). A session that dies tells every holder on it, as for locks. A waiter
  * that leaves without a grant unregisters the same way: proven, or the session is destroyed.
+ *
+ * Rolling deploys
+ * ---------------
+ * During a rolling deploy across the change that brought the queue, processes from before it
+ * ignore `permit_queue`: they take free permits a waiter ahead of them waits for (overtaking it),
+ * and their releases notify with a bare key, not a wake-up naming waiter keys, so a waiter of this
+ * version is not woken by them and falls back to its re-try (`PERMIT_FALLBACK_RETRY_MS`). Nothing
+ * is held twice meanwhile (the slots are what exclude); first in, first out holds once every
+ * replica runs this version.
  */
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
@@ -140,10 +151,11 @@ export const isPermitWake = (payload: string): boolean => payload.startsWith(PER
 /**
  * One waiter of this process, from its first registering attempt to the end of its request. Its
  * key is random (64 bits): unique among the server's waiters without any coordination, and never
- * a key a dead waiter left behind in the queue.
+ * a key a dead waiter left behind in the queue. Each registration takes a new one (`rekey`).
  */
 interface Waiter {
-  readonly keyText: string
+  /** The waiter key of its latest registration. */
+  keyText: string
   readonly name: string
   /** The session its registration was sent on (the home session of that moment). */
   session: Session | undefined
@@ -260,6 +272,17 @@ const addWaiter = (store: PermitStore, keys: PermitKeys): Waiter => {
   set.add(waiter)
   store.byKey.set(waiter.keyText, waiter)
   return waiter
+}
+
+/**
+ * A fresh waiter key for a registration, before its attempt is sent. Never the key of an earlier
+ * registration: the backend of a session this process destroyed can live on (frozen, or until its
+ * statement ends) still holding that key, and a new session's try of it would fail.
+ */
+const rekey = (store: PermitStore, waiter: Waiter): void => {
+  store.byKey.delete(waiter.keyText)
+  waiter.keyText = randomKey()
+  store.byKey.set(waiter.keyText, waiter)
 }
 
 /** Records the session a waiter registers on, before its attempt is sent. */
@@ -579,7 +602,10 @@ const send = (store: PermitStore, session: Session, keys: PermitKeys, request: P
     const registered = wait.registration?.session === session
     const registering = wait.register && !registered && wait.waiter !== undefined
     // Before the statement is sent: a wake-up naming this waiter can arrive before its answer.
-    if (registering) moveWaiter(store, wait.waiter!, session)
+    if (registering) {
+      rekey(store, wait.waiter!)
+      moveWaiter(store, wait.waiter!, session)
+    }
     const submitted = submitStatement(
       session,
       store.attemptSql,
@@ -700,9 +726,11 @@ const acquire = (
         if (Option.isNone(woke)) return TimedOut
       }
     }).pipe(
-      // However the request ends, a place it still has is given up (a grant consumed its own).
-      Effect.ensuring(Effect.zipRight(
-        leave(store, wait, keys),
+      // However the request ends, a place it still has is given up (a grant consumed its own): the
+      // clean-up of a wait, run as the layer's work (out of reach of the caller's stall watch and
+      // transaction); the caller waits for it, within the leave's own statement bound.
+      Effect.ensuring(Effect.ensuring(
+        engine.owner.run(leave(store, wait, keys)),
         Effect.sync(() => wait.waiter !== undefined && removeWaiter(store, wait.waiter))
       ))
     )

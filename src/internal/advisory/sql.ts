@@ -173,15 +173,16 @@ const queueValueSql = (line: string, where: string): string =>
   `(select jsonb_agg(jsonb_build_object('k', l.k::text, 'p', l.p, 's', l.s) order by l.pos) from ${line} l where l.live and ${where})`
 
 /**
- * The waiters to wake: the live entries of `line` (other than the statement's own), in order,
- * while their permits add up to at most `free` — the head waiters that now fit, and no other.
- * Those of other sessions are notified (`notified`: how many notifications), those of this
- * session are returned (`wake`, text[]) for the process to wake itself, with no NOTIFY.
+ * The waiters to wake: the live entries of `line` that `where` keeps, in order, while their
+ * permits add up to at most `free` — the head waiters that now fit, and no other — but the entry
+ * at position `skip` (the statement's own: it counts in the sum, as its place is still taken, yet
+ * is not woken). Those of other sessions are notified (`notified`: how many notifications), those
+ * of this session are returned (`wake`, text[]) for the process to wake itself, with no NOTIFY.
  */
-const wakeCtesSql = (line: string, where: string, free: string, channel: string, payloadKey: string): string =>
+const wakeCtesSql = (line: string, where: string, free: string, channel: string, payloadKey: string, skip = "null::bigint"): string =>
   `wake as materialized (` +
-  `select w.k, w.s from (select l.k, l.s, sum(l.p) over (order by l.pos) as cum from ${line} l where l.live and ${where}) as w ` +
-  `where w.cum <= ${free}` +
+  `select w.k, w.s from (select l.k, l.s, l.pos, sum(l.p) over (order by l.pos) as cum from ${line} l where l.live and ${where}) as w ` +
+  `where w.cum <= ${free} and w.pos is distinct from ${skip}` +
   `), told as materialized (` +
   `select count(pg_notify(${channel}::text, '${PERMIT_WAKE_PREFIX}' || ${payloadKey}::bigint::text || ':' || c.ks))::int as n ` +
   `from (select string_agg(x.k::text, ',') as ks from (select w.k, row_number() over () as r from wake w ` +
@@ -233,14 +234,17 @@ export const permitRowSql = (table: TableRef): string =>
  *    waits longer for it (first in, first out; a try, too, finds the permits busy). It keeps the
  *    first `permits` slots; every other slot taken here is unlocked again in this same statement,
  *    and, when not granted, the marker too unless the request now waits registered (its waiter
- *    key taken). `failed` when an unlock was refused (the caller then destroys the session).
+ *    key taken). A registering request whose waiter key is held elsewhere (it is fresh per
+ *    registration, so only by chance) gives its interest and marker back too: `retry`, not a
+ *    destroyed session. `failed` when an unlock was refused (the caller then destroys the session).
  * 7. `queue` / `bumped`: the queue without its dead entries, without this request once granted,
  *    with it appended once it registers; on a grant the counter goes up by `permits` (tokens
  *    counter-permits+1 .. counter). The row is written only when the grant, the queue or the limit
  *    in use changes.
  * 8. `wake` / `told`: the head waiters that fit in the free slots this statement counted (an
  *    attempt that finds permits freed by a crashed holder, which notified nobody, or that drops a
- *    dead head, lets the waiters behind know).
+ *    dead head, lets the waiters behind know). A registered waiter that stays busy keeps its place:
+ *    its permits count first in that sum, so it wakes nobody behind it who still would not fit.
  *
  * Outcomes: granted | waiting (registered: marker, interest and waiter key held, in the queue) |
  * busy | mismatch | retry | missing (no fencing row) | failed. Parameters: $1 key, $2 limit,
@@ -295,7 +299,12 @@ export const permitAttemptSql = (table: TableRef): string =>
   `when $8::boolean and not pg_advisory_unlock($10::bigint) then 'failed' ` +
   `else 'granted' end ` +
   `when $8::boolean then 'busy' ` +
-  `when t.interested then case when pg_try_advisory_lock($10::bigint) then 'waiting' else 'failed' end ` +
+  // The waiter key is fresh per registration; should it still be held elsewhere, the interest and
+  // marker just taken are given back and the request simply tries again (never 'failed': that
+  // destroys this session with every lock on it).
+  `when t.interested then case when pg_try_advisory_lock($10::bigint) then 'waiting' ` +
+  `when not pg_advisory_unlock_shared($6::bigint) then 'failed' ` +
+  `when not pg_advisory_unlock_shared($5::bigint # $2::bigint) then 'failed' else 'retry' end ` +
   `when not pg_advisory_unlock_shared($5::bigint # $2::bigint) then 'failed' ` +
   `when t.interested is null then 'busy' ` +
   `else 'retry' end as outcome from tally t` +
@@ -314,10 +323,13 @@ export const permitAttemptSql = (table: TableRef): string =>
   `), ` +
   wakeCtesSql(
     "line",
-    "(select f.outcome in ('granted', 'busy', 'waiting') from fin f) and l.pos is distinct from (select f.mine from fin f)",
+    // A granted request's entry is gone from the queue; a busy registered one still holds its place
+    // ahead of those behind it, so its permits count first (the waiters behind it do not fit sooner).
+    "(select f.outcome in ('granted', 'busy', 'waiting') and not (f.outcome = 'granted' and l.pos is not distinct from f.mine) from fin f)",
     "(select case when f.fits then f.n - $3::int else f.n end from fin f)",
     "$12",
-    "$1"
+    "$1",
+    "(select f.mine from fin f)"
   ) +
   ` select fin.outcome, fin.stored, fin.taken, fin.interested, (select b.token::text from bumped b) as token, ` +
   `${wakeColumnsSql}, pg_backend_pid() as pid from fin`
