@@ -19,7 +19,7 @@
  * **a session blocked in a lock wait holds no lock**. No release is ever routed to it, nothing
  * else is sent to it while it waits, and since a waiting backend holds nothing, two processes'
  * waits can never form a deadlock cycle. (The interruption fuzz test samples pg_locks for it.)
- * Each session has one worker fiber draining its queue (`session.ts`).
+ * Each session's queue is drained by driver callbacks, not a fiber (`session.ts`'s pump).
  *
  * Granting
  * --------
@@ -79,9 +79,7 @@ import {
   killOverdue,
   markDead,
   open,
-  statement,
-  worker,
-  workerEnded
+  statement
 } from "./session.js"
 import { isPermitWake, makePermitBackend } from "./permits.js"
 import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, UNINTEREST_SQL } from "./sql.js"
@@ -130,12 +128,9 @@ const makeHints = (pubsub: PubSub.PubSub<Hint>, permits: (hint: Hint) => void): 
   subscribe: PubSub.subscribe(pubsub)
 })
 
-/** Adds a freshly opened session to the engine and starts its worker, unless the layer closed meanwhile. */
+/** Adds a freshly opened session to the engine, unless the layer closed meanwhile. */
 const adopt = (engine: Engine, session: Session): Effect.Effect<void> =>
   Effect.gen(function*() {
-    // The layer's fiber, whoever opened the session: a caller's stall watch or interruption never
-    // stops it. However it ends, the session dies with it and its queued jobs are settled.
-    yield* engine.owner.fork(Effect.ensuring(worker(engine, session), workerEnded(engine, session)))
     if (engine.closing || session.state === "dead") return markDead(engine, session)
     engine.sessions.push(session)
     changed(engine)
@@ -410,6 +405,7 @@ export const makeWith = (
       hints: makeHints(yield* PubSub.sliding<Hint>(64), (hint) => engine.permitHint(hint)),
       permitHint: () => {},
       owner,
+      clock: yield* Effect.clock,
       closing: false,
       nextSessionId: 0,
       openingWait: 0,

@@ -1,15 +1,16 @@
 /**
- * Lock sessions: opening one (bounded connect, setup, affinity check), the one worker fiber per
- * session that drains its job queue, bounded statements, and destroying a session.
+ * Lock sessions: opening one (bounded connect, setup, affinity check), the pump that sends each
+ * session's queued jobs, bounded statements, and destroying a session.
  *
- * One statement runs at a time per session (as node-pg wants). The worker takes whatever queued
- * behind the running statement in one go (`takeBetween`), so concurrent try-locks on a session
- * share one statement and one commit. Every statement has a client-side bound that an event-loop
+ * One statement runs at a time per session (as node-pg wants). The pump is driver callbacks, not
+ * a fiber: a job submitted to an idle session is sent in the submitting step, and the answer's
+ * callback settles its jobs and sends what queued behind it — the adjacent try-locks in one go,
+ * so concurrent try-locks on a session share one statement and one commit. No fiber hop between a
+ * caller and its statement (issue 23). Every statement has a client-side bound that an event-loop
  * stall cannot trip (`stallSafe`), and every answer must come from the backend the session was
  * opened on: a statement without an answer, a failed connection or an answer from another
  * backend destroys the session, and the server then drops every lock it held.
  */
-import * as Chunk from "effect/Chunk"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -18,16 +19,16 @@ import * as Queue from "effect/Queue"
 import type pg from "pg"
 import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as metrics from "../core/metrics.js"
-import { monotonicMillis } from "../core/clock.js"
+import { clockMillis, monotonicMillis } from "../core/clock.js"
 import * as driver from "../pg/driver.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, setupSql, tryBatchSql } from "./sql.js"
-import type { Engine, Job, Row, ServerGrant, Session, Settled, StatementJob, TryJob } from "./state.js"
+import type { Engine, Row, ServerGrant, Session, Settled, StatementJob, TryJob } from "./state.js"
 
 /** Short backend name for spans and metrics. */
 export const BACKEND = "pg-advisory"
 
-/** Most jobs one worker turn takes off the queue. */
+/** Most try-locks one statement carries. */
 const MAX_BATCH = 1_000
 
 const CLOSED: Settled = { _tag: "Failed", failure: { _tag: "Connection", error: new Error("the lock session is closed") } }
@@ -92,28 +93,37 @@ export const markDead = (engine: Engine, session: Session): void => {
     }
   }
   session.grants.clear()
+  // Fails the statement in flight at once (its callback settles its jobs); nothing is queued after this.
   driver.destroy(session.client)
-  // The worker settles what is still queued and stops; nothing can be queued after this.
-  Queue.unsafeOffer(session.jobs, { _tag: "Stop" })
+  settleQueued(engine, session)
   changed(engine)
+}
+
+/** Settles every job still queued on a dead session as failed: nothing waits on a session nobody drains. */
+const settleQueued = (engine: Engine, session: Session): void => {
+  const queued = session.queue.splice(0)
+  for (const job of start(session, queued)) settle(engine, session, job, CLOSED)
 }
 
 /** Destroys a session whose state cannot be proven: the server drops whatever it held. */
 export const kill = (engine: Engine, session: Session, reason: string): Effect.Effect<void> =>
-  Effect.suspend(() => {
-    if (session.state === "dead") return Effect.void
-    const keys = Array.from(session.grants, (grant) => grant.keyText)
-    markDead(engine, session)
-    // At shutdown every session is being ended on purpose: nothing to report.
-    if (engine.closing) return Effect.void
-    return metrics.sessionDestroyed(BACKEND).pipe(
-      Effect.zipRight(
-        Effect.logWarning(`destroyed a lock session (${reason}); the server drops the ${keys.length} lock(s) it held`).pipe(
-          Effect.annotateLogs({ "lock.session": session.id, "lock.keys": keys.join(","), reason })
-        )
+  Effect.suspend(() => killNow(engine, session, reason))
+
+/** `kill` in one synchronous step; what it returns reports the loss (logs, metrics). */
+const killNow = (engine: Engine, session: Session, reason: string): Effect.Effect<void> => {
+  if (session.state === "dead") return Effect.void
+  const keys = Array.from(session.grants, (grant) => grant.keyText)
+  markDead(engine, session)
+  // At shutdown every session is being ended on purpose: nothing to report.
+  if (engine.closing) return Effect.void
+  return metrics.sessionDestroyed(BACKEND).pipe(
+    Effect.zipRight(
+      Effect.logWarning(`destroyed a lock session (${reason}); the server drops the ${keys.length} lock(s) it held`).pipe(
+        Effect.annotateLogs({ "lock.session": session.id, "lock.keys": keys.join(","), reason })
       )
     )
-  })
+  )
+}
 
 const reasonOf = (settled: Settled): string =>
   settled._tag === "NoAnswer"
@@ -133,30 +143,29 @@ const verify = (session: Session, result: pg.QueryResult): Settled => {
 }
 
 /**
- * Runs one statement on the session now (the worker's turn), bounded by `timeoutMillis` (the
- * watchdog, `killOverdue`, destroys the session past it, which ends the statement); destroys the
- * session when the outcome leaves its state unknown.
+ * Sends one statement on the session now, bounded by `timeoutMillis` (the watchdog, `killOverdue`,
+ * destroys the session past it, which ends the statement); `done` gets the outcome, after the
+ * session was destroyed if the outcome leaves its state unknown.
  */
 const execute = (
   engine: Engine,
   session: Session,
   text: string,
   values: ReadonlyArray<unknown> | undefined,
-  timeoutMillis: number
-): Effect.Effect<Settled> =>
-  Effect.flatMap(monotonicMillis, (since) => {
-    session.inflight = { since, bound: timeoutMillis }
-    // Every parameterised statement of a session is one of a few fixed texts: prepared once per
-    // session, then only bound (the server plans it once, not on every grant and release).
-    return driver.query(session.client, text, values, values === undefined ? undefined : driver.preparedName(text)).pipe(
-      Effect.map((result) => verify(session, result)),
-      Effect.catchAll((failure) => Effect.succeed<Settled>({ _tag: "Failed", failure })),
-      Effect.tap((settled) => {
-        session.inflight = undefined
-        return isFatal(settled) ? kill(engine, session, reasonOf(settled)) : Effect.void
-      })
-    )
+  timeoutMillis: number,
+  done: (settled: Settled) => void
+): void => {
+  session.inflight = { since: clockMillis(engine.clock), bound: timeoutMillis }
+  // Every parameterised statement of a session is one of a few fixed texts: prepared once per
+  // session, then only bound (the server plans it once, not on every grant and release).
+  driver.send(session.client, text, values, values === undefined ? undefined : driver.preparedName(text), undefined, (failure, result) => {
+    session.inflight = undefined
+    const settled: Settled = failure === undefined ? verify(session, result!) : { _tag: "Failed", failure }
+    // Destroyed before anyone hears the outcome; the report is the layer's work, off this callback.
+    if (isFatal(settled)) engine.owner.unsafeFork(killNow(engine, session, reasonOf(settled)))
+    done(settled)
   })
+}
 
 /**
  * The watchdog's check: destroys every session whose statement is past its bound. Run it after
@@ -197,88 +206,50 @@ const compareKeys = (a: TryJob, b: TryJob): number => {
   return x < y ? -1 : x > y ? 1 : 0
 }
 
-const runTries = (engine: Engine, session: Session, group: ReadonlyArray<TryJob>): Effect.Effect<void> =>
-  Effect.suspend(() => {
-    // Key order: concurrent batches (other processes' too) lock fencing rows in one order.
-    const live = start(session, group).sort(compareKeys)
-    if (live.length === 0) return Effect.void
-    const values = [live.map((j) => j.keyText), live.map((j) => j.name), live.map((j) => j.shared)]
-    return Effect.map(
-      execute(engine, session, tryBatchSql(engine.options.fencingTable), values, engine.statementTimeoutMillis),
-      (settled) => {
+/**
+ * Sends what is queued at the head of the session's queue unless a statement is on the wire:
+ * adjacent try-locks as one statement, any other job alone. Called when a job is queued and from
+ * each answer's callback, so the session drains in order with no fiber of its own.
+ */
+const pump = (engine: Engine, session: Session): void => {
+  while (!session.busy && session.queue.length > 0) {
+    if (session.state !== "open") return settleQueued(engine, session)
+    const head = session.queue[0]!
+    if (head._tag === "Try") {
+      let end = 1
+      while (end < session.queue.length && end < MAX_BATCH && session.queue[end]!._tag === "Try") end++
+      // Key order: concurrent batches (other processes' too) lock fencing rows in one order.
+      const live = start(session, session.queue.splice(0, end) as Array<TryJob>).sort(compareKeys)
+      if (live.length === 0) continue
+      session.busy = true
+      const values = [live.map((j) => j.keyText), live.map((j) => j.name), live.map((j) => j.shared)]
+      execute(engine, session, tryBatchSql(engine.options.fencingTable), values, engine.statementTimeoutMillis, (settled) => {
+        session.busy = false
         for (const job of live) {
-          settle(
-            engine,
-            session,
-            job,
-            settled._tag === "Ok" ? { _tag: "Ok", rows: settled.rows.filter((row) => row.key === job.keyText) } : settled
-          )
+          settle(engine, session, job, settled._tag === "Ok" ? { _tag: "Ok", rows: settled.rows.filter((row) => row.key === job.keyText) } : settled)
         }
-      }
-    )
-  })
-
-const runStatement = (engine: Engine, session: Session, job: StatementJob): Effect.Effect<void> =>
-  Effect.suspend(() => {
-    if (start(session, [job]).length === 0) return Effect.void
-    return Effect.map(
-      execute(engine, session, job.text, job.values, job.timeoutMillis),
-      (settled) => settle(engine, session, job, settled)
-    )
-  })
-
-/**
- * The session's worker: drains its queue in order, sending adjacent try-locks as one statement,
- * until the session is destroyed; then settles what is left as failed and stops.
- */
-export const worker = (engine: Engine, session: Session): Effect.Effect<void> =>
-  Effect.gen(function*() {
-    while (true) {
-      const batch = Chunk.toReadonlyArray(yield* Queue.takeBetween(session.jobs, 1, MAX_BATCH))
-      let stopped = false
-      let i = 0
-      while (i < batch.length) {
-        const job = batch[i]!
-        if (job._tag === "Stop") {
-          stopped = true
-          i++
-        } else if (session.state !== "open") {
-          if (start(session, [job]).length > 0) settle(engine, session, job, CLOSED)
-          i++
-        } else if (job._tag === "Try") {
-          const group: Array<TryJob> = []
-          for (let next = batch[i]; next !== undefined && next._tag === "Try"; next = batch[++i]) group.push(next)
-          yield* runTries(engine, session, group)
-        } else {
-          yield* runStatement(engine, session, job)
-          i++
-        }
-      }
-      if (stopped) return
+        pump(engine, session)
+      })
+    } else {
+      session.queue.shift()
+      if (start(session, [head]).length === 0) continue
+      session.busy = true
+      execute(engine, session, head.text, head.values, head.timeoutMillis, (settled) => {
+        session.busy = false
+        settle(engine, session, head, settled)
+        pump(engine, session)
+      })
     }
-  })
-
-/**
- * A worker ended (the session died, the layer closed, or a defect): the session is marked dead
- * if it was not, and every job still queued is settled as failed — nothing waits on a session
- * nobody drains. Its own exit, however it came, is observed here.
- */
-export const workerEnded = (engine: Engine, session: Session): Effect.Effect<void> =>
-  Effect.suspend(() => {
-    markDead(engine, session)
-    return Effect.flatMap(Queue.takeAll(session.jobs), (jobs) =>
-      Effect.sync(() => {
-        for (const job of Chunk.toReadonlyArray(jobs)) {
-          if (job._tag !== "Stop" && start(session, [job]).length > 0) settle(engine, session, job, CLOSED)
-        }
-      }))
-  })
+  }
+}
 
 /** Queues a job, in the same synchronous step as checking the session is open. */
 const submit = (session: Session, job: TryJob | StatementJob): boolean => {
   if (session.state !== "open") return false
   session.pending += 1
-  Queue.unsafeOffer(session.jobs, job)
+  session.queue.push(job)
+  // Sent now if the session is idle: the caller's own step, no hop to another fiber.
+  pump(session.engine, session)
   return true
 }
 
@@ -330,7 +301,7 @@ const connectError = (cause: unknown) => new LockBackendError({ operation: "conn
 /**
  * Opens one session: connect and setup, together bounded by the connect timeout, then the affinity
  * check. A client that does not become a session is destroyed. Not added to the engine's
- * sessions (see `adopt`); its worker runs in the engine's fiber set.
+ * sessions (see `adopt`).
  */
 export const open = (
   engine: Engine,
@@ -368,7 +339,9 @@ export const open = (
         claims: 0,
         grants: new Set(),
         permitUses: new Map(),
-        jobs: yield* Queue.unbounded<Job>(),
+        engine,
+        queue: [],
+        busy: false,
         inflight: undefined
       }
       events.session = session

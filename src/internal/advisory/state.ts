@@ -3,6 +3,7 @@
  * granted them and the leases handed to the core. Plain mutable records, changed only in single
  * synchronous steps (one `Effect.sync`), so no other fiber ever sees half an update.
  */
+import type * as Clock from "effect/Clock"
 import type * as Deferred from "effect/Deferred"
 import type * as Effect from "effect/Effect"
 import type * as Queue from "effect/Queue"
@@ -65,12 +66,7 @@ export interface StatementJob {
   readonly done: Deferred.Deferred<Settled>
 }
 
-/** Tells the worker of a destroyed session to settle what is left and stop. */
-export interface StopJob {
-  readonly _tag: "Stop"
-}
-
-export type Job = TryJob | StatementJob | StopJob
+export type Job = TryJob | StatementJob
 
 export interface Session {
   readonly id: number
@@ -96,7 +92,12 @@ export interface Session {
    * session running in order, it always describes the server's state when the next statement runs.
    */
   readonly permitUses: Map<string, PermitUse>
-  readonly jobs: Queue.Queue<Job>
+  /** The engine the session belongs to (its pump settles and reports through it). */
+  readonly engine: Engine
+  /** Jobs submitted and not yet sent, in order (`session.ts`'s pump sends them). */
+  readonly queue: Array<Job>
+  /** A statement of this session is on the wire; the next one waits for its answer. */
+  busy: boolean
   /**
    * The statement on the wire: when it was sent (monotonic Clock ms) and its bound. The engine's
    * watchdog destroys the session once it is overdue (one timer for all sessions, not one per
@@ -178,8 +179,10 @@ export interface Engine {
   readonly hints: Hints
   /** Hints for the permit store (`permits.ts`), set when it is built: its wake-ups, and session changes. */
   permitHint: (hint: Hint) => void
-  /** Runs the engine's own work (session workers, openers, clean-ups of abandoned statements). */
+  /** Runs the engine's own work (openers, loss reports, clean-ups of abandoned statements). */
   readonly owner: Owner
+  /** The Clock the engine was built on (TestClock in the session tests): statements' send times. */
+  readonly clock: Clock.Clock
   closing: boolean
   nextSessionId: number
   openingWait: number
