@@ -5,7 +5,7 @@
  * The wait runs in **slices**: each is one simple-protocol round trip (`SET LOCAL lock_timeout`
  * to the slice, the lock, the fencing bump). A slice's answer proves the session alive, so a
  * frozen or silently dropped wait session is noticed within a slice plus the heartbeat timeout
- * (the worker's bound on the statement) rather than after TCP keepalive's minutes. Between two
+ * (the session's bound on the statement) rather than after TCP keepalive's minutes. Between two
  * slices the waiter is out of the server's queue for one round trip, once every slice.
  *
  * An interrupted wait is cancelled with a protocol CancelRequest, then its outcome is awaited
@@ -120,7 +120,7 @@ export const blockingWait = (
         const token = tokenOf(settled)
         if (token !== undefined) return yield* recordGrant(engine, session, key, keyText, token, request, admission, true)
       }
-      // No answer, connection lost, moved: the worker destroyed the session; the server drops the wait.
+      // No answer, connection lost, moved: the session was destroyed; the server drops the wait.
       const moved = movedError(request.name, settled)
       if (moved !== undefined) return yield* moved
       if (isFatal(settled)) return Retry

@@ -1,12 +1,12 @@
 /**
  * The runtime a backend layer owns for the work it does on its own behalf: statements in flight,
- * give-backs, session workers and openers, listeners, the clean-up of an interrupted wait, the
+ * give-backs, session openers, loss reports, listeners, the clean-up of an interrupted wait, the
  * release of a lease.
  *
  * Why: a fiber forked from the caller's fiber (`fork`, `forkIn`, `forkDaemon` alike) inherits the
  * caller's FiberRefs — its supervisor among them. A guarded body's stall watch is such a
  * supervisor: once the body's lease is lost it interrupts every fiber it watches on its next
- * resume, so a give-back, an attempt or a session worker started from inside that body would be
+ * resume, so a give-back, an attempt or a session opener started from inside that body would be
  * stopped half-way, leaving a lock held that nobody holds. A caller's transaction travels the same
  * way (a statement sent from a forked fiber would join it). Fibers started here begin from the
  * runtime captured when the layer was built — no supervisor, no transaction, no caller — and are
