@@ -12,6 +12,7 @@ import * as PgAdvisory from "effect-lock/PgAdvisory"
 import * as Driver from "effect-lock/internal/pg/pool"
 import * as Net from "node:net"
 import { useTestDatabase, withClient } from "./support/pg.js"
+import { waitFor } from "./support/eventually.js"
 
 const db = useTestDatabase("lease_driver")
 
@@ -27,15 +28,9 @@ const stall = (millis: number) => {
   }
 }
 
-/** Waits (polling, bounded) until `check` holds. */
+/** Until `check` holds, within the bound (the shared poll loop). */
 const eventually = (check: () => Promise<boolean>, withinMillis = BOUND_MS) =>
-  Effect.gen(function*() {
-    const until = performance.now() + withinMillis
-    while (!(yield* Effect.promise(check))) {
-      if (performance.now() > until) return yield* Effect.die(new Error(`not true within ${withinMillis} ms`))
-      yield* Effect.sleep(Duration.millis(25))
-    }
-  })
+  waitFor("the condition", Effect.promise(check), Duration.millis(withinMillis))
 
 const backendAlive = (pid: number) =>
   withClient(db.url, async (client) =>
