@@ -53,7 +53,7 @@ export const renderSideBySide = (
   const entries: ReadonlyArray<Entry> = [
     { name: "effect-lock PgAdvisory.layer", floor: "raw pg, same fenced statements", throughput: library("pg-advisory"), handoff: libraryHandoff("pg-advisory-8") },
     { name: "effect-lock PgLease.layer", floor: "raw pg, same statements", throughput: library("pg-lease"), handoff: libraryHandoff("pg-lease-notify") },
-    { name: "effect-lock PgAdvisory.withXactLock", floor: "raw pg, same statements", throughput: library("pg-xact"), handoff: undefined },
+    { name: "effect-lock PgAdvisory.withXactLock", floor: "@effect/sql-pg withTransaction, same statements", throughput: library("pg-xact"), handoff: undefined },
     { name: "effect-lock MemoryBackend.layer", floor: "Effect.makeSemaphore", throughput: library("memory"), handoff: undefined },
     { name: "advisory-lock", floor: "raw pg lock + unlock", throughput: peer("advisory-lock"), handoff: peerHandoff("advisory-lock") },
     { name: "effect-distributed-lock (defaults)", floor: "raw Redis SET NX PX + CAD", throughput: peer("edl-push"), handoff: peerHandoff("edl-push") }
