@@ -457,8 +457,14 @@ describe("DistributedSemaphore on PgAdvisory", () => {
       )
       // None of those re-tries woke the waiter behind (it would have tried, and found itself behind the head again).
       expect((attemptsSent.get(behindApp) ?? 0) - behindBefore).toBe(0)
-      yield* Effect.forEach(releases.slice(1), (release) => Deferred.succeed(release, void 0), { discard: true })
-      const [first, second] = [yield* Fiber.join(meWaiting), yield* Fiber.join(behindWaiting)]
+      // Two permits free: exactly the head's; the waiter behind still waits for it.
+      yield* Deferred.succeed(releases[1]!, void 0)
+      const first = yield* Fiber.join(meWaiting)
+      expect(first.tokens).toHaveLength(2)
+      expect(Option.isNone(yield* Fiber.poll(behindWaiting))).toBe(true)
+      // (Released together, both would fit at once and could take their permits in either order.)
+      yield* Deferred.succeed(releases[2]!, void 0)
+      const second = yield* Fiber.join(behindWaiting)
       expect(second.tokens[0]!).toBeGreaterThan(first.tokens[1]!)
     }))
 
