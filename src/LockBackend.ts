@@ -79,6 +79,13 @@ export interface Grant {
    * bounded; where release cannot be proven, the backend destroys the session holding it.
    */
   readonly release: Effect.Effect<void, LockBackendError>
+  /**
+   * Optional: starts `release` as the backend's own work — driven by its driver's callbacks, on no
+   * fiber of the caller's — and calls `done` once, when it has finished (with the failure, if any).
+   * When present, the core waits for it with one callback and one timer (its bound) instead of
+   * running `release` as a fiber of the layer: a caller that stops waiting never stops the give-back.
+   */
+  readonly releaseNow?: ((done: (failure: LockBackendError | undefined) => void) => void) | undefined
 }
 
 /**

@@ -17,7 +17,7 @@ import { monotonicMillis } from "../core/clock.js"
 import { lockTagOfKey } from "./inspect.js"
 import type { Admission } from "./localKeys.js"
 import * as driver from "../pg/driver.js"
-import { changed, forgetShared, isFatal, kill, movedError, sqlCode, statement, submitStatement, submitTry, type Submitted, takeBack } from "./session.js"
+import { changed, forgetShared, isFatal, kill, killInBackground, movedError, sqlCode, statement, submitStatementThen, submitTry, type Submitted, takeBack } from "./session.js"
 import { advisoryKey } from "../core/lockKey.js"
 import { CHANNEL, INTEREST_NAMESPACE, joinBumpSql, releaseSql, undoSql } from "./sql.js"
 import type { Engine, Holder, ServerGrant, Session, Settled } from "./state.js"
@@ -66,45 +66,53 @@ const failed = (request: AcquireRequest, settled: Settled) =>
 /**
  * Gives a grant back to the server once no holder uses it; destroys what it cannot prove. The
  * unlock is queued in the same step that closes the grant, so a later try of the key on the same
- * session runs after it.
+ * session runs after it. The layer's own work, driven by the answer's callback: `done` is called
+ * once it is finished, whatever happens meanwhile to whoever waits for it.
  */
-export const closeIfUnused = (engine: Engine, grant: ServerGrant): Effect.Effect<void> =>
-  Effect.suspend(() => {
-    if (grant.holders.size > 0 || grant.closed) return Effect.void
-    grant.closed = true
-    forgetShared(engine, grant)
-    const session = grant.session
-    // The lock died with its session; there is nothing left to unlock.
-    if (session.state !== "open") return Effect.void
-    const unlock = submitStatement(
-      session,
-      releaseSql(grant.mode),
-      [grant.keyText, interestKeyOf(grant.keyText), CHANNEL],
-      engine.statementTimeoutMillis
-    )
-    return Effect.flatMap(unlock.outcome, (settled) => {
-      const released = settled._tag === "Ok" && settled.rows[0]?.released === true
-      if (!released || !driver.isIdle(session.client)) {
-        // The unlock is unproven: the session (and any other lock on it) is destroyed, never reused.
-        return kill(engine, session, "an unlock was not proven")
-      }
-      return Effect.sync(() => {
-        session.grants.delete(grant)
-        if (session.role === "wait" && session.grants.size === 0) changed(engine)
-        // Requests of this process waiting in-process for the key try again now.
-        engine.hints.unsafeOffer({ _tag: "Released", keyText: grant.keyText })
-      })
-    })
+export const closeIfUnusedNow = (engine: Engine, grant: ServerGrant, done: () => void): void => {
+  if (grant.holders.size > 0 || grant.closed) return done()
+  grant.closed = true
+  forgetShared(engine, grant)
+  const session = grant.session
+  // The lock died with its session; there is nothing left to unlock.
+  if (session.state !== "open") return done()
+  const values = [grant.keyText, interestKeyOf(grant.keyText), CHANNEL]
+  submitStatementThen(session, releaseSql(grant.mode), values, engine.statementTimeoutMillis, (settled) => {
+    const released = settled._tag === "Ok" && settled.rows[0]?.released === true
+    if (!released || !driver.isIdle(session.client)) {
+      // The unlock is unproven: the session (and any other lock on it) is destroyed, never reused.
+      killInBackground(engine, session, "an unlock was not proven")
+    } else {
+      session.grants.delete(grant)
+      if (session.role === "wait" && session.grants.size === 0) changed(engine)
+      // Requests of this process waiting in-process for the key try again now.
+      engine.hints.unsafeOffer({ _tag: "Released", keyText: grant.keyText })
+    }
+    done()
   })
+}
 
-/** The lease's release: the grant goes back once its last holder leaves; then the key's admission. */
+/** `closeIfUnusedNow`, waited for. Interrupting the wait does not stop the give-back. */
+export const closeIfUnused = (engine: Engine, grant: ServerGrant): Effect.Effect<void> =>
+  Effect.async<void>((resume) => closeIfUnusedNow(engine, grant, () => resume(Effect.void)))
+
+/**
+ * The lease's release: the grant goes back once its last holder leaves; then the key's admission.
+ * Driven by callbacks (see `closeIfUnusedNow`); `done` is called once it is finished.
+ */
+export const releaseNow = (engine: Engine, holder: Holder, done: () => void): void => {
+  if (holder.state === "released") return done()
+  holder.state = "released"
+  holder.grant.holders.delete(holder)
+  closeIfUnusedNow(engine, holder.grant, () => {
+    engine.local.leaveNow(holder.admission, true)
+    done()
+  })
+}
+
+/** `releaseNow`, waited for. Interrupting the wait does not stop the release. */
 export const release = (engine: Engine, holder: Holder): Effect.Effect<void> =>
-  Effect.suspend(() => {
-    if (holder.state === "released") return Effect.void
-    holder.state = "released"
-    holder.grant.holders.delete(holder)
-    return Effect.zipRight(closeIfUnused(engine, holder.grant), engine.local.leave(holder.admission, true))
-  }).pipe(Effect.uninterruptible)
+  Effect.async<void>((resume) => releaseNow(engine, holder, () => resume(Effect.void)))
 
 const newHolder = (grant: ServerGrant, request: AcquireRequest, admission: Admission): Holder => ({
   grant,
@@ -135,7 +143,12 @@ const attach = (
     grant.holders.add(holder)
     return Effect.as(engine.local.granted(admission), {
       _tag: "Granted",
-      grant: { token, validUntil: Option.none(), release: release(engine, holder) }
+      grant: {
+        token,
+        validUntil: Option.none(),
+        release: release(engine, holder),
+        releaseNow: (done: (failure: undefined) => void) => releaseNow(engine, holder, () => done(undefined))
+      }
     } as const)
   })
 

@@ -52,6 +52,12 @@ export interface LocalKeys {
   readonly granted: (admission: Admission) => Effect.Effect<void>
   /** The admitted request ends: never granted, or its grant is released. Wakes the next ones. */
   readonly leave: (admission: Admission, wasGranted: boolean) => Effect.Effect<void>
+  /** `leave` in this synchronous step (from a driver callback). */
+  readonly leaveNow: (admission: Admission, wasGranted: boolean) => void
+  /** `tryAdmit` in this synchronous step; `undefined` when not admitted. */
+  readonly admitNow: (key: string, mode: LockMode) => Admission | undefined
+  /** `granted` in this synchronous step. */
+  readonly grantedNow: (admission: Admission) => void
 }
 
 export const makeLocalKeys = (): LocalKeys => {
@@ -146,14 +152,25 @@ export const makeLocalKeys = (): LocalKeys => {
     return { key, mode }
   }
 
+  const tryAdmitNow = (key: string, mode: LockMode): Admission | undefined => {
+    const admitted = admitNow(key, mode)
+    // An entry made only to look is dropped again.
+    if (admitted === undefined) pump(key, entryOf(key))
+    return admitted
+  }
+
+  const grantedNow = (admission: Admission): void => {
+    if (admission.mode !== "shared") return
+    const entry = entries.get(admission.key)
+    if (entry === undefined) return
+    entry.sharedPending = false
+    entry.sharedHeld += 1
+    pump(admission.key, entry)
+  }
+
   return {
-    tryAdmit: (key, mode) =>
-      Effect.sync(() => {
-        const admitted = admitNow(key, mode)
-        // An entry made only to look is dropped again.
-        if (admitted === undefined) pump(key, entryOf(key))
-        return Option.fromNullable(admitted)
-      }),
+    tryAdmit: (key, mode) => Effect.sync(() => Option.fromNullable(tryAdmitNow(key, mode))),
+    admitNow: tryAdmitNow,
 
     admit: (key, mode, wait) =>
       Effect.suspend(() => {
@@ -161,16 +178,9 @@ export const makeLocalKeys = (): LocalKeys => {
         return admitted !== undefined ? Effect.succeed(Option.some(admitted)) : queued(key, mode, wait)
       }),
 
-    granted: (admission) =>
-      Effect.sync(() => {
-        if (admission.mode !== "shared") return
-        const entry = entries.get(admission.key)
-        if (entry === undefined) return
-        entry.sharedPending = false
-        entry.sharedHeld += 1
-        pump(admission.key, entry)
-      }),
-
-    leave: (admission, wasGranted) => Effect.sync(() => release(admission.key, admission.mode, wasGranted))
+    granted: (admission) => Effect.sync(() => grantedNow(admission)),
+    grantedNow,
+    leave: (admission, wasGranted) => Effect.sync(() => release(admission.key, admission.mode, wasGranted)),
+    leaveNow: (admission, wasGranted) => release(admission.key, admission.mode, wasGranted)
   }
 }

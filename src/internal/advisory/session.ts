@@ -11,10 +11,7 @@
  * opened on: a statement without an answer, a failed connection or an answer from another
  * backend destroys the session, and the server then drops every lock it held.
  */
-import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
-import * as Exit from "effect/Exit"
-import * as FiberId from "effect/FiberId"
 import * as Queue from "effect/Queue"
 import type pg from "pg"
 import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
@@ -109,6 +106,14 @@ const settleQueued = (engine: Engine, session: Session): void => {
 export const kill = (engine: Engine, session: Session, reason: string): Effect.Effect<void> =>
   Effect.suspend(() => killNow(engine, session, reason))
 
+/**
+ * `kill` from a callback: the session is marked dead in this step, and the report (logs, metrics)
+ * runs as the layer's work.
+ */
+export const killInBackground = (engine: Engine, session: Session, reason: string): void => {
+  engine.owner.unsafeFork(killNow(engine, session, reason))
+}
+
 /** `kill` in one synchronous step; what it returns reports the loss (logs, metrics). */
 const killNow = (engine: Engine, session: Session, reason: string): Effect.Effect<void> => {
   if (session.state === "dead") return Effect.void
@@ -162,7 +167,7 @@ const execute = (
     session.inflight = undefined
     const settled: Settled = failure === undefined ? verify(session, result!) : { _tag: "Failed", failure }
     // Destroyed before anyone hears the outcome; the report is the layer's work, off this callback.
-    if (isFatal(settled)) engine.owner.unsafeFork(killNow(engine, session, reasonOf(settled)))
+    if (isFatal(settled)) killInBackground(engine, session, reasonOf(settled))
     done(settled)
   })
 }
@@ -182,7 +187,7 @@ export const killOverdue = (engine: Engine): Effect.Effect<void> =>
 /** Hands a job its outcome; one synchronous step with the session's bookkeeping. */
 const settle = (engine: Engine, session: Session, job: TryJob | StatementJob, settled: Settled): void => {
   session.pending -= 1
-  Deferred.unsafeDone(job.done, Exit.succeed(settled))
+  job.done(settled)
   if (isFreeWaitSession(session)) changed(engine)
 }
 
@@ -253,16 +258,44 @@ const submit = (session: Session, job: TryJob | StatementJob): boolean => {
   return true
 }
 
+/**
+ * A job's outcome, kept for whoever asks: a plain cell and its waiters, not a Deferred (one per
+ * statement is on every cycle's path, and a Deferred costs more to make than the rest).
+ */
+export class Outcome {
+  settled: Settled | undefined = undefined
+  private waiters: Array<(settled: Settled) => void> | undefined = undefined
+  readonly set = (settled: Settled): void => {
+    this.settled = settled
+    const waiters = this.waiters
+    this.waiters = undefined
+    if (waiters !== undefined) for (const waiter of waiters) waiter(settled)
+  }
+  /** The outcome, once it is there; interrupting the wait only stops this waiter. */
+  readonly await: Effect.Effect<Settled> = Effect.async<Settled>((resume) => {
+    if (this.settled !== undefined) return resume(Effect.succeed(this.settled))
+    const waiter = (settled: Settled) => resume(Effect.succeed(settled))
+    ;(this.waiters ??= []).push(waiter)
+    return Effect.sync(() => {
+      const index = this.waiters?.indexOf(waiter) ?? -1
+      if (index >= 0) this.waiters!.splice(index, 1)
+    })
+  })
+}
+
 /** A job handle: its outcome, and a way to take it back while it is still queued. */
 export interface Submitted {
   readonly job: TryJob | StatementJob
+  /** Waits for the outcome. */
   readonly outcome: Effect.Effect<Settled>
+  /** The outcome when it is already there. */
+  readonly settled: () => Settled | undefined
 }
 
-const submitted = (session: Session, job: TryJob | StatementJob): Submitted => ({
-  job,
-  outcome: submit(session, job) ? Deferred.await(job.done) : Effect.succeed(CLOSED)
-})
+const submitted = (session: Session, job: TryJob | StatementJob, cell: Outcome): Submitted => {
+  if (!submit(session, job)) cell.set(CLOSED)
+  return { job, outcome: cell.await, settled: () => cell.settled }
+}
 
 /** Takes a job back if it has not been sent; true when it was taken back. */
 export const takeBack = (job: TryJob | StatementJob): boolean => {
@@ -271,12 +304,27 @@ export const takeBack = (job: TryJob | StatementJob): boolean => {
   return true
 }
 
-/** What every new job starts as: queued (it can still be taken back), its outcome to come. */
-const queued = () => ({ state: "queued" as const, done: Deferred.unsafeMake<Settled>(FiberId.none) })
-
 /** Queues a try-lock of one key (batched with the others queued on the session). */
-export const submitTry = (session: Session, keyText: string, name: string, shared: boolean): Submitted =>
-  submitted(session, { _tag: "Try", keyText, name, shared, ...queued() })
+export const submitTry = (session: Session, keyText: string, name: string, shared: boolean): Submitted => {
+  const cell = new Outcome()
+  return submitted(session, { _tag: "Try", keyText, name, shared, state: "queued", done: cell.set }, cell)
+}
+
+/**
+ * Queues a try-lock whose outcome goes straight to `done`, called once from the answer's callback
+ * (or when the session dies): no cell and no fiber between the answer and what follows it.
+ * `undefined` when the session is not open (nothing was queued, `done` is never called).
+ */
+export const submitTryThen = (
+  session: Session,
+  keyText: string,
+  name: string,
+  shared: boolean,
+  done: (settled: Settled) => void
+): TryJob | undefined => {
+  const job: TryJob = { _tag: "Try", keyText, name, shared, state: "queued", done }
+  return submit(session, job) ? job : undefined
+}
 
 /** Queues one statement. */
 export const submitStatement = (
@@ -284,9 +332,26 @@ export const submitStatement = (
   text: string,
   values: ReadonlyArray<unknown> | undefined,
   timeoutMillis: number
-): Submitted => submitted(session, { _tag: "Statement", text, values, timeoutMillis, ...queued() })
+): Submitted => {
+  const cell = new Outcome()
+  return submitted(session, { _tag: "Statement", text, values, timeoutMillis, state: "queued", done: cell.set }, cell)
+}
 
-/** Runs one bounded statement on the session and waits for its outcome. */
+/**
+ * Queues one statement whose outcome goes straight to `done` (see `submitTryThen`); `done` gets
+ * `CLOSED` at once when the session is not open.
+ */
+export const submitStatementThen = (
+  session: Session,
+  text: string,
+  values: ReadonlyArray<unknown> | undefined,
+  timeoutMillis: number,
+  done: (settled: Settled) => void
+): void => {
+  if (!submit(session, { _tag: "Statement", text, values, timeoutMillis, state: "queued", done })) done(CLOSED)
+}
+
+/** Runs one bounded statement on the session and waits for its outcome (one Effect.async, no cell). */
 export const statement = (
   engine: Engine,
   session: Session,
@@ -294,7 +359,11 @@ export const statement = (
   values?: ReadonlyArray<unknown>,
   timeoutMillis?: number
 ): Effect.Effect<Settled> =>
-  Effect.suspend(() => submitStatement(session, text, values, timeoutMillis ?? engine.statementTimeoutMillis).outcome)
+  Effect.async<Settled>((resume) => {
+    // Interrupting the wait only stops waiting: the statement runs and settles its session's bookkeeping.
+    submitStatementThen(session, text, values, timeoutMillis ?? engine.statementTimeoutMillis, (settled) =>
+      resume(Effect.succeed(settled)))
+  })
 
 const connectError = (cause: unknown) => new LockBackendError({ operation: "connect", cause })
 

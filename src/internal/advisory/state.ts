@@ -53,7 +53,8 @@ export interface TryJob {
   readonly shared: boolean
   /** `queued` jobs can still be taken back (`dropped`), with no effect on the server. */
   state: "queued" | "started" | "dropped"
-  readonly done: Deferred.Deferred<Settled>
+  /** Called once with the outcome, from the answer's callback (or when the session dies). */
+  readonly done: (settled: Settled) => void
 }
 
 /** Any other statement, run alone. */
@@ -63,7 +64,8 @@ export interface StatementJob {
   readonly values: ReadonlyArray<unknown> | undefined
   readonly timeoutMillis: number
   state: "queued" | "started" | "dropped"
-  readonly done: Deferred.Deferred<Settled>
+  /** Called once with the outcome, from the answer's callback (or when the session dies). */
+  readonly done: (settled: Settled) => void
 }
 
 export type Job = TryJob | StatementJob

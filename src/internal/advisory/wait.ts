@@ -15,7 +15,6 @@
  * is dropped silently). No answer: the session is destroyed (the server then drops its locks;
  * `client_connection_check_interval` makes it notice promptly).
  */
-import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
 import type * as Queue from "effect/Queue"
@@ -77,9 +76,8 @@ const abandonWait = (engine: Engine, session: Session, sent: Submitted): Effect.
   Effect.gen(function*() {
     if (takeBack(sent.job)) return yield* freeWaitSession(engine, session)
     let settled: Settled | undefined
-    if (yield* Deferred.isDone(sent.job.done)) {
-      settled = yield* sent.outcome
-    } else {
+    settled = sent.settled()
+    if (settled === undefined) {
       yield* within(driver.sendCancel(session.client), CANCEL_SEND_TIMEOUT_MS)
       settled = Option.getOrUndefined(yield* within(sent.outcome, CANCEL_OUTCOME_TIMEOUT_MS))
     }

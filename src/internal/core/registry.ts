@@ -11,7 +11,7 @@ import type * as Scope from "effect/Scope"
 import type { HeldLock, Lease, LockMode } from "../../Lease.js"
 import type { Grant, LockBackend, RenewOutcome } from "../../LockBackend.js"
 import { LockLost, type LostReason } from "../../LockError.js"
-import { timeoutOption } from "../runtime/stallSafe.js"
+import { stallSafeTimer, timeoutOption } from "../runtime/stallSafe.js"
 import { clockOf, fiberMillis, monotonicMillis, sleepMillis, wholeMillis } from "./clock.js"
 import { makeLoopAlarm } from "./loopAlarm.js"
 import * as metrics from "./metrics.js"
@@ -283,6 +283,57 @@ export const makeRegistry = <G extends Grant>(
             ))
       })
 
+    /** Give-backs the backend runs on its own callbacks (`Grant.releaseNow`) that have not finished. */
+    let detachedPending = 0
+    const detachedSettled = new Set<() => void>()
+
+    /**
+     * Waits for a give-back the backend runs as its own work (`Grant.releaseNow`): one callback and
+     * one stall-safe timer, no fiber. Past the bound the caller goes on and the failure is
+     * reported; the give-back goes on too (the backend bounds it), and closing still waits for it.
+     */
+    const detached = (grant: G, boundMillis: number, name: string, labels: metrics.Labels): Effect.Effect<void> =>
+      Effect.async<void>((resume) => {
+        let waiting = true
+        detachedPending++
+        const cancelTimer = stallSafeTimer(boundMillis, () => {
+          if (!waiting) return
+          waiting = false
+          resume(giveBackFailed(name, String(grant.token), labels, Cause.fail(new Error(`release did not finish within ${boundMillis} ms`))))
+        })
+        grant.releaseNow!((failure) => {
+          detachedPending--
+          if (detachedPending === 0) for (const settled of detachedSettled) settled()
+          if (!waiting) return
+          waiting = false
+          cancelTimer()
+          resume(failure === undefined ? Effect.void : giveBackFailed(name, String(grant.token), labels, Cause.fail(failure)))
+        })
+        // The caller stops waiting; the give-back is the backend's and goes on.
+        return Effect.sync(() => {
+          waiting = false
+          cancelTimer()
+        })
+      })
+
+    /** Closing's wait for the give-backs still running on the backend's callbacks, bounded. */
+    const detachedDone = (boundMillis: number): Effect.Effect<void> =>
+      Effect.async<void>((resume) => {
+        if (detachedPending === 0) return resume(Effect.void)
+        const settled = () => finish()
+        const cancelTimer = stallSafeTimer(boundMillis, () => finish())
+        const finish = () => {
+          detachedSettled.delete(settled)
+          cancelTimer()
+          resume(Effect.void)
+        }
+        detachedSettled.add(settled)
+        return Effect.sync(() => {
+          detachedSettled.delete(settled)
+          cancelTimer()
+        })
+      })
+
     // The renewal of this lease is finished before its release starts: a renewal landing after
     // the release would otherwise extend a lease nobody holds any more.
     const release = (held: Held<G>): Effect.Effect<void> =>
@@ -304,6 +355,8 @@ export const makeRegistry = <G extends Grant>(
         // Bound: releaseTimeout for the release, as much again for a renewal in flight before it.
         const done = backend.instantRelease === true && renewing === undefined
           ? back
+          : renewing === undefined && held.grant.releaseNow !== undefined
+          ? detached(held.grant, releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, held.labels)
           : owned(work, (renewing === undefined ? 1 : 2) * releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, String(held.grant.token), held.labels)
         return isTraced(fiber)
           ? Effect.withSpan(done, "effect-lock.release", {
@@ -318,6 +371,8 @@ export const makeRegistry = <G extends Grant>(
         const labels = metrics.labelsOn(fiber, baseLabels)
         return backend.instantRelease === true
           ? giveBack(name, grant, labels)
+          : grant.releaseNow !== undefined
+          ? detached(grant, releaseTimeoutMillis + RELEASE_GRACE_MS, name, labels)
           : owned(giveBack(name, grant, labels), releaseTimeoutMillis + RELEASE_GRACE_MS, name, String(grant.token), labels)
       })
 
@@ -578,7 +633,8 @@ export const makeRegistry = <G extends Grant>(
         // 4. Every lease is given back, and every release under way is awaited before the
         // backend's finalizers close its connections.
         Effect.zipRight(Effect.forEach(held, release, { concurrency: RENEW_CONCURRENCY, discard: true })),
-        Effect.zipRight(Effect.suspend(() => Owner.awaitAll(Array.from(releasing), 2 * releaseTimeoutMillis + RELEASE_GRACE_MS)))
+        Effect.zipRight(Effect.suspend(() => Owner.awaitAll(Array.from(releasing), 2 * releaseTimeoutMillis + RELEASE_GRACE_MS))),
+        Effect.zipRight(detachedDone(releaseTimeoutMillis + RELEASE_GRACE_MS))
       )
     })
 
