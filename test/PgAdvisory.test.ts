@@ -341,6 +341,37 @@ describe("PgAdvisory.layer", () => {
       expect((yield* lock.inspect).length).toBe(1_000)
     }))
 
+  it.scopedLive("releases queued behind a running one go out as one statement, each proven by its own row", () =>
+    Effect.gen(function*() {
+      const app = "adv-release-batch"
+      // No heartbeat during the test: the home session's last statement must be one of the releases.
+      const lock = yield* service(app, { heartbeatIntervalMillis: 600_000 })
+      const scopes = yield* Effect.forEach(Array.from({ length: 10 }, (_, i) => i), (i) =>
+        Effect.flatMap(Scope.make(), (scope) =>
+          Effect.as(Scope.extend(lock.acquire(`release-batch-${i}`, { mode: i % 2 === 0 ? "exclusive" : "shared" }), scope), scope)))
+      expect((yield* locksOf(app)).filter((row) => row.granted).length).toBe(10)
+      const sessions = yield* sessionsOf(app)
+      // All at once: the first release goes out alone, the nine queued behind it as one statement.
+      yield* Effect.forEach(scopes, (scope) => Scope.close(scope, Exit.void), { concurrency: "unbounded", discard: true })
+      expect(yield* locksOf(app)).toEqual([])
+      // Every unlock was proven: no session was destroyed for an unproven one.
+      expect(yield* sessionsOf(app)).toBe(sessions)
+      const last = yield* Effect.promise(() =>
+        withClient(db.url, async (client) =>
+          (await client.query<{ query: string }>(
+            "select query from pg_stat_activity where datname = current_database() and application_name = $1",
+            [app]
+          )).rows.map((row) => row.query)
+        )
+      )
+      expect(last.some((query) => query.includes("from unnest($1::bigint[], $2::bigint[], $3::boolean[]) as r(key, interest, shared)"))).toBe(true)
+      // The keys are free for anyone: a second layer takes all ten at once.
+      const other = yield* service(`${app}-other`)
+      yield* Effect.forEach(Array.from({ length: 10 }, (_, i) => `release-batch-${i}`), (name) => other.tryAcquire(name, { timeout: 0 }).pipe(
+        Effect.map((lease) => expect(Option.isSome(lease)).toBe(true))
+      ), { discard: true })
+    }))
+
   it.scopedLive("fencing tokens strictly increase across layers and across a layer rebuild", () =>
     Effect.gen(function*() {
       const tokens: Array<FencingToken> = []

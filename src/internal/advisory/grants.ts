@@ -17,9 +17,9 @@ import { monotonicMillis } from "../core/clock.js"
 import { lockTagOfKey } from "./inspect.js"
 import type { Admission } from "./localKeys.js"
 import * as driver from "../pg/driver.js"
-import { changed, forgetShared, isFatal, kill, killInBackground, movedError, sqlCode, statement, submitStatementThen, submitTry, type Submitted, takeBack } from "./session.js"
+import { changed, forgetShared, isFatal, kill, killInBackground, movedError, sqlCode, statement, submitReleaseThen, submitTry, type Submitted, takeBack } from "./session.js"
 import { advisoryKey } from "../core/lockKey.js"
-import { CHANNEL, INTEREST_NAMESPACE, joinBumpSql, releaseSql, undoSql } from "./sql.js"
+import { INTEREST_NAMESPACE, joinBumpSql, undoSql } from "./sql.js"
 import type { Engine, Holder, ServerGrant, Session, Settled } from "./state.js"
 
 /** What one step of an acquire came to; `Retry` starts the attempt over (the session died, a transient error). */
@@ -76,8 +76,7 @@ export const closeIfUnusedNow = (engine: Engine, grant: ServerGrant, done: () =>
   const session = grant.session
   // The lock died with its session; there is nothing left to unlock.
   if (session.state !== "open") return done()
-  const values = [grant.keyText, interestKeyOf(grant.keyText), CHANNEL]
-  submitStatementThen(session, releaseSql(grant.mode), values, engine.statementTimeoutMillis, (settled) => {
+  submitReleaseThen(session, grant.keyText, interestKeyOf(grant.keyText), grant.mode === "shared", (settled) => {
     const released = settled._tag === "Ok" && settled.rows[0]?.released === true
     if (!released || !driver.isIdle(session.client)) {
       // The unlock is unproven: the session (and any other lock on it) is destroyed, never reused.

@@ -19,8 +19,8 @@ import * as metrics from "../core/metrics.js"
 import { clockMillis, monotonicMillis } from "../core/clock.js"
 import * as driver from "../pg/driver.js"
 import { probeAffinity } from "./bootstrap.js"
-import { CHANNEL, setupSql, tryBatchSql } from "./sql.js"
-import type { Engine, Row, ServerGrant, Session, Settled, StatementJob, TryJob } from "./state.js"
+import { CHANNEL, RELEASE_BATCH_SQL, releaseSql, setupSql, tryBatchSql } from "./sql.js"
+import type { Engine, Job, ReleaseJob, Row, ServerGrant, Session, Settled, TryJob } from "./state.js"
 
 /** Short backend name for spans and metrics. */
 export const BACKEND = "pg-advisory"
@@ -185,14 +185,14 @@ export const killOverdue = (engine: Engine): Effect.Effect<void> =>
     ))
 
 /** Hands a job its outcome; one synchronous step with the session's bookkeeping. */
-const settle = (engine: Engine, session: Session, job: TryJob | StatementJob, settled: Settled): void => {
+const settle = (engine: Engine, session: Session, job: Job, settled: Settled): void => {
   session.pending -= 1
   job.done(settled)
   if (isFreeWaitSession(session)) changed(engine)
 }
 
 /** Takes the jobs still queued in a group for sending; dropped ones leave the session's count. */
-const start = <J extends TryJob | StatementJob>(session: Session, jobs: ReadonlyArray<J>): Array<J> => {
+const start = <J extends Job>(session: Session, jobs: ReadonlyArray<J>): Array<J> => {
   const live: Array<J> = []
   for (const job of jobs) {
     if (job.state === "queued") {
@@ -211,30 +211,61 @@ const compareKeys = (a: TryJob, b: TryJob): number => {
   return x < y ? -1 : x > y ? 1 : 0
 }
 
+/** Adjacent jobs of the head's kind (try-locks, releases) that go out as one statement, taken off the queue. */
+const takeBatch = <J extends TryJob | ReleaseJob>(session: Session, tag: J["_tag"]): Array<J> => {
+  let end = 1
+  while (end < session.queue.length && end < MAX_BATCH && session.queue[end]!._tag === tag) end++
+  return start(session, session.queue.splice(0, end) as Array<J>)
+}
+
+/** Sends one statement for `jobs` and hands each its own rows (by key) when the answer comes. */
+const sendBatch = <J extends TryJob | ReleaseJob>(
+  engine: Engine,
+  session: Session,
+  jobs: ReadonlyArray<J>,
+  text: string,
+  values: ReadonlyArray<unknown>
+): void => {
+  session.busy = true
+  execute(engine, session, text, values, engine.statementTimeoutMillis, (settled) => {
+    session.busy = false
+    if (jobs.length === 1) settle(engine, session, jobs[0]!, settled)
+    else {
+      for (const job of jobs) {
+        settle(engine, session, job, settled._tag === "Ok" ? { _tag: "Ok", rows: settled.rows.filter((row) => row.key === job.keyText) } : settled)
+      }
+    }
+    pump(engine, session)
+  })
+}
+
 /**
  * Sends what is queued at the head of the session's queue unless a statement is on the wire:
- * adjacent try-locks as one statement, any other job alone. Called when a job is queued and from
- * each answer's callback, so the session drains in order with no fiber of its own.
+ * adjacent try-locks as one statement, adjacent releases as one, any other job alone. Called when
+ * a job is queued and from each answer's callback, so the session drains in order with no fiber
+ * of its own.
  */
 const pump = (engine: Engine, session: Session): void => {
   while (!session.busy && session.queue.length > 0) {
     if (session.state !== "open") return settleQueued(engine, session)
     const head = session.queue[0]!
     if (head._tag === "Try") {
-      let end = 1
-      while (end < session.queue.length && end < MAX_BATCH && session.queue[end]!._tag === "Try") end++
       // Key order: concurrent batches (other processes' too) lock fencing rows in one order.
-      const live = start(session, session.queue.splice(0, end) as Array<TryJob>).sort(compareKeys)
+      const live = takeBatch<TryJob>(session, "Try").sort(compareKeys)
       if (live.length === 0) continue
-      session.busy = true
       const values = [live.map((j) => j.keyText), live.map((j) => j.name), live.map((j) => j.shared)]
-      execute(engine, session, tryBatchSql(engine.options.fencingTable), values, engine.statementTimeoutMillis, (settled) => {
-        session.busy = false
-        for (const job of live) {
-          settle(engine, session, job, settled._tag === "Ok" ? { _tag: "Ok", rows: settled.rows.filter((row) => row.key === job.keyText) } : settled)
-        }
-        pump(engine, session)
-      })
+      sendBatch(engine, session, live, tryBatchSql(engine.options.fencingTable), values)
+    } else if (head._tag === "Release") {
+      const live = takeBatch<ReleaseJob>(session, "Release")
+      if (live.length === 0) continue
+      // One release alone is the plain statement; several share one round trip and one commit.
+      if (live.length === 1) {
+        const job = live[0]!
+        sendBatch(engine, session, live, releaseSql(job.shared ? "shared" : "exclusive"), [job.keyText, job.interestKey, CHANNEL])
+      } else {
+        const values = [live.map((j) => j.keyText), live.map((j) => j.interestKey), live.map((j) => j.shared), CHANNEL]
+        sendBatch(engine, session, live, RELEASE_BATCH_SQL, values)
+      }
     } else {
       session.queue.shift()
       if (start(session, [head]).length === 0) continue
@@ -249,7 +280,7 @@ const pump = (engine: Engine, session: Session): void => {
 }
 
 /** Queues a job, in the same synchronous step as checking the session is open. */
-const submit = (session: Session, job: TryJob | StatementJob): boolean => {
+const submit = (session: Session, job: Job): boolean => {
   if (session.state !== "open") return false
   session.pending += 1
   session.queue.push(job)
@@ -285,20 +316,20 @@ export class Outcome {
 
 /** A job handle: its outcome, and a way to take it back while it is still queued. */
 export interface Submitted {
-  readonly job: TryJob | StatementJob
+  readonly job: Job
   /** Waits for the outcome. */
   readonly outcome: Effect.Effect<Settled>
   /** The outcome when it is already there. */
   readonly settled: () => Settled | undefined
 }
 
-const submitted = (session: Session, job: TryJob | StatementJob, cell: Outcome): Submitted => {
+const submitted = (session: Session, job: Job, cell: Outcome): Submitted => {
   if (!submit(session, job)) cell.set(CLOSED)
   return { job, outcome: cell.await, settled: () => cell.settled }
 }
 
 /** Takes a job back if it has not been sent; true when it was taken back. */
-export const takeBack = (job: TryJob | StatementJob): boolean => {
+export const takeBack = (job: Job): boolean => {
   if (job.state !== "queued") return false
   job.state = "dropped"
   return true
@@ -324,6 +355,20 @@ export const submitTryThen = (
 ): TryJob | undefined => {
   const job: TryJob = { _tag: "Try", keyText, name, shared, state: "queued", done }
   return submit(session, job) ? job : undefined
+}
+
+/**
+ * Queues the release of one key, batched with the releases queued next to it; its outcome (its own
+ * row) goes to `done` (see `submitTryThen`), `CLOSED` at once when the session is not open.
+ */
+export const submitReleaseThen = (
+  session: Session,
+  keyText: string,
+  interestKey: string,
+  shared: boolean,
+  done: (settled: Settled) => void
+): void => {
+  if (!submit(session, { _tag: "Release", keyText, interestKey, shared, state: "queued", done })) done(CLOSED)
 }
 
 /** Queues one statement. */

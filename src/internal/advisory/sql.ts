@@ -109,6 +109,19 @@ export const releaseSql = (mode: LockMode): string =>
   `select pg_advisory_unlock${suffix(mode)}($1::bigint) as released, pg_backend_pid() as pid, ` +
   `case when pg_try_advisory_xact_lock($2::bigint) then null else pg_notify($3, $1::bigint::text) end as notified`
 
+/**
+ * `releaseSql` for several keys of one session at once (releases queued behind a running
+ * statement go together, as try-locks do): one row per key (a session holds a key once, so keys
+ * of one batch are distinct), each unlocking its key before it checks that key's interest. Only for two keys or more: one release is sent as
+ * `releaseSql`, the statement the raw floor of the benchmarks sends.
+ *
+ * Parameters: $1 keys, $2 their interest keys, $3 shared flags, $4 channel.
+ */
+export const RELEASE_BATCH_SQL =
+  `select r.key::text as key, case when r.shared then pg_advisory_unlock_shared(r.key) else pg_advisory_unlock(r.key) end ` +
+  `as released, case when pg_try_advisory_xact_lock(r.interest) then null else pg_notify($4, r.key::text) end as notified, ` +
+  `pg_backend_pid() as pid from unnest($1::bigint[], $2::bigint[], $3::boolean[]) as r(key, interest, shared)`
+
 /** Undoes a grant that was never handed out: nobody can be waiting on its release yet. Parameters: $1 key. */
 export const undoSql = (mode: LockMode): string =>
   `select pg_advisory_unlock${suffix(mode)}($1::bigint) as released, pg_backend_pid() as pid`

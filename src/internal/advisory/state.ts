@@ -68,7 +68,18 @@ export interface StatementJob {
   readonly done: (settled: Settled) => void
 }
 
-export type Job = TryJob | StatementJob
+/** A release of one key (see `releaseSql`); adjacent ones are sent as one statement. */
+export interface ReleaseJob {
+  readonly _tag: "Release"
+  readonly keyText: string
+  readonly interestKey: string
+  readonly shared: boolean
+  state: "queued" | "started" | "dropped"
+  /** Called once with the outcome (its own row), from the answer's callback (or when the session dies). */
+  readonly done: (settled: Settled) => void
+}
+
+export type Job = TryJob | StatementJob | ReleaseJob
 
 export interface Session {
   readonly id: number
