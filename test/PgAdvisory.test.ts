@@ -345,7 +345,7 @@ describe("PgAdvisory.layer", () => {
     Effect.gen(function*() {
       const app = "adv-release-batch"
       // No heartbeat during the test: the home session's last statement must be one of the releases.
-      const lock = yield* service(app, { heartbeatIntervalMillis: 600_000 })
+      const lock = yield* service(app, { heartbeatInterval: Duration.minutes(10) })
       const scopes = yield* Effect.forEach(Array.from({ length: 10 }, (_, i) => i), (i) =>
         Effect.flatMap(Scope.make(), (scope) =>
           Effect.as(Scope.extend(lock.acquire(`release-batch-${i}`, { mode: i % 2 === 0 ? "exclusive" : "shared" }), scope), scope)))

@@ -23,6 +23,7 @@ import { makeFaults, withFaults } from "./support/faults.js"
 import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
 import { type LineWorker, startLineWorker } from "./support/workers.js"
 import { pgLeaseHelpers } from "./support/pgLease.js"
+import { withRun } from "./support/laneRun.js"
 import { startEmbedded } from "../tools/embeddedPostgres.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 
@@ -708,13 +709,11 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       // The waiter's retries are held back at a gate, so the lock stays free with it queued.
       const gate = yield* Deferred.make<void>()
       let attempts = 0
-      const gated = (lane: Lane.Lane): Lane.Lane => ({
-        ...lane,
-        run: <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+      const gated = (lane: Lane.Lane): Lane.Lane =>
+        withRun(lane, <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
           operation === "acquire" && attempts++ > 0
             ? Effect.zipRight(Deferred.await(gate), lane.run<A>(operation, name, text, params, bound))
-            : lane.run<A>(operation, name, text, params, bound)
-      })
+            : lane.run<A>(operation, name, text, params, bound))
       const waiter = yield* Effect.flatMap(backendOn(env, {}, gated), DistributedLock.make)
       const other = yield* processOn(env)
       const name = freshName("no-barging")
@@ -802,18 +801,17 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const delivered = yield* Deferred.make<void>()
       let armed = false
       const holding = (lane: Lane.Lane): Lane.Lane => ({
-        ...lane,
+        ...withRun(lane, <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+          Effect.tap(lane.run<A>(operation, name, text, params, bound), () => {
+            if (operation !== "acquire" || !armed) return Effect.void
+            armed = false
+            return Effect.zipRight(Deferred.succeed(held, undefined), Deferred.await(gate))
+          })),
         // Wake-ups are handled synchronously on delivery: once delivered, the waiter has been woken.
         listen: (channel, deliver) =>
           lane.listen!(channel, (payload) => {
             deliver(payload)
             if (payload.startsWith("w")) Deferred.unsafeDone(delivered, Exit.void)
-          }),
-        run: <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
-          Effect.tap(lane.run<A>(operation, name, text, params, bound), () => {
-            if (operation !== "acquire" || !armed) return Effect.void
-            armed = false
-            return Effect.zipRight(Deferred.succeed(held, undefined), Deferred.await(gate))
           })
       })
       const waiter = yield* Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(5) }, holding), DistributedLock.make)
@@ -1268,12 +1266,11 @@ function countingLane() {
   const renewalSizes: Array<number> = []
   const byOperation = new Map<string, number>()
   const wrap = (lane: Lane.Lane): Lane.Lane => ({
-    ...lane,
-    run: (operation, name, text, params, bound) =>
+    ...withRun(lane, (operation, name, text, params, bound) =>
       Effect.suspend(() => {
         byOperation.set(operation, (byOperation.get(operation) ?? 0) + 1)
         return lane.run(operation, name, text, params, bound)
-      }),
+      })),
     renew: (text, params, bound) =>
       Effect.suspend(() => {
         renewalSizes.push((params[0] as ReadonlyArray<unknown>).length)

@@ -10,6 +10,7 @@ import * as DistributedLock from "effect-lock/DistributedLock"
 import type { LockBackend } from "effect-lock/LockBackend"
 import type * as Lane from "effect-lock/internal/lease/pg/lane"
 import * as Make from "effect-lock/internal/lease/pg/make"
+import { withRun } from "./laneRun.js"
 import type * as PgLease from "effect-lock/PgLease"
 import type pg from "pg"
 import { PgTest, type UsedTestDatabase, withClient } from "./pg.js"
@@ -41,8 +42,7 @@ const makeProbe = () => {
   const counted = <A, E, R>(self: Effect.Effect<A, E, R>) =>
     Effect.acquireUseRelease(Effect.sync(() => inFlight++), () => self, () => Effect.sync(() => inFlight--))
   const wrapLane = (lane: Lane.Lane): Lane.Lane => ({
-    ...lane,
-    run: (operation, name, text, params, bound) => counted(lane.run(operation, name, text, params, bound)),
+    ...withRun(lane, (operation, name, text, params, bound) => counted(lane.run(operation, name, text, params, bound))),
     renew: (text, params, bound) => counted(lane.renew(text, params, bound))
   })
   const wrapBackend = <G extends PgLease.PgLeaseGrant>(backend: LockBackend<G>): LockBackend<G> => ({

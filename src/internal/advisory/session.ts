@@ -18,6 +18,7 @@ import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as metrics from "../core/metrics.js"
 import { clockMillis, monotonicMillis } from "../core/clock.js"
 import * as driver from "../pg/driver.js"
+import { Cell } from "../runtime/cell.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, RELEASE_BATCH_SQL, releaseSql, setupSql, tryBatchSql } from "./sql.js"
 import type { Engine, Job, ReleaseJob, Row, ServerGrant, Session, Settled, TryJob } from "./state.js"
@@ -289,31 +290,6 @@ const submit = (session: Session, job: Job): boolean => {
   return true
 }
 
-/**
- * A job's outcome, kept for whoever asks: a plain cell and its waiters, not a Deferred (one per
- * statement is on every cycle's path, and a Deferred costs more to make than the rest).
- */
-export class Outcome {
-  settled: Settled | undefined = undefined
-  private waiters: Array<(settled: Settled) => void> | undefined = undefined
-  readonly set = (settled: Settled): void => {
-    this.settled = settled
-    const waiters = this.waiters
-    this.waiters = undefined
-    if (waiters !== undefined) for (const waiter of waiters) waiter(settled)
-  }
-  /** The outcome, once it is there; interrupting the wait only stops this waiter. */
-  readonly await: Effect.Effect<Settled> = Effect.async<Settled>((resume) => {
-    if (this.settled !== undefined) return resume(Effect.succeed(this.settled))
-    const waiter = (settled: Settled) => resume(Effect.succeed(settled))
-    ;(this.waiters ??= []).push(waiter)
-    return Effect.sync(() => {
-      const index = this.waiters?.indexOf(waiter) ?? -1
-      if (index >= 0) this.waiters!.splice(index, 1)
-    })
-  })
-}
-
 /** A job handle: its outcome, and a way to take it back while it is still queued. */
 export interface Submitted {
   readonly job: Job
@@ -323,9 +299,9 @@ export interface Submitted {
   readonly settled: () => Settled | undefined
 }
 
-const submitted = (session: Session, job: Job, cell: Outcome): Submitted => {
+const submitted = (session: Session, job: Job, cell: Cell<Settled>): Submitted => {
   if (!submit(session, job)) cell.set(CLOSED)
-  return { job, outcome: cell.await, settled: () => cell.settled }
+  return { job, outcome: cell.await, settled: cell.poll }
 }
 
 /** Takes a job back if it has not been sent; true when it was taken back. */
@@ -337,7 +313,7 @@ export const takeBack = (job: Job): boolean => {
 
 /** Queues a try-lock of one key (batched with the others queued on the session). */
 export const submitTry = (session: Session, keyText: string, name: string, shared: boolean): Submitted => {
-  const cell = new Outcome()
+  const cell = new Cell<Settled>()
   return submitted(session, { _tag: "Try", keyText, name, shared, state: "queued", done: cell.set }, cell)
 }
 
@@ -378,7 +354,7 @@ export const submitStatement = (
   values: ReadonlyArray<unknown> | undefined,
   timeoutMillis: number
 ): Submitted => {
-  const cell = new Outcome()
+  const cell = new Cell<Settled>()
   return submitted(session, { _tag: "Statement", text, values, timeoutMillis, state: "queued", done: cell.set }, cell)
 }
 

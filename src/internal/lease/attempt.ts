@@ -8,14 +8,15 @@
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
-import * as Fiber from "effect/Fiber"
+import type * as Clock from "effect/Clock"
 import * as Option from "effect/Option"
 import * as Crypto from "node:crypto"
 import * as FencingToken from "../../FencingToken.js"
 import type { LockMode } from "../../Lease.js"
 import type { AcquireRequest, Grant } from "../../LockBackend.js"
 import type { LockBackendError } from "../../LockError.js"
-import { monotonicMillis } from "../core/clock.js"
+import { clockMillis, monotonicMillis } from "../core/clock.js"
+import { Cell } from "../runtime/cell.js"
 import { within } from "../runtime/stallSafe.js"
 import type { AttemptInput, LockAcquireAnswer, LockAcquireInput, Statement } from "./dialect.js"
 import type { GiveBack } from "./giveBack.js"
@@ -88,6 +89,8 @@ export interface AttemptDeps {
   readonly ready: Effect.Effect<void, LockBackendError>
   /** Runs the statement fibers as the layer's work, never as the caller's. */
   readonly owner: Owner
+  /** True once `ready` has nothing left to do (the tables exist). */
+  readonly isReady: () => boolean
 }
 
 /** How one kind of request attempts: its acquire statement, what the request adds to its input, what its answer means. */
@@ -108,14 +111,6 @@ export type AttemptFn<Q extends AcquireRequest = AcquireRequest, G = LeaseGrant,
   first: boolean
 ) => Effect.Effect<Outcome<G, X>, LockBackendError>
 
-/** A not-granted answer: `wait` (ms, from the store) until something could change unannounced. */
-const busy = (wait: number | null, sentAt: number): Effect.Effect<Busy> =>
-  Effect.map(monotonicMillis, (receivedAt) => ({
-    _tag: "Busy",
-    wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
-    tookMillis: receivedAt - sentAt
-  }))
-
 /** The lock's attempts: the dialect's lock acquire statement. */
 export const lockAttempts = (
   settings: AttemptSettings,
@@ -132,9 +127,11 @@ export const lockAttempts = (
   })
 
 /**
- * Attempts by `spec`, each in a fiber of the layer's own (`Owner`): the caller may stop waiting
- * for it (interrupted, past its deadline) without its outcome being lost — whatever an attempt
- * nobody reads may have taken (a grant, a waiting place) is given back by `giveBack`.
+ * Attempts by `spec`, each run as the layer's work, never as the caller's: the caller may stop
+ * waiting for it (interrupted, past its deadline) without its outcome being lost — whatever an
+ * attempt nobody reads may have taken (a grant, a waiting place) is given back by `giveBack`. On a
+ * lane of the backend's own connections (`Lane.runNow`) the statement and what its answer means
+ * run in the driver's callbacks, with no fiber; elsewhere in a fiber of the layer's (`Owner`).
  */
 export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly _tag: string }>(
   settings: AttemptSettings,
@@ -144,62 +141,97 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
   const statementMillis = Duration.toMillis(settings.statementTimeout)
   const placeMillis = Duration.toMillis(PLACE_TTL)
 
+  const inputOf = (request: Q, owner: string, waiter: string, ttlMillis: number): AttemptInput & I => ({
+    ...spec.input(request),
+    name: request.name,
+    owner,
+    waiter,
+    ttlMillis,
+    placeMillis,
+    application: settings.application,
+    host: settings.host,
+    pid: process.pid,
+    // Only a request that waits takes a place in the queue.
+    takePlace: request.attempt === "wait"
+  })
+
+  /** What an answer means, timed: `sentAt` and `receivedAt` are monotonic ms. */
+  const outcomeOf = (request: Q, owner: string, ttlMillis: number, value: A, sentAt: number, receivedAt: number) => {
+    const verdict = spec.verdict(value, request, {
+      name: request.name,
+      owner,
+      ttlMillis,
+      // Monotonic time before sending: the store's expiry is at least this plus the ttl, also
+      // when the answer comes late. The core compares it with the arrival to drop a late grant.
+      validUntil: Option.some(sentAt + ttlMillis),
+      release: deps.giveBack.release(request.name, owner),
+      releaseNow: deps.giveBack.releaseNow?.(request.name, owner)
+    })
+    if (verdict._tag !== "NotGranted") return verdict as Granted<G> | X
+    const wait = (verdict as NotGranted).wait
+    return {
+      _tag: "Busy",
+      wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
+      tookMillis: receivedAt - sentAt
+    } satisfies Busy
+  }
+
   /** The statement, and what its answer means; run in a fiber of its own. */
   const attempt = (request: Q, owner: string, waiter: string, ttlMillis: number) =>
     Effect.gen(function*() {
       yield* deps.ready
-      const { sentAt, value } = yield* Lane.send(deps.lane, request.name, spec.statement, {
-        ...spec.input(request),
-        name: request.name,
-        owner,
-        waiter,
-        ttlMillis,
-        placeMillis,
-        application: settings.application,
-        host: settings.host,
-        pid: process.pid,
-        // Only a request that waits takes a place in the queue.
-        takePlace: request.attempt === "wait"
-      }, settings.statementTimeout)
-      const verdict = spec.verdict(value, request, {
-        name: request.name,
-        owner,
-        ttlMillis,
-        // Monotonic time before sending: the store's expiry is at least this plus the ttl, also
-        // when the answer comes late. The core compares it with the arrival to drop a late grant.
-        validUntil: Option.some(sentAt + ttlMillis),
-        release: deps.giveBack.release(request.name, owner)
-      })
-      if (verdict._tag === "NotGranted") return yield* busy((verdict as NotGranted).wait, sentAt)
-      if (verdict._tag === "Granted") yield* deps.lane.prepareRenewals
-      return verdict as Granted<G> | X
+      const { sentAt, value } = yield* Lane.send(deps.lane, request.name, spec.statement, inputOf(request, owner, waiter, ttlMillis), settings.statementTimeout)
+      const outcome = outcomeOf(request, owner, ttlMillis, value, sentAt, yield* monotonicMillis)
+      if (outcome._tag === "Granted") yield* deps.lane.prepareRenewals
+      return outcome
     })
 
+  /**
+   * Starts the attempt as the layer's work; its outcome arrives in the cell. On the lane's
+   * callback path (tables ready) no fiber is involved: the answer's callback fills the cell.
+   */
+  const start = (request: Q, owner: string, waiter: string, ttlMillis: number, clock: Clock.Clock) => {
+    const cell = new Cell<Exit.Exit<Outcome<G, X>, LockBackendError>>()
+    const runNow = deps.lane.runNow
+    if (runNow !== undefined && deps.isReady()) {
+      const sentAt = clockMillis(clock)
+      Lane.sendNow(runNow, request.name, spec.statement, inputOf(request, owner, waiter, ttlMillis), settings.statementTimeout, (error, value) => {
+        if (error !== undefined) return cell.set(Exit.fail(error))
+        try {
+          cell.set(Exit.succeed(outcomeOf(request, owner, ttlMillis, value!, sentAt, clockMillis(clock))))
+        } catch (defect) {
+          cell.set(Exit.die(defect))
+        }
+      })
+      return cell
+    }
+    deps.owner.unsafeFork(attempt(request, owner, waiter, ttlMillis)).addObserver(cell.set)
+    return cell
+  }
+
   return (request, waiter, first) =>
-    Effect.gen(function*() {
+    Effect.clockWith((clock) => {
       // The deadline is on the monotonic timeline (the SPI's contract).
-      const now = yield* monotonicMillis
-      const remaining = Option.map(request.deadline, (deadline) => deadline - now)
-      if (Option.isSome(remaining) && remaining.value <= 0 && !first) return { _tag: "TimedOut" } as const
-      const byDeadline = Option.isSome(remaining) && remaining.value > 0 && remaining.value < statementMillis
+      const now = clockMillis(clock)
+      const remaining = Option.isSome(request.deadline) ? request.deadline.value - now : undefined
+      if (remaining !== undefined && remaining <= 0 && !first) return Effect.succeed({ _tag: "TimedOut" } as const)
+      const byDeadline = remaining !== undefined && remaining > 0 && remaining < statementMillis
       const owner = Crypto.randomUUID()
       const ttlMillis = Duration.toMillis(request.ttl)
       // The layer's work, not the caller's: it outlives a caller that stops waiting, never joins
       // its transaction, and no stall watch of a body the caller runs in can cut it short.
-      const fiber = yield* deps.owner.fork(attempt(request, owner, waiter, ttlMillis))
-      const abandon = deps.giveBack.abandon(fiber, request.name, owner, waiter, ttlMillis)
-      // Awaiting never interrupts the attempt. Its statement is bounded by the lane; only a
-      // deadline nearer than that bound needs a timer of its own (stall-safe: an answer already
-      // received when it fires is still read).
-      const settled = yield* request.interruptible(
-        byDeadline ? within(Fiber.await(fiber), Duration.millis(Option.getOrThrow(remaining))) : Effect.asSome(Fiber.await(fiber))
-      ).pipe(Effect.onInterrupt(() => abandon))
-      if (Option.isNone(settled)) {
-        yield* abandon
-        return { _tag: "TimedOut" } as const
-      }
-      const exit = settled.value
-      if (Exit.isFailure(exit)) yield* abandon
-      return yield* exit
+      const cell = start(request, owner, waiter, ttlMillis, clock)
+      const abandon = deps.giveBack.abandon(cell.await, request.name, owner, waiter, ttlMillis)
+      // Awaiting never stops the attempt. Its statement is bounded by the lane; only a deadline
+      // nearer than that bound needs a timer of its own (stall-safe: an answer already received
+      // when it fires is still read).
+      return request.interruptible(byDeadline ? within(cell.await, Duration.millis(remaining)) : Effect.asSome(cell.await)).pipe(
+        Effect.onInterrupt(() => abandon),
+        Effect.flatMap((settled): Effect.Effect<Outcome<G, X>, LockBackendError> => {
+          if (Option.isNone(settled)) return Effect.as(abandon, { _tag: "TimedOut" } as const)
+          const exit = settled.value
+          return Exit.isFailure(exit) ? Effect.zipRight(abandon, exit) : exit
+        })
+      )
     })
 }

@@ -24,7 +24,7 @@ import * as Lane from "./lane.js"
 import type { Owner } from "../runtime/owner.js"
 import * as Permits from "./permits.js"
 import * as Renew from "./renew.js"
-import type { WakeHub } from "./waiters.js"
+import type { Subscription, WakeHub } from "./waiters.js"
 import { CREATE_ATTEMPTS } from "../sql/tables.js"
 
 /** Longest lock name, in UTF-8 bytes; a btree entry could take ~2700, this leaves room. */
@@ -65,14 +65,14 @@ export const make = (
   Effect.gen(function*() {
     const { locks, permits } = dialect
     const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, locks.release, hub, owner)
-    const ready = yield* tableReadiness(lane, settings, locks.ensureTable, dialect.retryCreate)
-    const attempt = Attempt.lockAttempts(settings, { lane, giveBack, ready, owner }, locks.acquire)
+    const { ready, isReady } = yield* tableReadiness(lane, settings, locks.ensureTable, dialect.retryCreate)
+    const attempt = Attempt.lockAttempts(settings, { lane, giveBack, ready, isReady, owner }, locks.acquire)
     const acquire = acquirer(settings, hub, attempt, giveBack, lockKey)
 
     const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, permits.release, hub, owner)
     // Created apart from the lock tables: locks never wait for (or need the privilege to create) it.
     const permitReady = yield* tableReadiness(lane, settings, permits.ensureTable, dialect.retryCreate)
-    const permitAttempt = Permits.attempts(settings, { lane, giveBack: permitGiveBack, ready: permitReady, owner }, permits.acquire)
+    const permitAttempt = Permits.attempts(settings, { lane, giveBack: permitGiveBack, ...permitReady, owner }, permits.acquire)
 
     // The clock every replica shares: schedules compare occurrence times on it.
     const now = Effect.map(owner.run(Lane.send(lane, undefined, dialect.now, undefined, settings.statementTimeout)), ({ value }) => value)
@@ -137,9 +137,8 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
       return Duration.millis(Math.max(0, Math.min(cap, PLACE_REFRESH_MILLIS, untilChange, untilDeadline)))
     })
 
-  const waitFor = (request: Q, waiter: string) =>
+  const waitFor = (request: Q, waiter: string, subscription: Subscription | undefined) =>
     Effect.gen(function*() {
-      const subscription = hub === undefined ? undefined : yield* hub.subscribe(key(request.name), waiter)
       let first = true
       while (true) {
         const mark = subscription === undefined ? 0 : yield* subscription.mark
@@ -155,16 +154,23 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
         const woke = yield* request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay))
         if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
       }
-    }).pipe(
-      Effect.scoped,
-      Effect.onExit((exit) => (Exit.isSuccess(exit) && isGranted(exit.value) ? Effect.void : giveBack.leave(request.name, waiter)))
-    )
+    })
+
+  /** Subscribed (no scope: taken off again in the same step as the place is given up) for the whole wait. */
+  const subscribedWait = (request: Q, waiter: string) =>
+    Effect.flatMap(hub === undefined ? Effect.succeed(undefined) : hub.subscribeNow(key(request.name), waiter), (registered) =>
+      waitFor(request, waiter, registered?.subscription).pipe(
+        Effect.onExit((exit) => {
+          registered?.unsubscribe()
+          return Exit.isSuccess(exit) && isGranted(exit.value) ? Effect.void : giveBack.leave(request.name, waiter)
+        })
+      ))
 
   return (request: Q): Effect.Effect<AcquireResult<G> | X, LockBackendError> =>
     Effect.suspend(() => {
       // This request's place in the queue, kept across its attempts (each has its own owner).
       const waiter = Crypto.randomUUID()
-      if (request.attempt === "wait") return waitFor(request, waiter)
+      if (request.attempt === "wait") return subscribedWait(request, waiter)
       return Effect.map(attempt(request, waiter, true), (result) => (isBusy(result) ? { _tag: "Busy" } as const : result))
     })
 }
@@ -172,13 +178,16 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
 const isBusy = (result: { readonly _tag: string }): result is Attempt.Busy => result._tag === "Busy"
 const isGranted = (result: { readonly _tag: string }): boolean => result._tag === "Granted"
 
-/** Creates the tables once per backend, on first use; a failure is retried by the next acquire. */
+/**
+ * Creates the tables once per backend, on first use (`ready`); a failure is retried by the next
+ * acquire. `isReady`: nothing left to create.
+ */
 const tableReadiness = (
   lane: Lane.Lane,
   settings: Settings,
   ensureTable: Dialect["locks"]["ensureTable"],
   retryCreate: Dialect["retryCreate"]
-): Effect.Effect<Effect.Effect<void, LockBackendError>> =>
+): Effect.Effect<{ readonly ready: Effect.Effect<void, LockBackendError>; readonly isReady: () => boolean }> =>
   Effect.gen(function*() {
     let ready = !settings.createTable
     const lock = yield* Effect.makeSemaphore(1)
@@ -196,5 +205,8 @@ const tableReadiness = (
         })
       )
     )
-    return Effect.suspend(() => (ready ? Effect.void : lock.withPermits(1)(Effect.suspend(() => (ready ? Effect.void : create)))))
+    return {
+      ready: Effect.suspend(() => (ready ? Effect.void : lock.withPermits(1)(Effect.suspend(() => (ready ? Effect.void : create))))),
+      isReady: () => ready
+    }
   })

@@ -38,6 +38,11 @@ const ABANDON_MAX_SPACING_MS = 1_000
 export interface GiveBack {
   /** The holder's release: retried, at most `statementTimeout` in all. */
   readonly release: (name: string, owner: string) => Effect.Effect<void, LockBackendError>
+  /**
+   * `release` driven by the lane's callbacks (`Lane.runNow`), no fiber: the grant's
+   * `Grant.releaseNow`. Undefined on a lane without a callback path.
+   */
+  readonly releaseNow: ((name: string, owner: string) => (done: (failure: LockBackendError | undefined) => void) => void) | undefined
   /** Leaves the waiting place `waiter` (in the background; a place left behind expires by itself). */
   readonly leave: (name: string, waiter: string) => Effect.Effect<void>
   /**
@@ -45,7 +50,8 @@ export interface GiveBack {
    * retried with backoff until the lease would have expired anyway. Returns at once.
    */
   readonly abandon: (
-    attempt: Fiber.Fiber<unknown, LockBackendError>,
+    /** The attempt's outcome, once it has one. */
+    attempt: Effect.Effect<Exit.Exit<unknown, LockBackendError>>,
     name: string,
     owner: string,
     waiter: string,
@@ -106,13 +112,34 @@ export const make = (
         }
       })
 
+    const runNow = lane.runNow
+    const spacingMillis = Duration.toMillis(RELEASE_RETRY_SPACING)
+    const releaseNow: GiveBack["releaseNow"] = runNow === undefined ? undefined : (name, grantOwner) => (done) => {
+      // `release`'s rule, on callbacks: each try gets what is left of the whole bound.
+      const deadline = performance.now() + totalMillis
+      let attempt = 0
+      const once = () =>
+        Lane.sendNow(runNow, name, statement, { name, owner: grantOwner, waiter: null }, Duration.millis(Math.max(1, deadline - performance.now())), (error, value) => {
+          if (error === undefined) {
+            // Waiters of this process that the release found at the head are woken without a round trip.
+            hub?.wake(value!.wake)
+            return done(undefined)
+          }
+          if (attempt >= RELEASE_RETRIES || deadline - performance.now() <= spacingMillis) return done(error)
+          attempt++
+          // Owner-scoped and idempotent: a retry after an ambiguous failure is safe.
+          setTimeout(once, spacingMillis)
+        })
+      once()
+    }
+
     const leave = (name: string, waiter: string) => background(Effect.ignore(giveBack(name, null, waiter)))
 
     const abandon: GiveBack["abandon"] = (attempt, name, grantOwner, waiter, ttlMillis) =>
       background(Effect.gen(function*() {
         // The lease the attempt may have taken lasts at most its ttl from now (it was sent before).
         const expiresBy = (yield* monotonicMillis) + ttlMillis
-        const exit = yield* Fiber.await(attempt)
+        const exit = yield* attempt
         // Answered, or refused by the server: whatever it took is committed already. Otherwise
         // its statement may still commit later, and an empty give-back proves nothing yet.
         const unknown = outcomeUnknown(exit)
@@ -127,7 +154,7 @@ export const make = (
         }
       }))
 
-    return { release, leave, abandon }
+    return { release, releaseNow, leave, abandon }
   })
 
 /**

@@ -9,7 +9,7 @@
  */
 import type * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import type { LockBackendError } from "../../LockError.js"
+import { LockBackendError } from "../../LockError.js"
 import type { Row, Statement } from "./dialect.js"
 
 /** Rows of a statement, with the monotonic time (ms) just before it was sent. */
@@ -41,6 +41,19 @@ export interface Lane {
   readonly listen: ((channel: string, deliver: (payload: string) => void) => Effect.Effect<void, LockBackendError>) | undefined
   /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
   readonly prepareRenewals: Effect.Effect<void>
+  /**
+   * `run` with a callback and no fiber, on lanes whose connections are the backend's own (whose
+   * `prepareRenewals` has nothing to do): `done` is called once, from the driver's callback or the
+   * bound's timer, with the rows or the error. Returns the abandon (nobody reads it any more).
+   */
+  readonly runNow?: ((
+    operation: string,
+    name: string | undefined,
+    text: string,
+    params: ReadonlyArray<unknown>,
+    bound: Duration.Duration,
+    done: (error: LockBackendError | undefined, rows?: ReadonlyArray<Row>) => void
+  ) => () => void) | undefined
 }
 
 /** A typed answer, with the monotonic time (ms) just before its statement was sent. */
@@ -63,6 +76,29 @@ export const send = <I, O>(
   bound: Duration.Duration
 ): Effect.Effect<Answer<O>, LockBackendError> =>
   Effect.suspend(() => Effect.map(lane.run<Row>(statement.operation, name, statement.text, statement.encode(input), bound), answer(statement)))
+
+/**
+ * `send` on the lane's callback path (`Lane.runNow`, which the caller checked is there): `done`
+ * once, with the typed answer or the error (a decoder that throws is the error's `cause`).
+ */
+export const sendNow = <I, O>(
+  runNow: NonNullable<Lane["runNow"]>,
+  name: string | undefined,
+  statement: Statement<I, O>,
+  input: I,
+  bound: Duration.Duration,
+  done: (error: LockBackendError | undefined, value?: O) => void
+): () => void =>
+  runNow(statement.operation, name, statement.text, statement.encode(input), bound, (error, rows) => {
+    if (error !== undefined) return done(error)
+    let value: O
+    try {
+      value = statement.decode(rows!)
+    } catch (cause) {
+      return done(new LockBackendError({ operation: statement.operation, ...(name === undefined ? {} : { name }), cause }))
+    }
+    done(undefined, value)
+  })
 
 /** Sends `statement` with `input` on the renewal connections. */
 export const sendRenewal = <I, O>(

@@ -20,12 +20,20 @@ export interface Subscription {
   readonly wait: (mark: number, delay: Duration.Duration) => Effect.Effect<boolean>
 }
 
+/** A subscription whose end is the caller's (`unsubscribe`, synchronous and idempotent). */
+export interface Unsubscribable {
+  readonly subscription: Subscription
+  readonly unsubscribe: () => void
+}
+
 export interface WakeHub {
   /**
    * Subscribes the waiter `waiter` (its place in the queue) of the lock `name`: it is woken by a
    * wake-up naming it, one naming the lock (a revoke), and whenever the hub loses its source.
    */
   readonly subscribe: (name: string, waiter: string) => Effect.Effect<Subscription, never, Scope.Scope>
+  /** `subscribe` without a scope: the caller calls `unsubscribe` (once) when it stops waiting. */
+  readonly subscribeNow: (name: string, waiter: string) => Effect.Effect<Unsubscribable>
   /** True while wake-ups are proven to arrive: waiters may then sleep long. */
   readonly trusted: Effect.Effect<boolean>
   /**
@@ -46,6 +54,8 @@ interface Waiter {
 export interface Waiters {
   /** Subscribes a waiter; `onSubscribe` runs once it is registered (e.g. to start a listener). */
   readonly subscribe: (name: string, waiter: string, onSubscribe: Effect.Effect<void>) => Effect.Effect<Subscription, never, Scope.Scope>
+  /** `subscribe` without a scope (see `WakeHub.subscribeNow`). */
+  readonly subscribeNow: (name: string, waiter: string, onSubscribe: Effect.Effect<void>) => Effect.Effect<Unsubscribable>
   /** Wakes the waiter with this id, if it is one of this process's. */
   readonly wakeWaiter: (waiter: string) => void
   /** Wakes every waiter of the lock `name`. */
@@ -69,49 +79,63 @@ export const makeWaiters = (): Waiters => {
     resume?.()
   }
 
+  const subscriptionOf = (waiter: Waiter): Subscription => ({
+    mark: Effect.sync(() => waiter.wakes),
+    // A raw timer and a callback in one step, not the Clock's sleep raced against the wake-up:
+    // that race is two fibers per wait on every handoff's path (issue 23), and an interrupted
+    // sleep is the TestClock trap of Effect-TS/effect#6910. Lease backends run on real time only.
+    wait: (mark, delay) =>
+      Effect.async<boolean>((resume) => {
+        if (waiter.wakes !== mark) return resume(Effect.succeed(true))
+        const timer = setTimeout(() => {
+          if (waiter.resume === woken) waiter.resume = undefined
+          resume(Effect.succeed(false))
+        }, Duration.toMillis(delay))
+        const woken = () => {
+          clearTimeout(timer)
+          resume(Effect.succeed(true))
+        }
+        waiter.resume = woken
+        return Effect.sync(() => {
+          clearTimeout(timer)
+          if (waiter.resume === woken) waiter.resume = undefined
+        })
+      })
+  })
+
+  /** Registers a waiter in one synchronous step; the returned `unsubscribe` takes it off again. */
+  const register = (name: string, id: string): Unsubscribable => {
+    const waiter: Waiter = { name, wakes: 0, resume: undefined }
+    byId.set(id, waiter)
+    let named = byName.get(name)
+    if (named === undefined) byName.set(name, named = new Set())
+    named.add(waiter)
+    let subscribed = true
+    return {
+      subscription: subscriptionOf(waiter),
+      unsubscribe: () => {
+        if (!subscribed) return
+        subscribed = false
+        if (byId.get(id) === waiter) byId.delete(id)
+        const set = byName.get(name)
+        set?.delete(waiter)
+        if (set?.size === 0) byName.delete(name)
+      }
+    }
+  }
+
+  const subscribeNow = (name: string, id: string, onSubscribe: Effect.Effect<void>): Effect.Effect<Unsubscribable> =>
+    Effect.suspend(() => Effect.as(onSubscribe, register(name, id)))
+
   const subscribe = (name: string, id: string, onSubscribe: Effect.Effect<void>): Effect.Effect<Subscription, never, Scope.Scope> =>
-    Effect.acquireRelease(
-      Effect.sync(() => {
-        const waiter: Waiter = { name, wakes: 0, resume: undefined }
-        byId.set(id, waiter)
-        let named = byName.get(name)
-        if (named === undefined) byName.set(name, named = new Set())
-        named.add(waiter)
-        return waiter
-      }).pipe(Effect.tap(() => onSubscribe)),
-      (waiter) =>
-        Effect.sync(() => {
-          if (byId.get(id) === waiter) byId.delete(id)
-          const named = byName.get(name)
-          named?.delete(waiter)
-          if (named?.size === 0) byName.delete(name)
-        })
-    ).pipe(Effect.map((waiter): Subscription => ({
-      mark: Effect.sync(() => waiter.wakes),
-      // A raw timer and a callback in one step, not the Clock's sleep raced against the wake-up:
-      // that race is two fibers per wait on every handoff's path (issue 23), and an interrupted
-      // sleep is the TestClock trap of Effect-TS/effect#6910. Lease backends run on real time only.
-      wait: (mark, delay) =>
-        Effect.async<boolean>((resume) => {
-          if (waiter.wakes !== mark) return resume(Effect.succeed(true))
-          const timer = setTimeout(() => {
-            if (waiter.resume === woken) waiter.resume = undefined
-            resume(Effect.succeed(false))
-          }, Duration.toMillis(delay))
-          const woken = () => {
-            clearTimeout(timer)
-            resume(Effect.succeed(true))
-          }
-          waiter.resume = woken
-          return Effect.sync(() => {
-            clearTimeout(timer)
-            if (waiter.resume === woken) waiter.resume = undefined
-          })
-        })
-    })))
+    Effect.map(
+      Effect.acquireRelease(subscribeNow(name, id, onSubscribe), (registered) => Effect.sync(registered.unsubscribe)),
+      (registered) => registered.subscription
+    )
 
   return {
     subscribe,
+    subscribeNow,
     wakeWaiter: (id) => {
       const waiter = byId.get(id)
       if (waiter !== undefined) fire(waiter)

@@ -156,6 +156,17 @@ export interface Pool {
    * if it was sending, is destroyed.
    */
   readonly statement: <A>(text: string, params: ReadonlyArray<unknown>, boundMillis: number) => Effect.Effect<ReadonlyArray<A>, unknown>
+  /**
+   * `statement` with a callback: `done` is called once, with the rows or the error, from the
+   * driver's callback (or the bound's timer). Returns the abandon: nobody reads the statement any
+   * more (its connection, if it was sending, is destroyed).
+   */
+  readonly statementNow: (
+    text: string,
+    params: ReadonlyArray<unknown>,
+    boundMillis: number,
+    done: (error: unknown, rows?: ReadonlyArray<unknown>) => void
+  ) => () => void
   /** Closes connections idle for longer than `idleMillis`. */
   readonly reap: (idleMillis: number) => void
   /** Destroys every connection; later statements fail. */
@@ -202,63 +213,70 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     return undefined
   }
 
+  const statementNow: Pool["statementNow"] = (text, params, boundMillis, done) => {
+    let settled = false
+    let sending: Connection | undefined
+    const settle = (error: unknown, rows?: ReadonlyArray<unknown>) => {
+      if (settled) return
+      settled = true
+      cancelTimer()
+      done(error, rows)
+    }
+    /** Nobody reads this statement any more. */
+    const leave = () => {
+      settled = true
+      const index = waiters.indexOf(take)
+      if (index >= 0) waiters.splice(index, 1)
+      // A statement in flight may still run and commit: its session is destroyed, never reused
+      // (the edge then fails the statement, which hands the slot back).
+      if (sending !== undefined) destroyNow(sending)
+    }
+    const cancelTimer = stallSafeTimer(boundMillis, () => {
+      if (settled) return
+      leave()
+      done(new StatementTimeout(boundMillis))
+    })
+    const use = (connection: Connection) => {
+      if (settled) return checkin(connection)
+      sending = connection
+      run(connection, text, params, undefined, (error, rows) => {
+        sending = undefined
+        checkin(connection)
+        settle(error, rows)
+      })
+    }
+    /** Its turn: an idle connection, else a new one in a free slot, else wait for one. */
+    const take = (): void => {
+      if (closed) return settle(new Error("the lock connections were closed"))
+      const connection = takeIdle()
+      if (connection !== undefined) return use(connection)
+      if (open >= max) return void waiters.push(take)
+      open++
+      openConnection(driver, config, statements, SESSION_SETUP, openBound, (opened, error) => {
+        if (opened !== undefined) return use(opened)
+        open--
+        waiters.shift()?.()
+        settle(error)
+      })
+    }
+    take()
+    return () => {
+      if (settled) return
+      cancelTimer()
+      leave()
+    }
+  }
+
   const statement = <A>(text: string, params: ReadonlyArray<unknown>, boundMillis: number) =>
     Effect.async<ReadonlyArray<A>, unknown>((resume) => {
-      let settled = false
-      let sending: Connection | undefined
-      const settle = (error: unknown, rows?: ReadonlyArray<unknown>) => {
-        if (settled) return
-        settled = true
-        cancelTimer()
-        resume(error === undefined ? Effect.succeed(rows as ReadonlyArray<A>) : Effect.fail(error))
-      }
-      /** Nobody reads this statement any more. */
-      const leave = () => {
-        settled = true
-        const index = waiters.indexOf(take)
-        if (index >= 0) waiters.splice(index, 1)
-        // A statement in flight may still run and commit: its session is destroyed, never reused
-        // (the edge then fails the statement, which hands the slot back).
-        if (sending !== undefined) destroyNow(sending)
-      }
-      const cancelTimer = stallSafeTimer(boundMillis, () => {
-        if (settled) return
-        leave()
-        resume(Effect.fail(new StatementTimeout(boundMillis)))
-      })
-      const use = (connection: Connection) => {
-        if (settled) return checkin(connection)
-        sending = connection
-        run(connection, text, params, undefined, (error, rows) => {
-          sending = undefined
-          checkin(connection)
-          settle(error, rows)
-        })
-      }
-      /** Its turn: an idle connection, else a new one in a free slot, else wait for one. */
-      const take = (): void => {
-        if (closed) return settle(new Error("the lock connections were closed"))
-        const connection = takeIdle()
-        if (connection !== undefined) return use(connection)
-        if (open >= max) return void waiters.push(take)
-        open++
-        openConnection(driver, config, statements, SESSION_SETUP, openBound, (opened, error) => {
-          if (opened !== undefined) return use(opened)
-          open--
-          waiters.shift()?.()
-          settle(error)
-        })
-      }
-      take()
-      return Effect.sync(() => {
-        if (settled) return
-        cancelTimer()
-        leave()
-      })
+      const abandon = statementNow(text, params, boundMillis, (error, rows) =>
+        resume(error === undefined ? Effect.succeed(rows as ReadonlyArray<A>) : Effect.fail(error)))
+      return Effect.sync(abandon)
     })
 
   return {
     statement,
+    statementNow,
     reap: (idleMillis) => {
       const now = performance.now()
       for (let i = idle.length - 1; i >= 0; i--) {

@@ -130,6 +130,9 @@ export const own = (
     return {
       kind: "own",
       run: statementOn(lock),
+      runNow: (operation, name, text, params, bound, done) =>
+        lock.statementNow(text, params, Duration.toMillis(bound), (error, rows) =>
+          error === undefined ? done(undefined, rows as ReadonlyArray<never>) : done(statementError(operation, name, bound)(error))),
       renew: (text, params, bound) => statementOn(renewals)("renew", undefined, text, params, bound),
       listen: listenOn(driver, config, listenBound),
       // Own renewal connections open on demand, in a few ms, whatever the application does.

@@ -203,8 +203,10 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
           : Effect.void)))
     })
 
+    const onSubscribe = Effect.zipRight(ensureStarted, kick.offer(undefined))
     const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, import("effect/Scope").Scope> =>
-      waiters.subscribe(name, id, Effect.zipRight(ensureStarted, kick.offer(undefined)))
+      waiters.subscribe(name, id, onSubscribe)
+    const subscribeNow = (name: string, id: string) => waiters.subscribeNow(name, id, onSubscribe)
 
     const trusted = Effect.map(
       monotonicMillis,
@@ -215,5 +217,5 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
       for (const id of ids) waiters.wakeWaiter(id)
     }
 
-    return { subscribe, trusted, wake }
+    return { subscribe, subscribeNow, trusted, wake }
   })

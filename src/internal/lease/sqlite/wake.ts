@@ -12,6 +12,7 @@ export const make = (): WakeHub => {
   const waiters = makeWaiters()
   return {
     subscribe: (name, waiter) => waiters.subscribe(name, waiter, Effect.void),
+    subscribeNow: (name, waiter) => waiters.subscribeNow(name, waiter, Effect.void),
     trusted: Effect.succeed(false),
     wake: (ids) => {
       for (const id of ids) waiters.wakeWaiter(id)

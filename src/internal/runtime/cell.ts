@@ -1,0 +1,39 @@
+/**
+ * A one-shot cell for an outcome that a driver callback delivers: set once, awaited by whoever
+ * still wants it (the caller, or the layer's clean-up once the caller stopped waiting). What a
+ * `Deferred` does for this, without its cost on every statement: a `Deferred` costs more to make
+ * than the rest of a cycle's bookkeeping.
+ */
+import * as Effect from "effect/Effect"
+
+export class Cell<A> {
+  private done = false
+  private value: A | undefined = undefined
+  private waiters: Array<(value: A) => void> | undefined = undefined
+
+  /** Sets the outcome (the first call wins) and hands it to every waiter. Callable from any callback. */
+  readonly set = (value: A): void => {
+    if (this.done) return
+    this.done = true
+    this.value = value
+    const waiters = this.waiters
+    this.waiters = undefined
+    if (waiters !== undefined) for (const waiter of waiters) waiter(value)
+  }
+
+  /** The outcome when it is there. */
+  readonly poll = (): A | undefined => this.value
+
+  readonly isDone = (): boolean => this.done
+
+  /** The outcome, once it is there; interrupting the wait only stops this waiter. */
+  readonly await: Effect.Effect<A> = Effect.async<A>((resume) => {
+    if (this.done) return resume(Effect.succeed(this.value as A))
+    const waiter = (value: A) => resume(Effect.succeed(value))
+    ;(this.waiters ??= []).push(waiter)
+    return Effect.sync(() => {
+      const index = this.waiters?.indexOf(waiter) ?? -1
+      if (index >= 0) this.waiters!.splice(index, 1)
+    })
+  })
+}
