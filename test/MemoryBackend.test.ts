@@ -511,6 +511,29 @@ describe("DistributedLock on the memory backend", () => {
       }
     }))
 
+  it.scoped("after grants the loop found already released, a new lease is renewed on time, a shorter one too", () =>
+    Effect.gen(function*() {
+      const faults = makeFaults()
+      const a = yield* node(yield* MemoryBackend.makeStore, faults, Duration.seconds(3))
+      // Short-lived grants, as in a busy loop: the renewal loop finds each one gone (a grant wakes
+      // it by a timer at the lease's renewal, not at once, so it never sees them).
+      for (let i = 0; i < 100; i++) yield* Effect.scoped(a.acquire(`brief-${i}`))
+      yield* TestClock.adjust("100 millis")
+      const kept = yield* a.acquire("kept")
+      // Due before the timer the brief grants left behind: it must be rung earlier.
+      const short = yield* a.acquire("short", { ttl: "1200 millis" })
+      yield* TestClock.adjust("500 millis")
+      expect(faults.renewCalls.some((call) => call.names.includes("short"))).toBe(true)
+      expect(faults.renewCalls.some((call) => call.names.includes("kept"))).toBe(false)
+      yield* TestClock.adjust("700 millis")
+      expect(faults.renewCalls.some((call) => call.names.includes("kept"))).toBe(true)
+      // Both still held well past their first ttl.
+      yield* TestClock.adjust("4 seconds")
+      expect(yield* kept.isHeld).toBe(true)
+      expect(yield* short.isHeld).toBe(true)
+      expect(faults.renewCalls.some((call) => call.names.some((name) => name.startsWith("brief")))).toBe(false)
+    }).pipe(withYieldBudget(TIGHT_YIELD_BUDGET)))
+
   it.scoped("a renewal in flight finishes before the release starts", () =>
     Effect.gen(function*() {
       const faults = makeFaults()

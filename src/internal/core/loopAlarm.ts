@@ -1,6 +1,7 @@
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
+import type * as Fiber from "effect/Fiber"
 import * as FiberSet from "effect/FiberSet"
 import type * as Scope from "effect/Scope"
 import { fiberMillis, sleepMillis } from "./clock.js"
@@ -17,6 +18,12 @@ export interface LoopAlarm {
   readonly ring: () => void
   /** Whether something due at `at` needs a ring: the loop is awake or sleeps past `at`. */
   readonly needsRing: (at: number) => boolean
+  /**
+   * Something is due at `at` (monotonic ms; `now` is the time): a loop that sleeps past it is rung
+   * *at* `at` by a timer, not woken now (nothing is due before); an awake loop looks again before
+   * it sleeps. A timer already armed at or before `at` does.
+   */
+  readonly wakeBy: (at: number, now: number) => void
   /** Called by the loop as it starts a round. */
   readonly wokeUp: () => void
   /** Sleeps until `wakeAt` (monotonic ms; `Infinity`: until rung), or returns at once if rung meanwhile. */
@@ -25,7 +32,10 @@ export interface LoopAlarm {
   readonly stop: Effect.Effect<void>
 }
 
-export const makeLoopAlarm: Effect.Effect<LoopAlarm, never, Scope.Scope> = Effect.gen(function*() {
+/** `fork`: starts a timer fiber as the layer's work (from a caller's synchronous step). */
+export const makeLoopAlarm = (
+  fork: <A, E>(self: Effect.Effect<A, E>) => Fiber.RuntimeFiber<A, E>
+): Effect.Effect<LoopAlarm, never, Scope.Scope> => Effect.gen(function*() {
   /** Timers that ring the alarm; never interrupted before `stop` (see `armTimer`). */
   const timers = yield* FiberSet.make<void>()
   /** When each running timer fires (monotonic ms). */
@@ -57,6 +67,21 @@ export const makeLoopAlarm: Effect.Effect<LoopAlarm, never, Scope.Scope> = Effec
       return Effect.asVoid(FiberSet.run(timers, Effect.ensuring(sleepMillis(at - now), fired)))
     })
 
+  const wakeBy = (at: number, now: number): void => {
+    if (awake) {
+      rescan = true
+      return
+    }
+    if (at >= scheduledWake) return
+    // One timer rings the loop at `at`; every grant due later needs nothing more until then.
+    scheduledWake = at
+    timerTimes.add(at)
+    FiberSet.unsafeAdd(timers, fork(Effect.ensuring(sleepMillis(at - now), Effect.sync(() => {
+      timerTimes.delete(at)
+      ring()
+    }))))
+  }
+
   const sleepUntil = (wakeAt: number): Effect.Effect<void> =>
     Effect.withFiberRuntime((fiber) => {
       if (rescan) {
@@ -66,7 +91,12 @@ export const makeLoopAlarm: Effect.Effect<LoopAlarm, never, Scope.Scope> = Effec
       // From here on a ring completes this signal, and a registration compares itself with `scheduledWake`.
       const signal = Deferred.unsafeMake<void>(fiber.id())
       alarm = signal
-      scheduledWake = wakeAt
+      // A timer still armed rings the loop at its time even when the loop asks for none (every lease
+      // went): a lease due after it needs no ring now. Without this, every grant after the loop
+      // found nothing would wake it for a round (a tick per acquire on a lease backend, issue 23).
+      let earliest = wakeAt
+      for (const t of timerTimes) if (t < earliest) earliest = t
+      scheduledWake = earliest
       awake = false
       const rung = Deferred.await(signal)
       return wakeAt === Number.POSITIVE_INFINITY ? rung : Effect.zipRight(armTimer(wakeAt, fiberMillis(fiber)), rung)
@@ -75,6 +105,7 @@ export const makeLoopAlarm: Effect.Effect<LoopAlarm, never, Scope.Scope> = Effec
   return {
     ring,
     needsRing: (at) => awake || at < scheduledWake,
+    wakeBy,
     wokeUp: () => {
       awake = true
       rescan = false

@@ -168,7 +168,7 @@ export const makeRegistry = <G extends Grant>(
     // body's stall watch firing) while a release is under way must not cut it off.
     const owner = yield* Owner.make
     const renewals = yield* FiberSet.make<void>()
-    const alarm = yield* makeLoopAlarm
+    const alarm = yield* makeLoopAlarm(owner.unsafeFork)
     const baseLabels = metrics.backendLabels(backend.backend)
     const releaseTimeoutMillis = Duration.toMillis(options.releaseTimeout)
     /** Renewal calls in flight; due leases wait for a free slot and then go in one batch. */
@@ -245,7 +245,9 @@ export const makeRegistry = <G extends Grant>(
       )
       leases.set(held.id, held)
       metrics.unsafe.held(labels, 1)
-      if (held.validUntil !== undefined && alarm.needsRing(Math.min(held.renewAt, safetyDeadline(held)))) alarm.ring()
+      // Nothing of a fresh lease is due now: the loop is rung when its renewal is (a ring now
+      // would run a round of the loop per grant).
+      if (held.validUntil !== undefined) alarm.wakeBy(Math.min(held.renewAt, safetyDeadline(held)), fiberMillis(fiber))
       return held
     }
 

@@ -67,6 +67,8 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
     let started = false
     let verifiedAt = Number.NEGATIVE_INFINITY
     let healthy = false
+    /** The watch waits for a first waiter (its `kick.take` with nobody subscribed). */
+    let idle = false
 
     const distrust = Effect.sync(() => {
       const was = healthy
@@ -130,7 +132,13 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
     /** Re-checks while anyone waits; returns when an echo is missed. */
     const watch = Effect.gen(function*() {
       while (true) {
-        if (waiters.size() === 0) yield* kick.take
+        if (waiters.size() === 0) {
+          // Only an idle watch is kicked (see `onSubscribe`): a kick per acquire while it sleeps
+          // toward its next check would cost a race of two fibers and a timer each (issue 23).
+          idle = true
+          yield* kick.take
+          idle = false
+        }
         const now = yield* monotonicMillis
         const due = verifiedAt + checkMillis - now
         if (due > 0) {
@@ -203,7 +211,9 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
           : Effect.void)))
     })
 
-    const onSubscribe = Effect.zipRight(ensureStarted, kick.offer(undefined))
+    // The watch is kicked only when it waits for a first waiter: asleep toward its next check, it
+    // re-checks on time anyway.
+    const onSubscribe = Effect.zipRight(ensureStarted, Effect.suspend(() => idle ? kick.offer(undefined) : Effect.void))
     const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, import("effect/Scope").Scope> =>
       waiters.subscribe(name, id, onSubscribe)
     const subscribeNow = (name: string, id: string) => waiters.subscribeNow(name, id, onSubscribe)
