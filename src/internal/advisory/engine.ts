@@ -61,7 +61,7 @@ import * as Option from "effect/Option"
 import * as PubSub from "effect/PubSub"
 import * as Queue from "effect/Queue"
 import * as Schedule from "effect/Schedule"
-import type * as Scope from "effect/Scope"
+import * as Scope from "effect/Scope"
 import type { AcquireRequest, AcquireResult, Grant, LockAndSemaphoreBackend } from "../../LockBackend.js"
 import { LockBackendError, type UnsafeConnectionPooling } from "../../LockError.js"
 import { makeLocalKeys, type Admission } from "./localKeys.js"
@@ -266,19 +266,31 @@ const registerInterest = (engine: Engine, keyText: string): Effect.Effect<boolea
     return true
   })
 
-/** A wait session that holds nothing, reserved for one blocking wait; or a reason to try again. */
-/** What a request needs to wait in-process: hints (subscribed), and interest in notifications. */
+/**
+ * What a request needs to wait in-process: hints (subscribed), interest in notifications, and the
+ * scope both live in — made only when a request first waits in-process, so the uncontended and the
+ * server-side waits pay for no scope (closed when the request ends, `grantLoop`).
+ */
 interface InProcessWait {
   hints: Queue.Dequeue<Hint> | undefined
   registered: boolean
+  scope: Scope.CloseableScope | undefined
 }
+
+/** The in-process wait's scope, made on first use. */
+const scopeOf = (inProcess: InProcessWait): Effect.Effect<Scope.Scope> =>
+  inProcess.scope !== undefined
+    ? Effect.succeed(inProcess.scope)
+    : Effect.map(Scope.make(), (scope) => (inProcess.scope = scope))
+
+/** A wait session that holds nothing, reserved for one blocking wait; or a reason to try again. */
 
 const reserveWaitSession = (
   engine: Engine,
   request: AcquireRequest,
   keyText: string,
   inProcess: InProcessWait
-): Effect.Effect<Reservation, LockBackendError, Scope.Scope> =>
+): Effect.Effect<Reservation, LockBackendError> =>
   Effect.gen(function*() {
     while (true) {
       if (engine.closing) return yield* shuttingDown(request.name)
@@ -300,11 +312,11 @@ const reserveWaitSession = (
       // notify only registered waiters, so register too (and try once more). Notifications are
       // hints (a crashed holder sends none), hence the fallback re-try.
       if (inProcess.hints === undefined) {
-        inProcess.hints = yield* engine.hints.subscribe
+        inProcess.hints = yield* Scope.extend(engine.hints.subscribe, yield* scopeOf(inProcess))
         return Retry
       }
       if (!inProcess.registered) {
-        inProcess.registered = yield* registerInterest(engine, keyText)
+        inProcess.registered = yield* Scope.extend(registerInterest(engine, keyText), yield* scopeOf(inProcess))
         if (inProcess.registered) return Retry
       }
       const hints = inProcess.hints
@@ -338,11 +350,27 @@ const grantLoop = (
   admission: Admission,
   afterBusyTry: boolean
 ): Effect.Effect<AcquireResult<Grant>, LockBackendError> =>
+  Effect.suspend(() => {
+    const inProcess: InProcessWait = { hints: undefined, registered: false, scope: undefined }
+    return grantSteps(engine, request, key, keyText, admission, afterBusyTry, inProcess).pipe(
+      // The in-process wait's subscription and interest end with the request.
+      Effect.onExit((exit) => inProcess.scope === undefined ? Effect.void : Scope.close(inProcess.scope, exit))
+    )
+  })
+
+const grantSteps = (
+  engine: Engine,
+  request: AcquireRequest,
+  key: bigint,
+  keyText: string,
+  admission: Admission,
+  afterBusyTry: boolean,
+  inProcess: InProcessWait
+): Effect.Effect<AcquireResult<Grant>, LockBackendError> =>
   Effect.gen(function*() {
     // A shared request that found an exclusive one queued at the server queues there too; a
     // request whose first try was just busy goes straight to its wait.
     let mustQueue = afterBusyTry
-    const inProcess: InProcessWait = { hints: undefined, registered: false }
     while (true) {
       if (request.mode === "shared" && !mustQueue) {
         const joined = yield* joinShared(engine, request, key, keyText, admission)
@@ -369,7 +397,7 @@ const grantLoop = (
       if (waited._tag !== "Retry") return waited
       mustQueue = false
     }
-  }).pipe(Effect.scoped)
+  })
 
 /**
  * Builds the backend: connects the home session (refusing connections without session affinity),
