@@ -25,6 +25,7 @@ import { scenario as scale } from "./scenarios/scale.js"
 import { scenario as semaphore } from "./scenarios/semaphore.js"
 import { renderSideBySide } from "./scenarios/sideBySide.js"
 import { scenario as sqlite } from "./scenarios/sqlite.js"
+import { scenario as cpu } from "./scenarios/cpu.js"
 import { scenario as uncontended, type UncontendedResult } from "./scenarios/uncontended.js"
 
 /** A scenario with its result type hidden: it runs, renders and judges itself in one go. */
@@ -49,7 +50,8 @@ const SCENARIOS: ReadonlyArray<Runnable> = [
   runnable(scale),
   runnable(peers),
   runnable(semaphore),
-  runnable(sqlite)
+  runnable(sqlite),
+  runnable(cpu)
 ]
 
 const FULL: Settings = {

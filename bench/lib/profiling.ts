@@ -1,0 +1,124 @@
+/**
+ * V8 CPU profiles of a subject's rounds, and where their CPU went: the machinery of
+ * `bench/profile.ts` (printed, with `.cpuprofile` files) and of the bench's `cpu` scenario (CPU
+ * per cycle against the raw floor, a coded target).
+ */
+import * as Fs from "node:fs"
+import * as Inspector from "node:inspector/promises"
+import * as Path from "node:path"
+import { fileURLToPath } from "node:url"
+import type { Subject } from "./rounds.js"
+
+export const OUT_DIR = fileURLToPath(new URL("../results/profiles/", import.meta.url))
+
+/** What one profiled round reports: how many lock cycles (or grants, for handoff) it did. */
+export interface Profiled {
+  readonly id: string
+  readonly cycles: number
+  readonly wallMs: number
+  readonly profile: CpuProfile
+}
+
+interface CpuProfile {
+  readonly nodes: ReadonlyArray<{
+    readonly id: number
+    readonly callFrame: { readonly functionName: string; readonly url: string }
+  }>
+  readonly samples: ReadonlyArray<number>
+  readonly timeDeltas: ReadonlyArray<number>
+  readonly startTime: number
+  readonly endTime: number
+}
+
+export type Where = "idle" | "gc" | "pg driver" | "Effect runtime" | "effect-lock" | "node internals" | "other"
+
+const whereOf = (frame: CpuProfile["nodes"][number]["callFrame"]): Where => {
+  if (frame.functionName === "(idle)") return "idle"
+  if (frame.functionName === "(garbage collector)") return "gc"
+  const url = frame.url
+  if (url.includes("/node_modules/pg") || url.includes("/node_modules/pg-")) return "pg driver"
+  if (url.includes("/node_modules/effect/") || url.includes("/node_modules/@effect/")) return "Effect runtime"
+  if (url.includes("/src/")) return "effect-lock"
+  if (url.startsWith("node:") || url === "" || frame.functionName === "(program)") return "node internals"
+  return "other"
+}
+
+/** Milliseconds of samples per place, and the top self-time functions outside the idle state. */
+export const summarize = (profile: CpuProfile) => {
+  const byId = new Map(profile.nodes.map((node) => [node.id, node]))
+  const byWhere = new Map<Where, number>()
+  const byFunction = new Map<string, number>()
+  profile.samples.forEach((id, i) => {
+    const node = byId.get(id)
+    if (node === undefined) return
+    const ms = (profile.timeDeltas[i] ?? 0) / 1000
+    const where = whereOf(node.callFrame)
+    byWhere.set(where, (byWhere.get(where) ?? 0) + ms)
+    if (where !== "idle") {
+      const file = node.callFrame.url.split("/node_modules/").pop()?.split("/src/").pop() ?? node.callFrame.url
+      const key = `${node.callFrame.functionName || "(anonymous)"} ${file}`
+      byFunction.set(key, (byFunction.get(key) ?? 0) + ms)
+    }
+  })
+  const top = [...byFunction].sort((a, b) => b[1] - a[1]).slice(0, 8)
+  return { byWhere, top }
+}
+
+/** One round of an open subject with the profiler on. */
+const profileRound = async <R>(
+  id: string,
+  run: () => Promise<R>,
+  cyclesOf: (result: R) => number
+): Promise<Profiled> => {
+  const session = new Inspector.Session()
+  session.connect()
+  try {
+    await session.post("Profiler.enable")
+    await session.post("Profiler.setSamplingInterval", { interval: 100 })
+    await session.post("Profiler.start")
+    const started = performance.now()
+    const result = await run()
+    const wallMs = performance.now() - started
+    const { profile } = (await session.post("Profiler.stop")) as unknown as { profile: CpuProfile }
+    return { id, cycles: cyclesOf(result), wallMs, profile }
+  } finally {
+    session.disconnect()
+  }
+}
+
+/**
+ * Opens `subject`, warms it up, and profiles `rounds` rounds of it (each its own profile); the last
+ * round's profile is written to `OUT_DIR`.
+ */
+export const profiled = async <R>(subject: Subject<R>, cyclesOf: (result: R) => number, rounds = 1): Promise<Array<Profiled>> => {
+  const trial = await subject.open()
+  try {
+    await trial.run({ warmup: true })
+    const out: Array<Profiled> = []
+    for (let i = 0; i < rounds; i++) out.push(await profileRound(subject.id, () => trial.run({ warmup: false }), cyclesOf))
+    Fs.mkdirSync(OUT_DIR, { recursive: true })
+    Fs.writeFileSync(Path.join(OUT_DIR, `${subject.id}.cpuprofile`), JSON.stringify(out[out.length - 1]!.profile))
+    return out
+  } finally {
+    await trial.close()
+  }
+}
+
+/** CPU spent in this process (profile samples that are not idle), ms. */
+export const cpuMs = (p: Profiled): number => {
+  const { byWhere } = summarize(p.profile)
+  return PLACES.reduce((sum, where) => sum + (byWhere.get(where) ?? 0), 0)
+}
+
+export const PLACES: ReadonlyArray<Where> = ["pg driver", "Effect runtime", "effect-lock", "node internals", "gc", "other"]
+
+export const print = (label: string, p: Profiled): void => {
+  const { byWhere, top } = summarize(p.profile)
+  const perCycle = (ms: number) => `${((ms * 1000) / Math.max(1, p.cycles)).toFixed(0)} µs`
+  const cpu = cpuMs(p)
+  console.log(`\n${label} (${p.id}): ${p.cycles} cycles in ${(p.wallMs / 1000).toFixed(1)} s`)
+  console.log(`  per cycle: wall ${perCycle(p.wallMs)}, CPU here ${perCycle(cpu)}, waiting ${perCycle(Math.max(0, p.wallMs - cpu))}`)
+  console.log(`  CPU by place: ${PLACES.map((where) => `${where} ${perCycle(byWhere.get(where) ?? 0)}`).join(", ")}`)
+  console.log(`  top self time: ${top.map(([name, ms]) => `${name} ${perCycle(ms)}`).join("; ")}`)
+}
+
