@@ -31,7 +31,8 @@ import type { LockMode } from "./Lease.js"
 import type { LockAndSemaphoreBackend } from "./LockBackend.js"
 import { type InvalidLockName, LockBackendError, LockTimeout, type UnsafeConnectionPooling } from "./LockError.js"
 import * as inspect from "./internal/advisory/inspect.js"
-import { advisoryKey } from "./internal/core/lockKey.js"
+import { advisoryKey, cachedAdvisoryKey } from "./internal/core/lockKey.js"
+import { isTraced } from "./internal/core/tracing.js"
 import { parseTable } from "./internal/sql/tables.js"
 import * as internal from "./internal/advisory/engine.js"
 import * as optionsOf from "./internal/advisory/options.js"
@@ -238,20 +239,26 @@ export const withXactLock: {
     rawName: string,
     options?: XactLockOptions
   ): Effect.Effect<A, E | LockTimeout | InvalidLockName | LockBackendError, R | SqlClient.SqlClient> =>
-    Effect.gen(function*() {
-      const name = yield* validateName(rawName, MAX_NAME_BYTES)
-      const mode = yield* validateMode(name, options?.mode)
-      const sql = yield* SqlClientTag
-      const key = advisoryKey(name, options?.namespace)
-      const statementTimeout = decodeDuration(options?.statementTimeout)
-      return yield* xact.run(sql, self, {
-        name,
-        key,
-        mode,
-        timeout: decodeDuration(options?.timeout),
-        statementTimeoutMillis: statementTimeout === undefined ? xact.DEFAULT_STATEMENT_TIMEOUT_MS : Duration.toMillis(statementTimeout)
+    Effect.withFiberRuntime((fiber) => {
+      const locked = Effect.gen(function*() {
+        const name = yield* validateName(rawName, MAX_NAME_BYTES)
+        const mode = yield* validateMode(name, options?.mode)
+        const sql = yield* SqlClientTag
+        const key = cachedAdvisoryKey(name, options?.namespace)
+        const statementTimeout = decodeDuration(options?.statementTimeout)
+        return yield* xact.run(sql, self, {
+          name,
+          key,
+          mode,
+          timeout: decodeDuration(options?.timeout),
+          statementTimeoutMillis: statementTimeout === undefined ? xact.DEFAULT_STATEMENT_TIMEOUT_MS : Duration.toMillis(statementTimeout)
+        })
       })
-    }).pipe(Effect.withSpan("effect-lock.withXactLock", { captureStackTrace: false, attributes: { "lock.name": rawName } }))
+      // A span only when a tracer would keep it: on the hot path it costs more than it tells nobody.
+      return isTraced(fiber)
+        ? Effect.withSpan(locked, "effect-lock.withXactLock", { captureStackTrace: false, attributes: { "lock.name": rawName } })
+        : locked
+    })
 )
 
 /**

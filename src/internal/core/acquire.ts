@@ -179,7 +179,7 @@ const takeLease = <G extends Grant, X extends object>(
     // Grant and registration of its release are one uninterruptible step; only the backend's
     // explicitly interruptible waits can be interrupted, and those leave no grant behind. Counted
     // in flight until settled: a closing service waits for it before its connections close.
-    const taking = registry.taking(Effect.uninterruptibleMask((restore) => attemptOnce(take, restore)))
+    const taking = registry.taking((restore) => attemptOnce(take, restore))
     return take.traced
       ? Effect.withSpan(taking, kind === "acquire" ? "effect-lock.acquire" : "effect-lock.tryAcquire", {
         captureStackTrace: false,

@@ -17,3 +17,22 @@ export const advisoryKey = (name: string, namespace = ""): bigint => {
     .digest()
   return digest.readBigInt64BE(0)
 }
+
+/** Keys remembered by `cachedAdvisoryKey`; past this many the memory starts over. */
+const KEY_CACHE_SIZE = 4_096
+const keyCache = new Map<string, bigint>()
+
+/**
+ * `advisoryKey`, remembered: a hash per call costs more than the rest of an uncontended
+ * `withXactLock`'s own CPU work, and names are few and reused.
+ */
+export const cachedAdvisoryKey = (name: string, namespace = ""): bigint => {
+  const id = `${namespace}\u0000${name}`
+  let key = keyCache.get(id)
+  if (key === undefined) {
+    if (keyCache.size >= KEY_CACHE_SIZE) keyCache.clear()
+    key = advisoryKey(name, namespace)
+    keyCache.set(id, key)
+  }
+  return key
+}

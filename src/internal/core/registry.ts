@@ -145,10 +145,13 @@ export interface Registry<G extends Grant> {
    */
   readonly whenClosing: (listener: () => void) => () => void
   /**
-   * Counts an acquisition in flight until `self` ends: closing waits for it to settle (its grant
-   * handed out or given back) before the backend's connections close.
+   * Runs an acquisition uninterruptibly (`restore` gives back the caller's interruptibility to the
+   * steps that may be interrupted), counted in flight until it ends: closing waits for it to settle
+   * (its grant handed out or given back) before the backend's connections close.
    */
-  readonly taking: <A, E, R>(self: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+  readonly taking: <A, E, R>(
+    self: (restore: <X, Y, Z>(step: Effect.Effect<X, Y, Z>) => Effect.Effect<X, Y, Z>) => Effect.Effect<A, E, R>
+  ) => Effect.Effect<A, E, R>
   /**
    * The ordered shutdown: refuses new grants and ends waits; tells every holder `shutdown`, which
    * interrupts its guarded bodies, and waits for them to stop (bounded); waits for acquisitions
@@ -590,12 +593,13 @@ export const makeRegistry = <G extends Grant>(
 
     // Counted and uncounted in uninterruptible steps: an interruption between the count and the
     // finalizer that undoes it would leave closing waiting for an acquisition that is gone.
-    const taking = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
-      // An in-process store gives a late grant back in the same step: nothing for closing to wait for.
-      backend.instantRelease === true ? self : Effect.uninterruptibleMask((restore) => {
+    const taking: Registry<G>["taking"] = (self) =>
+      Effect.uninterruptibleMask((restore) => {
+        // An in-process store gives a late grant back in the same step: nothing for closing to wait for.
+        if (backend.instantRelease === true) return self(restore)
         takes++
         return Effect.ensuring(
-          restore(self),
+          self(restore),
           Effect.sync(() => {
             takes--
             if (closed && takes === 0) Deferred.unsafeDone(takesSettled, Exit.void)
