@@ -373,7 +373,8 @@ const render = (result: UncontendedResult): string => {
     "(named: parsed and planned once per session), as PgAdvisory sends them.",
     "- *… N callers on 1 connection*: the same statements one at a time, all workers sharing one session. PgAdvisory " +
     "also takes uncontended locks on one session (its home session), but sends the tries queued behind a running " +
-    "statement together as one statement (one commit); this row shows what one session does without that.",
+    "statement together as one statement (one commit), and the releases queued together as one statement too; this " +
+    "row shows what one session does without that.",
     "- *raw pg: PgLease's statements*: the acquire statement and the owner-scoped release (which notifies only " +
     "waiters at the head of the queue) from `src/internal/lease/pg/sql.ts`, same parameters. PgLease runs them on " +
     "`connections` of its own (set to the worker count here).",

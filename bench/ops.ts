@@ -1,0 +1,119 @@
+/**
+ * `npx tsx bench/ops.ts [--cycles=N]`
+ *
+ * How much Effect work one lock cycle is: the Effect operations run and the fibers started on the
+ * caller's fiber (and its children) per `Effect.scoped(DistributedLock.acquire(name))`, counted by
+ * a supervisor with op supervision on, one worker, after a warm-up; and for a handoff, per grant
+ * between 8 contenders on 8 PgAdvisory layers (acquire, hold 1 ms, release). Work the layers do on
+ * their own runtimes is not counted (`Owner`: no supervisor of the caller's reaches it); the
+ * resumptions line counts every fiber's resumptions, so background rounds per cycle show there.
+ */
+import { PgClient } from "@effect/sql-pg"
+import * as Effect from "effect/Effect"
+import * as Layer from "effect/Layer"
+import * as ManagedRuntime from "effect/ManagedRuntime"
+import * as Redacted from "effect/Redacted"
+import * as RuntimeFlags from "effect/RuntimeFlags"
+import * as RuntimeFlagsPatch from "effect/RuntimeFlagsPatch"
+import * as Supervisor from "effect/Supervisor"
+import * as DistributedLock from "../src/DistributedLock.js"
+import * as MemoryBackend from "../src/MemoryBackend.js"
+import * as PgAdvisory from "../src/PgAdvisory.js"
+import * as PgLease from "../src/PgLease.js"
+import { createDatabase, startPostgres } from "./lib/postgres.js"
+
+const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
+const cycles = Number(arg("cycles") ?? "2000")
+
+class Counting extends Supervisor.AbstractSupervisor<void> {
+  ops = 0
+  fibers = 0
+  override value = Effect.void
+  override onStart() {
+    this.fibers++
+  }
+  override onEffect() {
+    this.ops++
+  }
+}
+
+/** Every fiber's resumptions (any runtime), counted while `counting` is on. */
+const resumptions = (() => {
+  const proto = Object.getPrototypeOf(Effect.runFork(Effect.void)) as { evaluateEffect: (...args: Array<unknown>) => unknown }
+  const original = proto.evaluateEffect
+  const state = { counting: false, count: 0 }
+  proto.evaluateEffect = function(this: unknown, ...args: Array<unknown>) {
+    if (state.counting) state.count++
+    return original.apply(this, args)
+  }
+  return state
+})()
+
+const counted = <A, E, R>(self: Effect.Effect<A, E, R>, supervisor: Counting) =>
+  Effect.withRuntimeFlagsPatch(Effect.supervised(self, supervisor), RuntimeFlagsPatch.enable(RuntimeFlags.OpSupervision))
+
+const perCycle = async (label: string, layer: Layer.Layer<DistributedLock.DistributedLock, unknown>) => {
+  const runtime = ManagedRuntime.make(layer)
+  try {
+    const cycle = Effect.scoped(DistributedLock.acquire(`ops-${label}`))
+    await runtime.runPromise(Effect.repeatN(cycle, 300))
+    const supervisor = new Counting()
+    resumptions.count = 0
+    resumptions.counting = true
+    await runtime.runPromise(counted(Effect.repeatN(cycle, cycles - 1), supervisor))
+    resumptions.counting = false
+    console.log(
+      `${label.padEnd(22)} ${(supervisor.ops / cycles).toFixed(0).padStart(4)} Effect ops, ` +
+        `${(supervisor.fibers / cycles).toFixed(2)} fibers started, ${(resumptions.count / cycles).toFixed(2)} fiber resumptions per cycle`
+    )
+  } finally {
+    await runtime.dispose()
+  }
+}
+
+const handoff = async (url: string) => {
+  const runtimes = Array.from({ length: 8 }, (_, i) => ManagedRuntime.make(PgAdvisory.layer({ url, applicationName: `bench-ops-${i}` })))
+  try {
+    let grants = 0
+    const contender = (ms: number) =>
+      Effect.gen(function*() {
+        const end = Date.now() + ms
+        while (Date.now() < end) {
+          yield* Effect.scoped(Effect.zipRight(DistributedLock.acquire("ops-handoff"), Effect.sleep("1 millis")))
+          grants++
+        }
+      })
+    await Promise.all(runtimes.map((runtime) => runtime.runPromise(contender(1_000))))
+    grants = 0
+    const supervisor = new Counting()
+    await Promise.all(runtimes.map((runtime) => runtime.runPromise(counted(contender(3_000), supervisor))))
+    console.log(
+      `${"PgAdvisory handoff × 8".padEnd(22)} ${(supervisor.ops / grants).toFixed(0).padStart(4)} Effect ops, ` +
+        `${(supervisor.fibers / grants).toFixed(2)} fibers started per grant (${grants} grants)`
+    )
+  } finally {
+    await Promise.all(runtimes.map((runtime) => runtime.dispose()))
+  }
+}
+
+const main = async () => {
+  const server = await startPostgres()
+  const database = await createDatabase(server.adminUrl, "ops")
+  try {
+    await perCycle("MemoryBackend", MemoryBackend.layer())
+    await perCycle("PgAdvisory", PgAdvisory.layer({ url: database.url, applicationName: "bench-ops" }))
+    await perCycle(
+      "PgLease",
+      Layer.provide(PgLease.layer({ connections: 1 }), PgClient.layer({ url: Redacted.make(database.url), maxConnections: 1 }))
+    )
+    await handoff(database.url)
+  } finally {
+    await database.drop()
+    await server.stop()
+  }
+}
+
+main().catch((error) => {
+  console.error(error)
+  process.exitCode = 1
+})
