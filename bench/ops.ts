@@ -20,7 +20,7 @@ import * as DistributedLock from "../src/DistributedLock.js"
 import * as MemoryBackend from "../src/MemoryBackend.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import * as PgLease from "../src/PgLease.js"
-import { createDatabase, startPostgres } from "./lib/postgres.js"
+import { runMain, withScratchDatabase } from "./lib/postgres.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
 const cycles = Number(arg("cycles") ?? "2000")
@@ -96,10 +96,8 @@ const handoff = async (url: string) => {
   }
 }
 
-const main = async () => {
-  const server = await startPostgres()
-  const database = await createDatabase(server.adminUrl, "ops")
-  try {
+runMain(() =>
+  withScratchDatabase("ops", async (database) => {
     await perCycle("MemoryBackend", MemoryBackend.layer())
     await perCycle("PgAdvisory", PgAdvisory.layer({ url: database.url, applicationName: "bench-ops" }))
     await perCycle(
@@ -107,13 +105,5 @@ const main = async () => {
       Layer.provide(PgLease.layer({ connections: 1 }), PgClient.layer({ url: Redacted.make(database.url), maxConnections: 1 }))
     )
     await handoff(database.url)
-  } finally {
-    await database.drop()
-    await server.stop()
-  }
-}
-
-main().catch((error) => {
-  console.error(error)
-  process.exitCode = 1
-})
+  })
+)

@@ -15,7 +15,7 @@
  */
 import { pgAdvisoryHandoff, pgLeaseHandoff, rawHandoff } from "./scenarios/handoff.js"
 import { memorySubject, pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease, rawXactLibrary, semaphoreSubject, xactSubject } from "./scenarios/uncontended.js"
-import { createDatabase, type Database, startPostgres } from "./lib/postgres.js"
+import { type Database, runMain, withScratchDatabase } from "./lib/postgres.js"
 import { OUT_DIR, print, profiled } from "./lib/profiling.js"
 import type { Subject } from "./lib/rounds.js"
 
@@ -42,10 +42,8 @@ const PAIRS: ReadonlyArray<Pair> = [
   { name: "handoff-lease", subject: (db, ms) => pgLeaseHandoff(db, ms, true), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants }
 ]
 
-const main = async () => {
-  const server = await startPostgres()
-  const database = await createDatabase(server.adminUrl, "profile")
-  try {
+runMain(() =>
+  withScratchDatabase("profile", async (database) => {
     for (const pair of PAIRS) {
       if (only !== undefined && !only.includes(pair.name)) continue
       const ms = seconds * 1000
@@ -53,13 +51,5 @@ const main = async () => {
       print(`${pair.name}, effect-lock`, (await profiled(pair.subject(database, ms), pair.cycles))[0]!)
     }
     console.log(`\nprofiles written to ${OUT_DIR}`)
-  } finally {
-    await database.drop()
-    await server.stop()
-  }
-}
-
-main().catch((error) => {
-  console.error(error)
-  process.exitCode = 1
-})
+  })
+)

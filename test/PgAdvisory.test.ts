@@ -1,7 +1,7 @@
 import { SqlClient } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
 import { afterAll, describe, expect, it, layer } from "@effect/vitest"
-import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Metric, Option, Redacted, Scope, Tracer } from "effect"
+import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Metric, Option, Redacted, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import type { FencingToken } from "../src/FencingToken.js"
 import type { AcquireRequest } from "../src/LockBackend.js"
@@ -27,6 +27,7 @@ import {
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 import { TIGHT_YIELD_BUDGET, withYieldBudget } from "./support/contract.js"
 import { eventually as pollUntil } from "./support/eventually.js"
+import { recordingTracer } from "./support/tracing.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory")
@@ -791,17 +792,8 @@ describe("PgAdvisory.withXactLock", () => {
   layer(PgTest.layer(db), { excludeTestServices: true })("on the app's SqlClient", (it) => {
     it.effect("a span under a tracer that keeps it, with the lock's name", () =>
       Effect.gen(function*() {
-        const base = yield* Effect.tracer
-        const spans: Array<Tracer.Span> = []
-        const recording = Tracer.make({
-          span: (...args) => {
-            const span = base.span(...args)
-            spans.push(span)
-            return span
-          },
-          context: base.context
-        })
-        yield* PgAdvisory.withXactLock(Effect.void, "xact-span").pipe(Effect.withTracer(recording))
+        const { spans, tracer } = yield* recordingTracer
+        yield* PgAdvisory.withXactLock(Effect.void, "xact-span").pipe(Effect.withTracer(tracer))
         expect(spans.filter((span) => span.name === "effect-lock.withXactLock").map((span) => span.attributes.get("lock.name")))
           .toEqual(["xact-span"])
       }))

@@ -12,6 +12,7 @@ import * as DistributedLock from "effect-lock/DistributedLock"
 import * as LockMetrics from "effect-lock/LockMetrics"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import { LockBackendError } from "effect-lock/LockError"
+import { recordingTracer } from "./support/tracing.js"
 
 const counter = (metric: Metric.Metric.Counter<number>, tags: Record<string, string> = {}) => {
   let tagged = Metric.tagged(metric, "backend", "memory")
@@ -21,19 +22,6 @@ const counter = (metric: Metric.Metric.Counter<number>, tags: Record<string, str
 const heldNow = Effect.map(Metric.value(Metric.tagged(LockMetrics.held, "backend", "memory")), (s) => s.value)
 const waits = Effect.map(Metric.value(Metric.tagged(LockMetrics.acquireWait, "backend", "memory")), (s) => s.count)
 
-/** A tracer that records every span it starts, over the default one. */
-const recordingTracer = Effect.map(Effect.tracer, (base) => {
-  const spans: Array<Tracer.Span> = []
-  const tracer = Tracer.make({
-    span: (...args) => {
-      const span = base.span(...args)
-      spans.push(span)
-      return span
-    },
-    context: base.context
-  })
-  return { spans, tracer }
-})
 
 describe("observability", () => {
   it.scoped("metrics count acquisitions, waits, timeouts, losses, release failures and held locks", () =>

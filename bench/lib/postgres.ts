@@ -59,6 +59,33 @@ export const createDatabase = async (adminUrl: string, label: string): Promise<D
   }
 }
 
+/**
+ * A script's PostgreSQL: starts the server (`startPostgres`), runs `f` in a fresh database, then
+ * drops the database and stops the server, whatever `f` does. For the single-purpose scripts
+ * (`profile.ts`, `ops.ts`); `npm run bench` keeps one server across its scenarios.
+ */
+export const withScratchDatabase = async <A>(label: string, f: (database: Database) => Promise<A>): Promise<A> => {
+  const server = await startPostgres()
+  try {
+    const database = await createDatabase(server.adminUrl, label)
+    try {
+      return await f(database)
+    } finally {
+      await database.drop()
+    }
+  } finally {
+    await server.stop()
+  }
+}
+
+/** Runs a script's `main`, reporting a failure on stderr and in the exit code. */
+export const runMain = (main: () => Promise<void>): void => {
+  main().catch((error) => {
+    console.error(error)
+    process.exitCode = 1
+  })
+}
+
 export const serverVersion = (url: string): Promise<string> =>
   withClient(url, async (client) => (await client.query<{ v: string }>("select current_setting('server_version') as v")).rows[0]?.v ?? "?")
 

@@ -21,7 +21,7 @@ import * as driver from "../pg/driver.js"
 import { Cell } from "../runtime/cell.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, RELEASE_BATCH_SQL, releaseSql, setupSql, tryBatchSql } from "./sql.js"
-import type { Engine, Job, ReleaseJob, Row, ServerGrant, Session, Settled, TryJob } from "./state.js"
+import type { Engine, Job, ReleaseJob, Row, ServerGrant, Session, Settled, StatementJob, TryJob } from "./state.js"
 
 /** Short backend name for spans and metrics. */
 export const BACKEND = "pg-advisory"
@@ -318,24 +318,9 @@ export const submitTry = (session: Session, keyText: string, name: string, share
 }
 
 /**
- * Queues a try-lock whose outcome goes straight to `done`, called once from the answer's callback
- * (or when the session dies): no cell and no fiber between the answer and what follows it.
- * `undefined` when the session is not open (nothing was queued, `done` is never called).
- */
-export const submitTryThen = (
-  session: Session,
-  keyText: string,
-  name: string,
-  shared: boolean,
-  done: (settled: Settled) => void
-): TryJob | undefined => {
-  const job: TryJob = { _tag: "Try", keyText, name, shared, state: "queued", done }
-  return submit(session, job) ? job : undefined
-}
-
-/**
  * Queues the release of one key, batched with the releases queued next to it; its outcome (its own
- * row) goes to `done` (see `submitTryThen`), `CLOSED` at once when the session is not open.
+ * row) goes to `done`, called once from the answer's callback (or when the session dies) — no cell
+ * and no fiber between the answer and what follows it; `CLOSED` at once when the session is not open.
  */
 export const submitReleaseThen = (
   session: Session,
@@ -358,20 +343,6 @@ export const submitStatement = (
   return submitted(session, { _tag: "Statement", text, values, timeoutMillis, state: "queued", done: cell.set }, cell)
 }
 
-/**
- * Queues one statement whose outcome goes straight to `done` (see `submitTryThen`); `done` gets
- * `CLOSED` at once when the session is not open.
- */
-export const submitStatementThen = (
-  session: Session,
-  text: string,
-  values: ReadonlyArray<unknown> | undefined,
-  timeoutMillis: number,
-  done: (settled: Settled) => void
-): void => {
-  if (!submit(session, { _tag: "Statement", text, values, timeoutMillis, state: "queued", done })) done(CLOSED)
-}
-
 /** Runs one bounded statement on the session and waits for its outcome (one Effect.async, no cell). */
 export const statement = (
   engine: Engine,
@@ -381,9 +352,10 @@ export const statement = (
   timeoutMillis?: number
 ): Effect.Effect<Settled> =>
   Effect.async<Settled>((resume) => {
+    const done = (settled: Settled) => resume(Effect.succeed(settled))
+    const job: StatementJob = { _tag: "Statement", text, values, timeoutMillis: timeoutMillis ?? engine.statementTimeoutMillis, state: "queued", done }
     // Interrupting the wait only stops waiting: the statement runs and settles its session's bookkeeping.
-    submitStatementThen(session, text, values, timeoutMillis ?? engine.statementTimeoutMillis, (settled) =>
-      resume(Effect.succeed(settled)))
+    if (!submit(session, job)) done(CLOSED)
   })
 
 const connectError = (cause: unknown) => new LockBackendError({ operation: "connect", cause })
