@@ -24,6 +24,8 @@ interface Script {
   readonly tried: Array<string>
   /** When set, try-locks are answered by another backend, as after a pooler moved the session. */
   movedTo?: number
+  /** When set, a try-lock's answer lists the row with the backend pid before the keys' rows. */
+  pidRowFirst?: boolean
 }
 
 const PID = 4242
@@ -71,7 +73,9 @@ const fakeDriver = (script: Script): Driver => {
       } else if (text.startsWith("with request as")) {
         const keys = values![0]!
         script.tried.push(...keys)
-        answer([...keys.map((key) => ({ key, token: "1", pid: null })), { key: null, token: null, pid: script.movedTo ?? PID }])
+        const granted = keys.map((key) => ({ key, token: "1", pid: null }))
+        const pidRow = { key: null, token: null, pid: script.movedTo ?? PID }
+        answer(script.pidRowFirst === true ? [pidRow, ...granted] : [...granted, pidRow])
       } else if (text.startsWith("select pg_advisory_unlock")) {
         answer([{ released: true, pid: PID }])
       } else {
@@ -152,6 +156,17 @@ describe("PgAdvisory session logic on the TestClock", () => {
       const again = yield* backend.acquire(request("queued", lost))
       expect(again._tag).toBe("Granted")
       if (again._tag === "Granted") yield* again.grant.release
+    }))
+
+  it.scoped("a try-lock's answer is read by key, in whatever order the server lists its rows", () =>
+    Effect.gen(function*() {
+      // SQL gives a union no order: the row carrying the pid may come first. A grant read from the
+      // wrong row would be taken for busy, and its lock left held by nobody.
+      const script: Script = { holdHeartbeats: false, held: [], heartbeats: 0, tried: [], pidRowFirst: true }
+      const backend = yield* makeWith(options, fakeDriver(script))
+      const granted = yield* backend.acquire({ ...request("pid-first", []), attempt: "once" })
+      expect(granted._tag).toBe("Granted")
+      if (granted._tag === "Granted") expect(granted.grant.token).toBe(1n)
     }))
 
   it.scoped("a statement answered by another backend (a pooler moved the session) fails the acquire loudly and tells the other leases", () =>

@@ -54,10 +54,6 @@ export interface LocalKeys {
   readonly leave: (admission: Admission, wasGranted: boolean) => Effect.Effect<void>
   /** `leave` in this synchronous step (from a driver callback). */
   readonly leaveNow: (admission: Admission, wasGranted: boolean) => void
-  /** `tryAdmit` in this synchronous step; `undefined` when not admitted. */
-  readonly admitNow: (key: string, mode: LockMode) => Admission | undefined
-  /** `granted` in this synchronous step. */
-  readonly grantedNow: (admission: Admission) => void
 }
 
 export const makeLocalKeys = (): LocalKeys => {
@@ -170,7 +166,6 @@ export const makeLocalKeys = (): LocalKeys => {
 
   return {
     tryAdmit: (key, mode) => Effect.sync(() => Option.fromNullable(tryAdmitNow(key, mode))),
-    admitNow: tryAdmitNow,
 
     admit: (key, mode, wait) =>
       Effect.suspend(() => {
@@ -179,7 +174,6 @@ export const makeLocalKeys = (): LocalKeys => {
       }),
 
     granted: (admission) => Effect.sync(() => grantedNow(admission)),
-    grantedNow,
     leave: (admission, wasGranted) => Effect.sync(() => release(admission.key, admission.mode, wasGranted)),
     leaveNow: (admission, wasGranted) => release(admission.key, admission.mode, wasGranted)
   }

@@ -219,21 +219,29 @@ const takeBatch = <J extends TryJob | ReleaseJob>(session: Session, tag: J["_tag
   return start(session, session.queue.splice(0, end) as Array<J>)
 }
 
-/** Sends one statement for `jobs` and hands each its own rows (by key) when the answer comes. */
+/**
+ * Sends one statement for `jobs` and hands each its outcome when the answer comes: its own rows
+ * (by key) when `byKey`, else the whole answer (a statement for one job only).
+ */
 const sendBatch = <J extends TryJob | ReleaseJob>(
   engine: Engine,
   session: Session,
   jobs: ReadonlyArray<J>,
   text: string,
-  values: ReadonlyArray<unknown>
+  values: ReadonlyArray<unknown>,
+  byKey: boolean
 ): void => {
   session.busy = true
   execute(engine, session, text, values, engine.statementTimeoutMillis, (settled) => {
     session.busy = false
-    if (jobs.length === 1) settle(engine, session, jobs[0]!, settled)
-    else {
-      for (const job of jobs) {
-        settle(engine, session, job, settled._tag === "Ok" ? { _tag: "Ok", rows: settled.rows.filter((row) => row.key === job.keyText) } : settled)
+    for (const job of jobs) {
+      const own: Settled = byKey && settled._tag === "Ok" ? { _tag: "Ok", rows: settled.rows.filter((row) => row.key === job.keyText) } : settled
+      // Every job is settled whatever another's continuation does: one that throws must not
+      // leave the rest of the batch (and the session's queue) waiting forever.
+      try {
+        settle(engine, session, job, own)
+      } catch (defect) {
+        killInBackground(engine, session, `a job's continuation failed: ${String(defect)}`)
       }
     }
     pump(engine, session)
@@ -255,17 +263,18 @@ const pump = (engine: Engine, session: Session): void => {
       const live = takeBatch<TryJob>(session, "Try").sort(compareKeys)
       if (live.length === 0) continue
       const values = [live.map((j) => j.keyText), live.map((j) => j.name), live.map((j) => j.shared)]
-      sendBatch(engine, session, live, tryBatchSql(engine.options.fencingTable), values)
+      // By key always: the answer also carries the row with the session's pid.
+      sendBatch(engine, session, live, tryBatchSql(engine.options.fencingTable), values, true)
     } else if (head._tag === "Release") {
       const live = takeBatch<ReleaseJob>(session, "Release")
       if (live.length === 0) continue
       // One release alone is the plain statement; several share one round trip and one commit.
       if (live.length === 1) {
         const job = live[0]!
-        sendBatch(engine, session, live, releaseSql(job.shared ? "shared" : "exclusive"), [job.keyText, job.interestKey, CHANNEL])
+        sendBatch(engine, session, live, releaseSql(job.shared ? "shared" : "exclusive"), [job.keyText, job.interestKey, CHANNEL], false)
       } else {
         const values = [live.map((j) => j.keyText), live.map((j) => j.interestKey), live.map((j) => j.shared), CHANNEL]
-        sendBatch(engine, session, live, RELEASE_BATCH_SQL, values)
+        sendBatch(engine, session, live, RELEASE_BATCH_SQL, values, true)
       }
     } else {
       session.queue.shift()

@@ -16,8 +16,6 @@ import { fiberMillis, sleepMillis } from "./clock.js"
 export interface LoopAlarm {
   /** The loop looks again: at once if it sleeps, before it sleeps if it is awake. */
   readonly ring: () => void
-  /** Whether something due at `at` needs a ring: the loop is awake or sleeps past `at`. */
-  readonly needsRing: (at: number) => boolean
   /**
    * Something is due at `at` (monotonic ms; `now` is the time): a loop that sleeps past it is rung
    * *at* `at` by a timer, not woken now (nothing is due before); an awake loop looks again before
@@ -104,7 +102,6 @@ export const makeLoopAlarm = (
 
   return {
     ring,
-    needsRing: (at) => awake || at < scheduledWake,
     wakeBy,
     wokeUp: () => {
       awake = true

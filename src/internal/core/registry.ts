@@ -306,14 +306,23 @@ export const makeRegistry = <G extends Grant>(
           waiting = false
           resume(giveBackFailed(name, String(grant.token), labels, Cause.fail(new Error(`release did not finish within ${boundMillis} ms`))))
         })
-        grant.releaseNow!((failure) => {
+        let finished = false
+        const finish = (failure: Cause.Cause<unknown> | undefined) => {
+          if (finished) return
+          finished = true
           detachedPending--
           if (detachedPending === 0) for (const settled of detachedSettled) settled()
           if (!waiting) return
           waiting = false
           cancelTimer()
-          resume(failure === undefined ? Effect.void : giveBackFailed(name, String(grant.token), labels, Cause.fail(failure)))
-        })
+          resume(failure === undefined ? Effect.void : giveBackFailed(name, String(grant.token), labels, failure))
+        }
+        try {
+          grant.releaseNow!((failure) => finish(failure === undefined ? undefined : Cause.fail(failure)))
+        } catch (defect) {
+          // A backend that throws instead of calling back has finished, badly: reported, not waited for.
+          finish(Cause.die(defect))
+        }
         // The caller stops waiting; the give-back is the backend's and goes on.
         return Effect.sync(() => {
           waiting = false

@@ -136,8 +136,10 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
           // Only an idle watch is kicked (see `onSubscribe`): a kick per acquire while it sleeps
           // toward its next check would cost a race of two fibers and a timer each (issue 23).
           idle = true
-          yield* kick.take
-          idle = false
+          // Reset however the wait ends (the watch is interrupted when its listener dies).
+          yield* Effect.ensuring(kick.take, Effect.sync(() => {
+            idle = false
+          }))
         }
         const now = yield* monotonicMillis
         const due = verifiedAt + checkMillis - now
