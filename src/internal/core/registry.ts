@@ -254,10 +254,16 @@ export const makeRegistry = <G extends Grant>(
       return held
     }
 
-    const giveBackFailed = (name: string, token: string, labels: metrics.Labels, cause: Cause.Cause<unknown>) =>
+    const giveBackFailed = (
+      name: string,
+      token: string,
+      labels: metrics.Labels,
+      cause: Cause.Cause<unknown>,
+      outcome = "the backend gave it up"
+    ) =>
       Effect.suspend(() => {
         metrics.unsafe.releaseFailed(labels)
-        return Effect.logWarning(`releasing lock "${name}" failed; the backend gave it up`, cause).pipe(
+        return Effect.logWarning(`releasing lock "${name}" failed; ${outcome}`, cause).pipe(
           Effect.annotateLogs({ "lock.name": name, "lock.token": token })
         )
       })
@@ -304,7 +310,14 @@ export const makeRegistry = <G extends Grant>(
         const cancelTimer = stallSafeTimer(boundMillis, () => {
           if (!waiting) return
           waiting = false
-          resume(giveBackFailed(name, String(grant.token), labels, Cause.fail(new Error(`release did not finish within ${boundMillis} ms`))))
+          resume(giveBackFailed(
+            name,
+            String(grant.token),
+            labels,
+            Cause.fail(new Error(`release did not finish within ${boundMillis} ms`)),
+            // Not given up: the backend's own bound ends it, destroying what it cannot prove.
+            "the backend goes on with it in the background, and destroys the session if it cannot prove it"
+          ))
         })
         let finished = false
         const finish = (failure: Cause.Cause<unknown> | undefined) => {
