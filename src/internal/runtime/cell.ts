@@ -24,8 +24,6 @@ export class Cell<A> {
   /** The outcome when it is there. */
   readonly poll = (): A | undefined => this.value
 
-  readonly isDone = (): boolean => this.done
-
   /** The outcome, once it is there; interrupting the wait only stops this waiter. */
   readonly await: Effect.Effect<A> = Effect.async<A>((resume) => {
     if (this.done) return resume(Effect.succeed(this.value as A))
