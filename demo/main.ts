@@ -44,8 +44,8 @@ const TTL_MS = 2000
 const WORK_MS = 400
 /** How long a round's write is in flight: the freeze hits a holder in that window. */
 const SEND_MS = 300
-/** A round takes about WORK_MS + SEND_MS; the freeze gives up when no write left for this long. */
-const WRITE_WITHIN_MS = 15_000
+/** A round takes about WORK_MS + SEND_MS; a disruption gives up when no grant or write came for this long. */
+const EVENT_WITHIN_MS = 15_000
 const FREEZE_MS = 2 * TTL_MS
 
 const started = Date.now()
@@ -164,8 +164,13 @@ const main = async () => {
     let lastKill: { readonly worker: number; readonly at: number } | undefined
     let ready = 0
     const timeline = emptyTimeline(backend, WORKERS, TTL_MS, Date.now())
-    /** Told of the next write that leaves a worker, when the freeze waits for one. */
-    let onWriting: ((worker: number, token: string) => void) | undefined
+    /** Told of the next grant or write, when a disruption waits for one to aim at. */
+    const waiting = new Map<"acquired" | "writing", (worker: number, token: string) => void>()
+    const tell = (kind: "acquired" | "writing", worker: number, token: string) => {
+      const resolve = waiting.get(kind)
+      waiting.delete(kind)
+      resolve?.(worker, token)
+    }
 
     const onEvent = (event: Stamped) => {
       const who = `worker ${event.w}`
@@ -175,7 +180,7 @@ const main = async () => {
           if (ready++ === 0) timeline.start = event.t
           return
         case "writing":
-          onWriting?.(event.w, event.token)
+          tell("writing", event.w, event.token)
           return
         case "acquired": {
           holder = { worker: event.w, token: BigInt(event.token), since: event.t }
@@ -189,6 +194,7 @@ const main = async () => {
           } else {
             say(`${who} holds the lock, token ${event.token}`)
           }
+          tell("acquired", event.w, event.token)
           return
         }
         case "wrote":
@@ -203,6 +209,8 @@ const main = async () => {
             say(
               pendingDisruption.cause === "freeze"
                 ? `${who} kept its lock through the freeze: a session advisory lock does not expire, the others waited`
+                : backend === "advisory"
+                ? `${who} released before the kill reached its sessions` // the kill is aimed at a fresh grant; this says when it missed
                 : `${who} finished its round through the session kill: a lease does not live in a session`
             )
             pendingDisruption = undefined
@@ -259,17 +267,24 @@ const main = async () => {
     for (let worker = 1; worker <= WORKERS; worker++) spawnWorker(worker)
 
     const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
-    const currentHolder = async (): Promise<Holder> => {
-      while (holder === undefined) await sleep(10)
-      return holder
-    }
+    /** The next grant or write: a disruption aimed at it lands inside the hold, not after its release. */
+    const next = (kind: "acquired" | "writing") =>
+      new Promise<{ readonly worker: number; readonly token: string }>((resolve, reject) => {
+        const bound = setTimeout(() => reject(new Error(`no worker reported "${kind}" within ${EVENT_WITHIN_MS} ms`)), EVENT_WITHIN_MS)
+        waiting.set(kind, (worker, token) => {
+          clearTimeout(bound)
+          resolve({ worker, token })
+        })
+      })
 
     while (ready < WORKERS) await sleep(20)
     const scenarioStart = Date.now()
     say(`all ${WORKERS} workers are up; they compete for "${LOCK_NAME}"`)
     await sleep((seconds * 1000) / 3)
     if (pgStore !== undefined) {
-      const victim = await currentHolder()
+      // Aimed at a fresh grant, with a whole round (WORK_MS + SEND_MS) ahead of it: the holder seen
+      // at some moment may be releasing already, and the kill would hit a worker that holds nothing.
+      const victim = await next("acquired")
       const killAt = Date.now()
       // Set before the kill is sent: the next holder's grant can be reported before the terminate's
       // answer is, and its takeover is measured from the moment the kill began.
@@ -285,7 +300,7 @@ const main = async () => {
       say(`>>> killing worker ${victim.worker}'s ${killed[0]!.n} database session(s) while it holds token ${victim.token}`)
     } else {
       // SQLite has no sessions to kill: the holder process itself dies (a crash), and is restarted.
-      const victim = await currentHolder()
+      const victim = await next("acquired")
       const child = children[victim.worker - 1]!
       const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()))
       child.kill("SIGKILL")
@@ -303,14 +318,7 @@ const main = async () => {
     await sleep((seconds * 1000) / 3)
     {
       // Freeze a holder whose write is on its way: the write reaches the database after the freeze.
-      const victim = await new Promise<{ readonly worker: number; readonly token: string }>((resolve, reject) => {
-        const bound = setTimeout(() => reject(new Error(`no worker wrote within ${WRITE_WITHIN_MS} ms`)), WRITE_WITHIN_MS)
-        onWriting = (worker, token) => {
-          onWriting = undefined
-          clearTimeout(bound)
-          resolve({ worker, token })
-        }
-      })
+      const victim = await next("writing")
       const child = children[victim.worker - 1]!
       child.kill("SIGSTOP")
       pendingDisruption = { cause: "freeze", at: Date.now(), from: victim.worker }
