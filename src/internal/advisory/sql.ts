@@ -47,13 +47,27 @@ export const setupSql = (listen: boolean): string => {
 const suffix = (mode: LockMode) => (mode === "shared" ? "_shared" : "")
 
 /**
+ * One text per table, built once: a statement sent on every grant must be the same string each
+ * time — a text built anew is flattened and hashed again on each send (prepared-name lookup, the
+ * driver's parsed-statement check), a few µs a cycle.
+ */
+const perTable = (build: (table: TableRef) => string) => {
+  const built = new Map<string, string>()
+  return (table: TableRef): string => {
+    let text = built.get(table.sql)
+    if (text === undefined) built.set(table.sql, text = build(table))
+    return text
+  }
+}
+
+/**
  * Try-locks a batch of keys and bumps the fencing counter of each key granted, in one statement
  * and one commit: concurrent grants on a session share a WAL flush. Rows: one per granted key
  * (`key`, `token`), plus one row carrying only `pid`.
  *
  * Parameters: $1 keys (bigint[]), $2 names (text[]), $3 shared flags (boolean[]).
  */
-export const tryBatchSql = (table: TableRef): string =>
+export const tryBatchSql = perTable((table) =>
   `with request as (select * from unnest($1::bigint[], $2::text[], $3::boolean[]) as r(key, name, shared)), ` +
   `attempt as (select key, name, case when shared then pg_try_advisory_lock_shared(key) ` +
   `else pg_try_advisory_lock(key) end as granted from request), ` +
@@ -61,6 +75,7 @@ export const tryBatchSql = (table: TableRef): string =>
   `on conflict (key) do update set token = f.token + 1, name = excluded.name returning f.key, f.token) ` +
   `select key::text as key, token::text as token, null::int as pid from bumped ` +
   `union all select null, null, pg_backend_pid()`
+)
 
 /**
  * A shared join's fencing bump: only while no exclusive request waits at the server for the key,
@@ -69,13 +84,14 @@ export const tryBatchSql = (table: TableRef): string =>
  *
  * Parameters: $1 key, $2 name, $3 classid, $4 objid (the key's `pg_locks` halves).
  */
-export const joinBumpSql = (table: TableRef): string =>
+export const joinBumpSql = perTable((table) =>
   `with bumped as (insert into ${table.sql} as f (key, name, token) select $1::bigint, $2::text, 1 ` +
   `where not exists (select 1 from pg_locks l where l.locktype = 'advisory' and l.objsubid = 1 ` +
   `and l.classid = $3::int8::oid and l.objid = $4::int8::oid and not l.granted and l.mode = 'ExclusiveLock' ` +
   `and l.database = (select oid from pg_database where datname = current_database())) ` +
   `on conflict (key) do update set token = f.token + 1, name = excluded.name returning f.token) ` +
   `select (select token::text from bumped) as token, pg_backend_pid() as pid`
+)
 
 /**
  * One slice of a blocking wait, one simple-protocol round trip: bounded wait, grant, bump. The
@@ -105,9 +121,13 @@ export const INTEREST_NAMESPACE = "effect-lock/PgAdvisory/release-interest"
  *
  * Parameters: $1 key, $2 its interest key, $3 channel.
  */
-export const releaseSql = (mode: LockMode): string =>
+export const releaseSql = (mode: LockMode): string => (mode === "shared" ? RELEASE_SHARED_SQL : RELEASE_EXCLUSIVE_SQL)
+
+const releaseText = (mode: LockMode): string =>
   `select pg_advisory_unlock${suffix(mode)}($1::bigint) as released, pg_backend_pid() as pid, ` +
   `case when pg_try_advisory_xact_lock($2::bigint) then null else pg_notify($3, $1::bigint::text) end as notified`
+const RELEASE_EXCLUSIVE_SQL = releaseText("exclusive")
+const RELEASE_SHARED_SQL = releaseText("shared")
 
 /**
  * `releaseSql` for several keys of one session at once (releases queued behind a running
