@@ -308,7 +308,7 @@ const renderReport = (
     `- Node ${meta.node}; PostgreSQL ${meta.postgres.version} (${meta.postgres.source}), default fsync and synchronous_commit, loopback TCP, SCRAM auth`,
     `- ${meta.cpu.count} CPUs (${meta.cpu.model}), ${meta.os} — the machine was shared with other work while this ran`,
     `- ${packages}`,
-    `- effect-lock at ${meta.git}`,
+    `- effect-lock at ${meta.git}${process.env["EFFECT_LOCK_BENCH_BUILD"] ? ", compiled by tsc as published (bench/lib/built.mjs)" : ", run from source through tsx"}`,
     ...extra,
     "",
     "## Method",

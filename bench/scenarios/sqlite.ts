@@ -24,6 +24,8 @@ import { median, percentile, type Spread, spread } from "../lib/stats.js"
 
 const WORKER = fileURLToPath(new URL("./sqliteWorker.ts", import.meta.url))
 const PROCESSES = 4
+/** The workers run the library as the parent does: its tsc build when the bench was started on it (`lib/built.mjs`). */
+const BUILT = process.env["EFFECT_LOCK_BENCH_BUILD"] ? ["--import", fileURLToPath(new URL("../lib/built.mjs", import.meta.url))] : []
 
 /** One worker process, answering one JSON line per command. */
 interface Proc {
@@ -33,7 +35,7 @@ interface Proc {
 
 const startProc = (mode: "lib" | "raw", file: string, pollMs: number): Promise<Proc> =>
   new Promise((resolve, reject) => {
-    const child: ChildProcessWithoutNullStreams = spawn(process.execPath, ["--import", "tsx", WORKER, mode, file, String(pollMs)], {
+    const child: ChildProcessWithoutNullStreams = spawn(process.execPath, [...BUILT, "--import", "tsx", WORKER, mode, file, String(pollMs)], {
       stdio: ["pipe", "pipe", "pipe"]
     })
     let stderr = ""
