@@ -126,35 +126,65 @@ const newHolder = (grant: ServerGrant, request: AcquireRequest, admission: Admis
  * is gone, so the request tries again). The check and the hand-over are one synchronous step,
  * so a loss is reported for exactly the holders that were handed out.
  */
+const attachNow = (
+  engine: Engine,
+  grant: ServerGrant,
+  token: FencingToken.FencingToken,
+  admission: Admission,
+  holder: Holder
+): Step => {
+  if (grant.closed || holder.state !== "held") {
+    grant.holders.delete(holder)
+    return Retry
+  }
+  holder.handed = true
+  grant.holders.add(holder)
+  engine.local.grantedNow(admission)
+  return {
+    _tag: "Granted",
+    grant: {
+      token,
+      validUntil: Option.none(),
+      release: release(engine, holder),
+      releaseNow: (done: (failure: undefined) => void) => releaseNow(engine, holder, () => done(undefined))
+    }
+  }
+}
+
 const attach = (
   engine: Engine,
   grant: ServerGrant,
   token: FencingToken.FencingToken,
   admission: Admission,
   holder: Holder
-): Effect.Effect<Step> =>
-  Effect.suspend((): Effect.Effect<Step> => {
-    if (grant.closed || holder.state !== "held") {
-      grant.holders.delete(holder)
-      return Effect.succeed(Retry)
-    }
-    holder.handed = true
-    grant.holders.add(holder)
-    return Effect.as(engine.local.granted(admission), {
-      _tag: "Granted",
-      grant: {
-        token,
-        validUntil: Option.none(),
-        release: release(engine, holder),
-        releaseNow: (done: (failure: undefined) => void) => releaseNow(engine, holder, () => done(undefined))
-      }
-    } as const)
-  })
+): Effect.Effect<Step> => Effect.sync(() => attachNow(engine, grant, token, admission, holder))
 
 /**
- * Records a grant the server just made on `session`, or reports that it died with it.
- * `fromWait`: the grant ends the session's blocking wait (a try-lock never leaves a wait).
+ * Records a grant the server just made on `session`, or reports that it died with it, in this
+ * synchronous step. `fromWait`: the grant ends the session's blocking wait (a try-lock never
+ * leaves a wait).
  */
+const recordGrantNow = (
+  engine: Engine,
+  session: Session,
+  key: bigint,
+  keyText: string,
+  token: FencingToken.FencingToken,
+  request: AcquireRequest,
+  admission: Admission,
+  fromWait: boolean
+): Step => {
+  // The session died after granting: the lock went with it.
+  if (session.state !== "open") return Retry
+  const grant: ServerGrant = { key, keyText, mode: request.mode, session, holders: new Set(), closed: false }
+  // In the same synchronous step as leaving a wait: a session is never seen free while it holds this.
+  session.grants.add(grant)
+  if (fromWait) session.waiting = false
+  if (request.mode === "shared") engine.sharedGrants.set(keyText, grant)
+  return attachNow(engine, grant, token, admission, newHolder(grant, request, admission))
+}
+
+/** `recordGrantNow` as a step of an Effect. */
 export const recordGrant = (
   engine: Engine,
   session: Session,
@@ -164,17 +194,7 @@ export const recordGrant = (
   request: AcquireRequest,
   admission: Admission,
   fromWait: boolean
-): Effect.Effect<Step> =>
-  Effect.suspend(() => {
-    // The session died after granting: the lock went with it.
-    if (session.state !== "open") return Effect.succeed(Retry)
-    const grant: ServerGrant = { key, keyText, mode: request.mode, session, holders: new Set(), closed: false }
-    // In the same synchronous step as leaving a wait: a session is never seen free while it holds this.
-    session.grants.add(grant)
-    if (fromWait) session.waiting = false
-    if (request.mode === "shared") engine.sharedGrants.set(keyText, grant)
-    return attach(engine, grant, token, admission, newHolder(grant, request, admission))
-  })
+): Effect.Effect<Step> => Effect.sync(() => recordGrantNow(engine, session, key, keyText, token, request, admission, fromWait))
 
 /** A shared join found an exclusive request queued at the server: this request must queue there too. */
 export const JoinRefused = { _tag: "JoinRefused" } as const
@@ -284,11 +304,21 @@ export const awaitTurn = <A, E>(request: AcquireRequest, step: Effect.Effect<A, 
     : request.waitUntilDeadline(step)
 
 /**
+ * A try's outcome, once its turn came: `undefined` when the deadline passed first. Without a
+ * deadline the wait is only made interruptible (no race, nothing more on the uncontended path).
+ */
+const awaitOutcome = (request: AcquireRequest, sent: Submitted): Effect.Effect<Settled | undefined> =>
+  request.attempt === "wait" && Option.isNone(request.deadline)
+    ? request.interruptible(sent.outcome)
+    : Effect.map(awaitTurn(request, sent.outcome), Option.getOrUndefined)
+
+/**
  * One try-lock + bump on a session that was claimed for it; the claim is given back once the
  * outcome is recorded or undone. Waiting for its turn is interruptible and bounded by the
  * deadline (it is checkout, not the lock); once sent, the statement's outcome is awaited. A
  * single attempt whose deadline has already passed (`timeout <= 0`) still gets its turn: the
- * attempt itself is what was asked for.
+ * attempt itself is what was asked for. An answer that is a grant or busy is read in the step
+ * that resumes the caller (the common case: nothing more between the answer and the lease).
  */
 export const tryGrant = (
   engine: Engine, session: Session, request: AcquireRequest, key: bigint, keyText: string, admission: Admission
@@ -296,20 +326,37 @@ export const tryGrant = (
   Effect.suspend(() => {
     const shared = request.mode === "shared"
     const sent = submitTry(session, keyText, request.name, shared)
-    return awaitTurn(request, sent.outcome).pipe(
-      // Taken back at once if it is still queued; else undone as the layer's work, out of reach
-      // of the caller's interruption and stall watch.
-      Effect.onInterrupt(() => takeBack(sent.job) ? Effect.void : engine.owner.run(abandonTry(engine, session, sent, keyText, shared))),
-      Effect.flatMap((early) => {
-        if (Option.isNone(early) && takeBack(sent.job)) return Effect.succeed<Step>(TimedOut)
-        return Option.isSome(early)
-          ? tryOutcome(engine, session, request, key, keyText, admission, early.value)
-          : Effect.flatMap(sent.outcome, (settled) => tryOutcome(engine, session, request, key, keyText, admission, settled))
-      })
-    )
-  }).pipe(
-    Effect.ensuring(Effect.sync(() => {
+    const claimBack = () => {
       session.claims -= 1
       if (session.role === "wait" && session.claims === 0 && session.grants.size === 0) changed(engine)
+    }
+    const claimBackAfter = <A, E>(self: Effect.Effect<A, E>) => Effect.ensuring(self, Effect.sync(claimBack))
+    // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
+    // step): an interrupted wait must reach the take-back below, which an interruptible region skips.
+    return Effect.uninterruptibleMask((restore) => Effect.matchCauseEffect(restore(awaitOutcome(request, sent)), {
+      // Interrupted: taken back at once if it is still queued; else undone as the layer's work,
+      // out of reach of the caller's interruption and stall watch.
+      onFailure: (cause) =>
+        Effect.zipRight(
+          claimBackAfter(takeBack(sent.job) ? Effect.void : engine.owner.run(abandonTry(engine, session, sent, keyText, shared))),
+          Effect.failCause(cause)
+        ),
+      onSuccess: (early): Effect.Effect<Step, LockBackendError> => {
+        if (early === undefined && takeBack(sent.job)) {
+          claimBack()
+          return Effect.succeed(TimedOut)
+        }
+        const settled = early ?? sent.settled()
+        // On the wire when the deadline passed: its outcome is still awaited (and a grant undone).
+        if (settled === undefined) {
+          return claimBackAfter(Effect.flatMap(sent.outcome, (late) => tryOutcome(engine, session, request, key, keyText, admission, late)))
+        }
+        if (settled._tag !== "Ok") return claimBackAfter(tryOutcome(engine, session, request, key, keyText, admission, settled))
+        const token = tokenOf(settled)
+        // Recorded (or found busy) and the claim given back in this one step, as `tryOutcome` would.
+        const step = token === undefined ? Busy : recordGrantNow(engine, session, key, keyText, token, request, admission, false)
+        claimBack()
+        return Effect.succeed(step)
+      }
     }))
-  )
+  })

@@ -54,6 +54,10 @@ export interface LocalKeys {
   readonly leave: (admission: Admission, wasGranted: boolean) => Effect.Effect<void>
   /** `leave` in this synchronous step (from a driver callback). */
   readonly leaveNow: (admission: Admission, wasGranted: boolean) => void
+  /** `admit`'s immediate case in this synchronous step: admitted now, or `undefined` (then `admit` queues). */
+  readonly admitNow: (key: string, mode: LockMode) => Admission | undefined
+  /** `granted` in this synchronous step. */
+  readonly grantedNow: (admission: Admission) => void
 }
 
 export const makeLocalKeys = (): LocalKeys => {
@@ -175,6 +179,8 @@ export const makeLocalKeys = (): LocalKeys => {
 
     granted: (admission) => Effect.sync(() => grantedNow(admission)),
     leave: (admission, wasGranted) => Effect.sync(() => release(admission.key, admission.mode, wasGranted)),
-    leaveNow: (admission, wasGranted) => release(admission.key, admission.mode, wasGranted)
+    leaveNow: (admission, wasGranted) => release(admission.key, admission.mode, wasGranted),
+    admitNow,
+    grantedNow
   }
 }

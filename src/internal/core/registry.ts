@@ -336,11 +336,9 @@ export const makeRegistry = <G extends Grant>(
           // A backend that throws instead of calling back has finished, badly: reported, not waited for.
           finish(Cause.die(defect))
         }
-        // The caller stops waiting; the give-back is the backend's and goes on.
-        return Effect.sync(() => {
-          waiting = false
-          cancelTimer()
-        })
+        // No canceler: a release waits in a scope's finalizer, where nothing interrupts it, and an
+        // interrupted waiter would only leave its timer to run out (its `resume` is then ignored).
+        // An Effect.async with a canceler costs an interruption handler on every release.
       })
 
     /** Closing's wait for the give-backs still running on the backend's callbacks, bounded. */
@@ -620,13 +618,21 @@ export const makeRegistry = <G extends Grant>(
         // An in-process store gives a late grant back in the same step: nothing for closing to wait for.
         if (backend.instantRelease === true) return self(restore)
         takes++
-        return Effect.ensuring(
-          self(restore),
-          Effect.sync(() => {
-            takes--
-            if (closed && takes === 0) Deferred.unsafeDone(takesSettled, Exit.void)
-          })
-        )
+        const settled = () => {
+          takes--
+          if (closed && takes === 0) Deferred.unsafeDone(takesSettled, Exit.void)
+        }
+        // `ensuring` without its own mask: this region is uninterruptible already.
+        return Effect.matchCauseEffect(self(restore), {
+          onFailure: (cause) => {
+            settled()
+            return Effect.failCause(cause)
+          },
+          onSuccess: (value) => {
+            settled()
+            return Effect.succeed(value)
+          }
+        })
       })
 
     const close = Effect.suspend(() => {

@@ -24,14 +24,16 @@ export class Cell<A> {
   /** The outcome when it is there. */
   readonly poll = (): A | undefined => this.value
 
-  /** The outcome, once it is there; interrupting the wait only stops this waiter. */
-  readonly await: Effect.Effect<A> = Effect.async<A>((resume) => {
-    if (this.done) return resume(Effect.succeed(this.value as A))
-    const waiter = (value: A) => resume(Effect.succeed(value))
-    ;(this.waiters ??= []).push(waiter)
-    return Effect.sync(() => {
-      const index = this.waiters?.indexOf(waiter) ?? -1
-      if (index >= 0) this.waiters!.splice(index, 1)
+  /**
+   * The outcome, once it is there. Interrupting the wait only stops this waiter: its callback
+   * stays until the cell is set and is then ignored by the fiber (an `Effect.async` with no
+   * canceler costs the runtime no interruption handler: this is on every statement's path).
+   */
+  readonly await: Effect.Effect<A> = Effect.suspend(() =>
+    this.done ? Effect.succeed(this.value as A) : Effect.async<A>((resume) => {
+      // Set between the check above and here (the fiber may yield between two steps).
+      if (this.done) return resume(Effect.succeed(this.value as A))
+      ;(this.waiters ??= []).push((value: A) => resume(Effect.succeed(value)))
     })
-  })
+  )
 }
