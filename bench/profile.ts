@@ -14,7 +14,7 @@
  * (git-ignored), for Chrome DevTools or `npx speedscope`.
  */
 import { pgAdvisoryHandoff, pgLeaseHandoff, rawHandoff } from "./scenarios/handoff.js"
-import { memorySubject, pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease, rawXactLibrary, semaphoreSubject, xactSubject } from "./scenarios/uncontended.js"
+import { own } from "./scenarios/uncontended.js"
 import { type Database, runMain, withScratchDatabase } from "./lib/postgres.js"
 import { OUT_DIR, print, profiled } from "./lib/profiling.js"
 import type { Subject } from "./lib/rounds.js"
@@ -34,10 +34,10 @@ const throughput = (result: unknown) => (result as { readonly cycles: number }).
 const grants = (result: unknown) => (result as { readonly grants: number }).grants
 
 const PAIRS: ReadonlyArray<Pair> = [
-  { name: "pg-advisory", subject: (db, ms) => pgAdvisorySubject(db, 1, ms), floor: (db, ms) => rawAdvisoryFenced(db, 1, 1, ms), cycles: throughput },
-  { name: "pg-lease", subject: (db, ms) => pgLeaseSubject(db, 1, ms), floor: (db, ms) => rawLease(db, 1, ms), cycles: throughput },
-  { name: "xact", subject: (db, ms) => xactSubject(db, 1, ms), floor: (db, ms) => rawXactLibrary(db, 1, ms), cycles: throughput },
-  { name: "memory", subject: (_, ms) => memorySubject(1, ms), floor: (_, ms) => semaphoreSubject(1, ms), cycles: throughput },
+  { name: "pg-advisory", subject: (db, ms) => own("pgAdvisorySubject", db, 1, ms), floor: (db, ms) => own("rawAdvisoryFenced", db, 1, 1, ms), cycles: throughput },
+  { name: "pg-lease", subject: (db, ms) => own("pgLeaseSubject", db, 1, ms), floor: (db, ms) => own("rawLease", db, 1, ms), cycles: throughput },
+  { name: "xact", subject: (db, ms) => own("xactSubject", db, 1, ms), floor: (db, ms) => own("rawXactLibrary", db, 1, ms), cycles: throughput },
+  { name: "memory", subject: (_, ms) => own("memorySubject", undefined, 1, ms), floor: (_, ms) => own("semaphoreSubject", undefined, 1, ms), cycles: throughput },
   { name: "handoff-advisory", subject: (db, ms) => pgAdvisoryHandoff(db, ms, 8), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants },
   { name: "handoff-lease", subject: (db, ms) => pgLeaseHandoff(db, ms, true), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants }
 ]

@@ -16,7 +16,7 @@ import type { Context, Scenario, Settings } from "./lib/context.js"
 import { startPostgres, serverVersion } from "./lib/postgres.js"
 import { renderTargets, type Target } from "./lib/report.js"
 import { type ChartInputs, charts, renderChartsSection, withChartsSection } from "./lib/svgCharts.js"
-import { reasonOf } from "./lib/rounds.js"
+import { reasonOf, WARMUP_MS } from "./lib/rounds.js"
 import { libraryLogLines } from "./lib/runtime.js"
 import { BENCH_DIR, installedVersion, packageVersion, ROOT } from "./lib/versions.js"
 import { type HandoffResult, scenario as handoff } from "./scenarios/handoff.js"
@@ -26,7 +26,7 @@ import { scenario as semaphore } from "./scenarios/semaphore.js"
 import { renderSideBySide } from "./scenarios/sideBySide.js"
 import { scenario as sqlite } from "./scenarios/sqlite.js"
 import { scenario as cpu } from "./scenarios/cpu.js"
-import { scenario as uncontended, type UncontendedResult } from "./scenarios/uncontended.js"
+import { IN_PROCESS, scenario as uncontended, type UncontendedResult } from "./scenarios/uncontended.js"
 
 /** A scenario with its result type hidden: it runs, renders and judges itself in one go. */
 interface Runnable {
@@ -313,8 +313,14 @@ const renderReport = (
     "",
     "## Method",
     "",
-    `Every subject is opened once (layers built, sessions connected), run once unmeasured as a warm-up (half a ` +
-    `round), then measured in ${meta.settings.rounds} rounds. The rows of one table are interleaved: in every round ` +
+    `Every subject is opened once (layers built, sessions connected), run unmeasured as a warm-up (a round, and ` +
+    `at least ${WARMUP_MS / 1000} s: until V8 has optimised its hot paths), then measured in ${meta.settings.rounds} rounds. ` +
+    (IN_PROCESS
+      ? "Every row ran in this one process (BENCH_IN_PROCESS=1). "
+      : "Each row of the uncontended and CPU tables runs in a process of its own (as an application holds one lock " +
+        "layer, not every backend, raw client and peer at once: in one process they share V8's inline caches and " +
+        "each other's garbage); the other scenarios run in this process. ") +
+    `The rows of one table are interleaved: in every round ` +
     "each row runs once, a row right next to its baselines (their order flipping every round) and the groups in a " +
     "rotating order, so a row and its baseline run seconds apart under the same background load. Tables give the " +
     "median over rounds and the min–max across rounds; latency percentiles pool every cycle of every measured " +

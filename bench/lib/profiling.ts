@@ -7,6 +7,7 @@ import * as Fs from "node:fs"
 import * as Inspector from "node:inspector/promises"
 import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
+import type { ProfilingTrial } from "./isolated.js"
 import type { Subject } from "./rounds.js"
 
 export const OUT_DIR = fileURLToPath(new URL("../results/profiles/", import.meta.url))
@@ -65,7 +66,7 @@ export const summarize = (profile: CpuProfile) => {
 }
 
 /** One round of an open subject with the profiler on. */
-const profileRound = async <R>(
+export const profileRound = async <R>(
   id: string,
   run: () => Promise<R>,
   cyclesOf: (result: R) => number
@@ -91,11 +92,14 @@ const profileRound = async <R>(
  * round's profile is written to `OUT_DIR`.
  */
 export const profiled = async <R>(subject: Subject<R>, cyclesOf: (result: R) => number, rounds = 1): Promise<Array<Profiled>> => {
-  const trial = await subject.open()
+  const trial: ProfilingTrial<R> = await subject.open()
   try {
     await trial.run({ warmup: true })
     const out: Array<Profiled> = []
-    for (let i = 0; i < rounds; i++) out.push(await profileRound(subject.id, () => trial.run({ warmup: false }), cyclesOf))
+    for (let i = 0; i < rounds; i++) {
+      // An isolated subject is profiled in its own process (`isolated.ts`).
+      out.push(await (trial.profile ?? (() => profileRound(subject.id, () => trial.run({ warmup: false }), cyclesOf)))())
+    }
     Fs.mkdirSync(OUT_DIR, { recursive: true })
     Fs.writeFileSync(Path.join(OUT_DIR, `${subject.id}.cpuprofile`), JSON.stringify(out[out.length - 1]!.profile))
     return out

@@ -5,13 +5,21 @@
  * what makes a ratio between them meaningful on a machine shared with other work.
  */
 
-/** Which round a trial runs: the warm-up runs at half length (it only has to warm things up). */
+/** Which round a trial runs: the warm-up, or one that is measured. */
 export interface Round {
   readonly warmup: boolean
 }
 
+/**
+ * How long a warm-up lasts at least: until V8 has optimised the subject's hot paths. Measured with
+ * rounds of 1 s after a 0.5 s warm-up, PgAdvisory and its raw floor alternating, each in its own
+ * process (at 006b933): PgAdvisory's first round ran at 50–60 % of its steady rate, its second at
+ * 85 %, and it was steady from its fourth second on; the raw pg loop was steady from its first.
+ */
+export const WARMUP_MS = 4_000
+
 /** The length of a round lasting `ms` when measured. */
-export const lengthOf = (round: Round, ms: number): number => (round.warmup ? ms / 2 : ms)
+export const lengthOf = (round: Round, ms: number): number => (round.warmup ? Math.max(ms, WARMUP_MS) : ms)
 
 /** One opened subject: `run` measures one round, `close` releases everything it opened. */
 export interface Trial<R> {

@@ -12,8 +12,13 @@ const PRINTED_PER_LAYER = 3
 
 let logged = 0
 
-/** Log lines the library wrote in this process so far (a lost lease logs a warning, for example). */
+/** Log lines the library wrote in this process so far (a lost lease logs a warning, for example), and in the subjects' own processes. */
 export const libraryLogLines = (): number => logged
+
+/** Adds the log lines a subject's own process counted (`isolated.ts`). */
+export const countLogLines = (lines: number): void => {
+  logged += lines
+}
 
 export interface OpenRuntime<R> {
   readonly run: <A, E>(effect: Effect.Effect<A, E, R>) => Promise<A>

@@ -12,7 +12,7 @@ import * as Report from "../lib/report.js"
 import type { Target } from "../lib/report.js"
 import type { Subject } from "../lib/rounds.js"
 import { median } from "../lib/stats.js"
-import { memorySubject, pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease, rawXactLibrary, semaphoreSubject, xactSubject } from "./uncontended.js"
+import { own } from "./uncontended.js"
 
 /** The CPU-per-cycle target: the library's CPU per cycle within this many times its floor's. */
 const CPU_TARGET = 2
@@ -25,10 +25,10 @@ interface Pair {
 }
 
 const PAIRS: ReadonlyArray<Pair> = [
-  { backend: "PgAdvisory.layer", floorLabel: "raw pg, same 2 statements", subject: (db, ms) => pgAdvisorySubject(db, 1, ms), floor: (db, ms) => rawAdvisoryFenced(db, 1, 1, ms) },
-  { backend: "PgLease.layer", floorLabel: "raw pg, same 2 statements", subject: (db, ms) => pgLeaseSubject(db, 1, ms), floor: (db, ms) => rawLease(db, 1, ms) },
-  { backend: "PgAdvisory.withXactLock", floorLabel: "raw pg, same 3 statements", subject: (db, ms) => xactSubject(db, 1, ms), floor: (db, ms) => rawXactLibrary(db, 1, ms) },
-  { backend: "MemoryBackend.layer", floorLabel: "Effect.makeSemaphore", subject: (_, ms) => memorySubject(1, ms), floor: (_, ms) => semaphoreSubject(1, ms) }
+  { backend: "PgAdvisory.layer", floorLabel: "raw pg, same 2 statements", subject: (db, ms) => own("pgAdvisorySubject", db, 1, ms), floor: (db, ms) => own("rawAdvisoryFenced", db, 1, 1, ms) },
+  { backend: "PgLease.layer", floorLabel: "raw pg, same 2 statements", subject: (db, ms) => own("pgLeaseSubject", db, 1, ms), floor: (db, ms) => own("rawLease", db, 1, ms) },
+  { backend: "PgAdvisory.withXactLock", floorLabel: "raw pg, same 3 statements", subject: (db, ms) => own("xactSubject", db, 1, ms), floor: (db, ms) => own("rawXactLibrary", db, 1, ms) },
+  { backend: "MemoryBackend.layer", floorLabel: "Effect.makeSemaphore", subject: (_, ms) => own("memorySubject", undefined, 1, ms), floor: (_, ms) => own("semaphoreSubject", undefined, 1, ms) }
 ]
 
 /** One side of a pair: per-cycle figures of each round (µs), and the CPU split of all rounds. */

@@ -28,6 +28,7 @@ import { createDatabase, type Database } from "../lib/postgres.js"
 import { closeAll, connectMany, serialized } from "../lib/rawPg.js"
 import * as Report from "../lib/report.js"
 import type { Target } from "../lib/report.js"
+import { isolated } from "../lib/isolated.js"
 import { lengthOf, type Subject } from "../lib/rounds.js"
 import { openRuntime } from "../lib/runtime.js"
 import { measureThroughput, ratioOf, renderThroughput, type ThroughputRow, type ThroughputSpec } from "../lib/throughput.js"
@@ -303,10 +304,47 @@ export interface UncontendedResult {
 
 const pool = (n: number) => `${n} (pool)`
 
+/** The subject factories a row can be built from in a process of its own. */
+export const FACTORIES = {
+  rawAdvisoryLock: (database: Database, c: number, ms: number) => rawAdvisoryLock(database, c, ms),
+  rawAdvisoryFenced: (database: Database, c: number, sessions: number, ms: number) => rawAdvisoryFenced(database, c, sessions, ms),
+  pgAdvisorySubject: (database: Database, c: number, ms: number) => pgAdvisorySubject(database, c, ms),
+  rawLease: (database: Database, c: number, ms: number) => rawLease(database, c, ms),
+  pgLeaseSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms),
+  rawXactMinimal: (database: Database, c: number, ms: number) => rawXactMinimal(database, c, ms),
+  rawXactLibrary: (database: Database, c: number, ms: number) => rawXactLibrary(database, c, ms),
+  sqlXactSubject: (database: Database, c: number, ms: number) => sqlXactSubject(database, c, ms),
+  xactSubject: (database: Database, c: number, ms: number) => xactSubject(database, c, ms),
+  semaphoreSubject: (_: undefined, c: number, ms: number) => semaphoreSubject(c, ms),
+  memorySubject: (_: undefined, c: number, ms: number) => memorySubject(c, ms)
+}
+
+/** Set to measure every row in the bench's own process, as runs before 2026-12-02 did (for comparison). */
+export const IN_PROCESS = process.env["BENCH_IN_PROCESS"] === "1"
+
+/**
+ * The row of `FACTORIES[factory]`, measured in a process of its own (`isolated.ts`): each
+ * backend, raw floor and baseline runs as an application would, alone in its process.
+ */
+export const own = <K extends keyof typeof FACTORIES>(
+  factory: K,
+  database: Database | undefined,
+  ...args: Parameters<(typeof FACTORIES)[K]> extends [unknown, ...infer Rest] ? Rest : never
+): Subject<ThroughputSample> => {
+  const local = (FACTORIES[factory] as (database: Database | undefined, ...args: Array<unknown>) => Subject<ThroughputSample>)(database, ...args)
+  if (IN_PROCESS) return local
+  return isolated(local, {
+    module: import.meta.url,
+    factory,
+    database: database === undefined ? undefined : { name: database.name, url: database.url },
+    args
+  })
+}
+
 const postgresSpecs = (database: Database, c: number, ms: number): Array<ThroughputSpec> => {
   const specs: Array<ThroughputSpec> = [
-    { block: "advisory", id: "raw-advisory-lock", label: "raw pg: lock + unlock (no fencing write)", connections: `${c}`, concurrency: c, subject: rawAdvisoryLock(database, c, ms) },
-    { block: "advisory", id: "raw-advisory-fenced", label: "raw pg: PgAdvisory's statements (fenced)", connections: `${c}`, concurrency: c, subject: rawAdvisoryFenced(database, c, c, ms) }
+    { block: "advisory", id: "raw-advisory-lock", label: "raw pg: lock + unlock (no fencing write)", connections: `${c}`, concurrency: c, subject: own("rawAdvisoryLock", database, c, ms) },
+    { block: "advisory", id: "raw-advisory-fenced", label: "raw pg: PgAdvisory's statements (fenced)", connections: `${c}`, concurrency: c, subject: own("rawAdvisoryFenced", database, c, c, ms) }
   ]
   if (c > 1) {
     specs.push({
@@ -316,24 +354,24 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
       connections: "1",
       concurrency: c,
       baseline: "raw-advisory-fenced",
-      subject: rawAdvisoryFenced(database, c, 1, ms)
+      subject: own("rawAdvisoryFenced", database, c, 1, ms)
     })
   }
   specs.push(
-    { block: "advisory", id: "pg-advisory", label: "PgAdvisory.layer", connections: "own sessions (≤ 4)", concurrency: c, baseline: "raw-advisory-fenced", subject: pgAdvisorySubject(database, c, ms) },
-    { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: rawLease(database, c, ms) },
-    { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: pgLeaseSubject(database, c, ms) },
-    { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: rawXactMinimal(database, c, ms) },
-    { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's statements", connections: `${c}`, concurrency: c, subject: rawXactLibrary(database, c, ms) },
-    { block: "xact", id: "sql-xact", label: "@effect/sql-pg withTransaction: the same statements", connections: pool(c), concurrency: c, baseline: "raw-xact-lib", subject: sqlXactSubject(database, c, ms) },
-    { block: "xact", id: "pg-xact", label: "PgAdvisory.withXactLock", connections: pool(c), concurrency: c, baseline: "sql-xact", subject: xactSubject(database, c, ms) }
+    { block: "advisory", id: "pg-advisory", label: "PgAdvisory.layer", connections: "own sessions (≤ 4)", concurrency: c, baseline: "raw-advisory-fenced", subject: own("pgAdvisorySubject", database, c, ms) },
+    { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: own("rawLease", database, c, ms) },
+    { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseSubject", database, c, ms) },
+    { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: own("rawXactMinimal", database, c, ms) },
+    { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's statements", connections: `${c}`, concurrency: c, subject: own("rawXactLibrary", database, c, ms) },
+    { block: "xact", id: "sql-xact", label: "@effect/sql-pg withTransaction: the same statements", connections: pool(c), concurrency: c, baseline: "raw-xact-lib", subject: own("sqlXactSubject", database, c, ms) },
+    { block: "xact", id: "pg-xact", label: "PgAdvisory.withXactLock", connections: pool(c), concurrency: c, baseline: "sql-xact", subject: own("xactSubject", database, c, ms) }
   )
   return specs
 }
 
 const memorySpecs = (c: number, ms: number): Array<ThroughputSpec> => [
-  { block: "memory", id: "semaphore", label: "Effect.makeSemaphore", connections: "–", concurrency: c, subject: semaphoreSubject(c, ms) },
-  { block: "memory", id: "memory", label: "MemoryBackend.layer", connections: "–", concurrency: c, baseline: "semaphore", subject: memorySubject(c, ms) }
+  { block: "memory", id: "semaphore", label: "Effect.makeSemaphore", connections: "–", concurrency: c, subject: own("semaphoreSubject", undefined, c, ms) },
+  { block: "memory", id: "memory", label: "MemoryBackend.layer", connections: "–", concurrency: c, baseline: "semaphore", subject: own("memorySubject", undefined, c, ms) }
 ]
 
 const run = async (context: Context): Promise<UncontendedResult> => {

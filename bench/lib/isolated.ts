@@ -1,0 +1,96 @@
+/**
+ * A throughput subject measured in a process of its own. The parent keeps the interleaving (a row
+ * and its baselines still run round after round, seconds apart, under the same background load),
+ * but no subject's JIT state, heap or background work taxes another's: in one process, the rows of
+ * every backend, the raw clients and the peers share V8's inline caches (every Effect program's
+ * steps pass through the same runtime functions, which then see every shape at once) and each
+ * other's garbage and timers. An application holds one lock layer, not all of them; JMH forks a
+ * JVM per benchmark for the same reason.
+ *
+ * The child (`isolatedChild.ts`) builds the subject with the same factory and arguments and
+ * answers one JSON line per command: open, run a round, profile a round, close.
+ */
+import { spawn } from "node:child_process"
+import * as Readline from "node:readline"
+import { fileURLToPath } from "node:url"
+import type { ThroughputSample } from "./loops.js"
+import type { Database } from "./postgres.js"
+import type { Profiled } from "./profiling.js"
+import type { Subject, Trial } from "./rounds.js"
+import { countLogLines } from "./runtime.js"
+import { Samples } from "./stats.js"
+
+const CHILD = fileURLToPath(new URL("./isolatedChild.ts", import.meta.url))
+
+/** What the child is asked to build: `FACTORIES[factory]` of `module`, called with the database (or `undefined`) and `args`. */
+export interface Recipe {
+  readonly module: string
+  readonly factory: string
+  readonly database?: Pick<Database, "name" | "url"> | undefined
+  readonly args: ReadonlyArray<unknown>
+}
+
+/** A trial that can also profile one round where it runs (see `profiling.ts`). */
+export interface ProfilingTrial<R> extends Trial<R> {
+  readonly profile?: () => Promise<Profiled>
+}
+
+interface Answer {
+  readonly ok: boolean
+  readonly error?: string
+  readonly sample?: { readonly cycles: number; readonly seconds: number; readonly latencies: Array<number> }
+  readonly profiled?: Profiled
+  readonly logLines?: number
+}
+
+const revive = (sample: NonNullable<Answer["sample"]>): ThroughputSample => {
+  const latencies = new Samples()
+  for (const value of sample.latencies) latencies.push(value)
+  return { cycles: sample.cycles, seconds: sample.seconds, latencies }
+}
+
+/** `subject`, measured in a child process that builds it from `recipe`. */
+export const isolated = (subject: Subject<ThroughputSample>, recipe: Recipe): Subject<ThroughputSample> => ({
+  ...subject,
+  open: async (): Promise<ProfilingTrial<ThroughputSample>> => {
+    // The parent's loaders (tsx, and the library's build when the bench runs on it) and environment.
+    const child = spawn(process.execPath, [...process.execArgv, CHILD, JSON.stringify(recipe)], { stdio: ["pipe", "pipe", "inherit"] })
+    const pending: Array<(answer: Answer) => void> = []
+    let exited: string | undefined
+    Readline.createInterface({ input: child.stdout, crlfDelay: Infinity }).on("line", (line) => {
+      let answer: Answer
+      try {
+        answer = JSON.parse(line) as Answer
+      } catch {
+        // Not an answer: the subject's own output, passed on.
+        return void process.stdout.write(`  [${subject.id}] ${line}\n`)
+      }
+      pending.shift()?.(answer)
+    })
+    child.on("exit", (code, signal) => {
+      exited = `the process of ${subject.id} exited (${signal ?? code})`
+      for (const answer of pending.splice(0)) answer({ ok: false, error: exited })
+    })
+    const ask = (command: object): Promise<Answer> =>
+      new Promise((resolve, reject) => {
+        if (exited !== undefined) return reject(new Error(exited))
+        pending.push((answer) => (answer.ok ? resolve(answer) : reject(new Error(answer.error ?? "failed"))))
+        child.stdin.write(`${JSON.stringify(command)}\n`)
+      })
+    try {
+      await ask({ op: "open" })
+    } catch (error) {
+      child.kill()
+      throw error
+    }
+    return {
+      run: async (round) => revive((await ask({ op: "run", warmup: round.warmup })).sample!),
+      profile: async () => (await ask({ op: "profile" })).profiled!,
+      close: async () => {
+        const answer = await ask({ op: "close" }).catch(() => undefined)
+        countLogLines(answer?.logLines ?? 0)
+        child.stdin.end()
+      }
+    }
+  }
+})
