@@ -225,12 +225,18 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
       // Awaiting never stops the attempt. Its statement is bounded by the lane; only a deadline
       // nearer than that bound needs a timer of its own (stall-safe: an answer already received
       // when it fires is still read).
-      return request.interruptible(byDeadline ? within(cell.await, Duration.millis(remaining)) : Effect.asSome(cell.await)).pipe(
-        Effect.onInterrupt(() => abandon),
-        Effect.flatMap((settled): Effect.Effect<Outcome<G, X>, LockBackendError> => {
-          if (Option.isNone(settled)) return Effect.as(abandon, { _tag: "TimedOut" } as const)
-          const exit = settled.value
-          return Exit.isFailure(exit) ? Effect.zipRight(abandon, exit) : exit
+      const settled: Effect.Effect<Exit.Exit<Outcome<G, X>, LockBackendError> | undefined> = byDeadline
+        ? Effect.map(within(cell.await, Duration.millis(remaining)), Option.getOrUndefined)
+        : cell.await
+      // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
+      // step): an interrupted wait must reach the abandon below, which an interruptible region skips.
+      return Effect.uninterruptibleMask((restore) =>
+        Effect.matchCauseEffect(restore(request.interruptible(settled)), {
+          onFailure: (cause) => Effect.zipRight(abandon, Effect.failCause(cause)),
+          onSuccess: (exit): Effect.Effect<Outcome<G, X>, LockBackendError> => {
+            if (exit === undefined) return Effect.as(abandon, { _tag: "TimedOut" } as const)
+            return Exit.isFailure(exit) ? Effect.zipRight(abandon, exit) : exit
+          }
         })
       )
     })
