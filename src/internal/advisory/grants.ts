@@ -323,7 +323,10 @@ const awaitOutcome = (request: AcquireRequest, sent: Submitted): Effect.Effect<S
 export const tryGrant = (
   engine: Engine, session: Session, request: AcquireRequest, key: bigint, keyText: string, admission: Admission
 ): Effect.Effect<Step, LockBackendError> =>
-  Effect.suspend(() => {
+  // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
+  // step): nothing between queuing the try and the match below can be interrupted, and an
+  // interrupted wait reaches the take-back, which an interruptible region would skip.
+  Effect.uninterruptibleMask((restore) => Effect.suspend(() => {
     const shared = request.mode === "shared"
     const sent = submitTry(session, keyText, request.name, shared)
     const claimBack = () => {
@@ -331,9 +334,7 @@ export const tryGrant = (
       if (session.role === "wait" && session.claims === 0 && session.grants.size === 0) changed(engine)
     }
     const claimBackAfter = <A, E>(self: Effect.Effect<A, E>) => Effect.ensuring(self, Effect.sync(claimBack))
-    // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
-    // step): an interrupted wait must reach the take-back below, which an interruptible region skips.
-    return Effect.uninterruptibleMask((restore) => Effect.matchCauseEffect(restore(awaitOutcome(request, sent)), {
+    return Effect.matchCauseEffect(restore(awaitOutcome(request, sent)), {
       // Interrupted: taken back at once if it is still queued; else undone as the layer's work,
       // out of reach of the caller's interruption and stall watch.
       onFailure: (cause) =>
@@ -347,7 +348,7 @@ export const tryGrant = (
           return Effect.succeed(TimedOut)
         }
         const settled = early ?? sent.settled()
-        // On the wire when the deadline passed: its outcome is still awaited (and a grant undone).
+        // On the wire when the deadline passed: its outcome is still awaited, and read as any other.
         if (settled === undefined) {
           return claimBackAfter(Effect.flatMap(sent.outcome, (late) => tryOutcome(engine, session, request, key, keyText, admission, late)))
         }
@@ -358,5 +359,5 @@ export const tryGrant = (
         claimBack()
         return Effect.succeed(step)
       }
-    }))
-  })
+    })
+  }))

@@ -209,8 +209,11 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
     return cell
   }
 
+  // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
+  // step): nothing between starting the attempt and the match below can be interrupted, and an
+  // interrupted wait reaches the abandon, which an interruptible region would skip.
   return (request, waiter, first) =>
-    Effect.clockWith((clock) => {
+    Effect.uninterruptibleMask((restore) => Effect.clockWith((clock) => {
       // The deadline is on the monotonic timeline (the SPI's contract).
       const now = clockMillis(clock)
       const remaining = Option.isSome(request.deadline) ? request.deadline.value - now : undefined
@@ -228,16 +231,12 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
       const settled: Effect.Effect<Exit.Exit<Outcome<G, X>, LockBackendError> | undefined> = byDeadline
         ? Effect.map(within(cell.await, Duration.millis(remaining)), Option.getOrUndefined)
         : cell.await
-      // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
-      // step): an interrupted wait must reach the abandon below, which an interruptible region skips.
-      return Effect.uninterruptibleMask((restore) =>
-        Effect.matchCauseEffect(restore(request.interruptible(settled)), {
-          onFailure: (cause) => Effect.zipRight(abandon, Effect.failCause(cause)),
-          onSuccess: (exit): Effect.Effect<Outcome<G, X>, LockBackendError> => {
-            if (exit === undefined) return Effect.as(abandon, { _tag: "TimedOut" } as const)
-            return Exit.isFailure(exit) ? Effect.zipRight(abandon, exit) : exit
-          }
-        })
-      )
-    })
+      return Effect.matchCauseEffect(restore(request.interruptible(settled)), {
+        onFailure: (cause) => Effect.zipRight(abandon, Effect.failCause(cause)),
+        onSuccess: (exit): Effect.Effect<Outcome<G, X>, LockBackendError> => {
+          if (exit === undefined) return Effect.as(abandon, { _tag: "TimedOut" } as const)
+          return Exit.isFailure(exit) ? Effect.zipRight(abandon, exit) : exit
+        }
+      })
+    }))
 }
