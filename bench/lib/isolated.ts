@@ -22,6 +22,9 @@ import { Samples } from "./stats.js"
 
 const CHILD = fileURLToPath(new URL("./isolatedChild.ts", import.meta.url))
 
+/** Starts every answer line of the child: any other line is the subject's own output, passed on. */
+export const ANSWER_MARK = "\u0001effect-lock-bench-answer "
+
 /** What the child is asked to build: `FACTORIES[factory]` of `module`, called with the database (or `undefined`) and `args`. */
 export interface Recipe {
   readonly module: string
@@ -58,19 +61,22 @@ export const isolated = (subject: Subject<ThroughputSample>, recipe: Recipe): Su
     const pending: Array<(answer: Answer) => void> = []
     let exited: string | undefined
     Readline.createInterface({ input: child.stdout, crlfDelay: Infinity }).on("line", (line) => {
+      if (!line.startsWith(ANSWER_MARK)) return void process.stdout.write(`  [${subject.id}] ${line}\n`)
       let answer: Answer
       try {
-        answer = JSON.parse(line) as Answer
-      } catch {
-        // Not an answer: the subject's own output, passed on.
-        return void process.stdout.write(`  [${subject.id}] ${line}\n`)
+        answer = JSON.parse(line.slice(ANSWER_MARK.length)) as Answer
+      } catch (error) {
+        answer = { ok: false, error: `an answer that does not parse: ${String(error)}` }
       }
       pending.shift()?.(answer)
     })
-    child.on("exit", (code, signal) => {
-      exited = `the process of ${subject.id} exited (${signal ?? code})`
+    // "close", not "exit": the child's last answer may still be in its stdout when it exits.
+    child.on("close", (code, signal) => {
+      exited = `the process of ${subject.id} ended (${signal ?? code})`
       for (const answer of pending.splice(0)) answer({ ok: false, error: exited })
     })
+    // A write to a child that died meanwhile fails its command (above), not the bench.
+    child.stdin.on("error", () => {})
     const ask = (command: object): Promise<Answer> =>
       new Promise((resolve, reject) => {
         if (exited !== undefined) return reject(new Error(exited))

@@ -1,13 +1,18 @@
 /**
  * The child process of `isolated.ts`: builds one throughput subject from its recipe (argv[2]) and
- * answers the parent's commands, one JSON line each, on stdout.
+ * answers the parent's commands, one marked JSON line each, on stdout.
  */
 import * as Readline from "node:readline"
-import type { Recipe } from "./isolated.js"
+import { ANSWER_MARK, type Recipe } from "./isolated.js"
 import type { ThroughputSample } from "./loops.js"
 import { profileRound } from "./profiling.js"
 import { reasonOf, type Subject, type Trial } from "./rounds.js"
 import { libraryLogLines } from "./runtime.js"
+
+// Answers go to stdout, one marked line each; whatever else prints, from here on, goes to stderr.
+const stdout = process.stdout.write.bind(process.stdout)
+process.stdout.write = ((chunk: unknown, ...rest: Array<unknown>) => (process.stderr.write as (...args: Array<unknown>) => boolean)(chunk, ...rest)) as typeof process.stdout.write
+const answer = (value: object, then?: () => void) => stdout(`${ANSWER_MARK}${JSON.stringify(value)}\n`, then)
 
 const recipe = JSON.parse(process.argv[2]!) as Recipe
 const module = (await import(recipe.module)) as { readonly FACTORIES: Record<string, (...args: Array<unknown>) => Subject<ThroughputSample>> }
@@ -16,11 +21,8 @@ const database = recipe.database === undefined
   : { ...recipe.database, drop: () => Promise.reject(new Error("the parent drops the database")) }
 const subject = module.FACTORIES[recipe.factory]!(database, ...recipe.args)
 
-// Answers go to stdout, one line each; anything else the subject prints goes to stderr.
-const answer = (value: object) => process.stdout.write(`${JSON.stringify(value)}\n`)
-console.log = (...args: Array<unknown>) => console.error(...args)
-
 let trial: Trial<ThroughputSample> | undefined
+let closing = false
 const commands = Readline.createInterface({ input: process.stdin, crlfDelay: Infinity })
 for await (const line of commands) {
   const command = JSON.parse(line) as { readonly op: string; readonly warmup?: boolean }
@@ -35,12 +37,15 @@ for await (const line of commands) {
       const run = trial!.run
       answer({ ok: true, profiled: await profileRound(subject.id, () => run({ warmup: false }), (sample) => sample.cycles) })
     } else if (command.op === "close") {
+      closing = true
       await trial?.close()
-      answer({ ok: true, logLines: libraryLogLines() })
+      // Exits once the last answer is written out.
+      answer({ ok: true, logLines: libraryLogLines() }, () => process.exit(0))
       break
     }
   } catch (error) {
     answer({ ok: false, error: reasonOf(error) })
   }
 }
-process.exit(0)
+// The parent is gone without a "close": nothing is left to measure for (open layers would keep this process alive).
+if (!closing) process.exit(1)

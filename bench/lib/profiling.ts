@@ -6,7 +6,7 @@
 import * as Fs from "node:fs"
 import * as Inspector from "node:inspector/promises"
 import * as Path from "node:path"
-import { fileURLToPath } from "node:url"
+import { fileURLToPath, pathToFileURL } from "node:url"
 import type { ProfilingTrial } from "./isolated.js"
 import type { Subject } from "./rounds.js"
 
@@ -33,13 +33,16 @@ interface CpuProfile {
 
 export type Where = "idle" | "gc" | "pg driver" | "Effect runtime" | "effect-lock" | "node internals" | "other"
 
+/** The library's tsc build the bench runs on (`built.mjs`), as a URL prefix. */
+const BUILD = process.env["EFFECT_LOCK_BENCH_BUILD"] ? pathToFileURL(process.env["EFFECT_LOCK_BENCH_BUILD"]).href : undefined
+
 const whereOf = (frame: CpuProfile["nodes"][number]["callFrame"]): Where => {
   if (frame.functionName === "(idle)") return "idle"
   if (frame.functionName === "(garbage collector)") return "gc"
   const url = frame.url
   if (url.includes("/node_modules/pg") || url.includes("/node_modules/pg-")) return "pg driver"
   if (url.includes("/node_modules/effect/") || url.includes("/node_modules/@effect/")) return "Effect runtime"
-  if (url.includes("/src/")) return "effect-lock"
+  if (url.includes("/src/") || (BUILD !== undefined && url.startsWith(BUILD))) return "effect-lock"
   if (url.startsWith("node:") || url === "" || frame.functionName === "(program)") return "node internals"
   return "other"
 }
