@@ -1,5 +1,5 @@
 /**
- * `npx tsx bench/profile.ts [--seconds=S] [--only=<subject>[,<subject>]]`
+ * `npx tsx --import ./bench/lib/built.mjs bench/profile.ts [--seconds=S] [--only=<subject>[,<subject>]]`
  *
  * Where a lock cycle's time goes. Each subject (a backend's uncontended loop by one worker, or a
  * handoff between 8 contenders) runs for S seconds (default 5) with V8's CPU profiler on, started

@@ -1,5 +1,5 @@
 /**
- * `npx tsx bench/sockets.ts [--seconds=S]`
+ * `npx tsx --import ./bench/lib/built.mjs bench/sockets.ts [--seconds=S]`
  *
  * Where the extra socket work of a lock cycle comes from. The CPU profile (`bench/profile.ts`)
  * puts 2–4 times the raw rows' time in Node's socket writes for the same statements; this counts
