@@ -185,16 +185,8 @@ const recordGrantNow = (
 }
 
 /** `recordGrantNow` as a step of an Effect. */
-export const recordGrant = (
-  engine: Engine,
-  session: Session,
-  key: bigint,
-  keyText: string,
-  token: FencingToken.FencingToken,
-  request: AcquireRequest,
-  admission: Admission,
-  fromWait: boolean
-): Effect.Effect<Step> => Effect.sync(() => recordGrantNow(engine, session, key, keyText, token, request, admission, fromWait))
+export const recordGrant = (...args: Parameters<typeof recordGrantNow>): Effect.Effect<Step> =>
+  Effect.sync(() => recordGrantNow(...args))
 
 /** A shared join found an exclusive request queued at the server: this request must queue there too. */
 export const JoinRefused = { _tag: "JoinRefused" } as const
