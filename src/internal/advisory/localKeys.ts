@@ -54,8 +54,6 @@ export interface LocalKeys {
   readonly leave: (admission: Admission, wasGranted: boolean) => Effect.Effect<void>
   /** `leave` in this synchronous step (from a driver callback). */
   readonly leaveNow: (admission: Admission, wasGranted: boolean) => void
-  /** `admit`'s immediate case in this synchronous step: admitted now, or `undefined` (then `admit` queues). */
-  readonly admitNow: (key: string, mode: LockMode) => Admission | undefined
   /** `granted` in this synchronous step. */
   readonly grantedNow: (admission: Admission) => void
 }
@@ -180,7 +178,6 @@ export const makeLocalKeys = (): LocalKeys => {
     granted: (admission) => Effect.sync(() => grantedNow(admission)),
     leave: (admission, wasGranted) => Effect.sync(() => release(admission.key, admission.mode, wasGranted)),
     leaveNow: (admission, wasGranted) => release(admission.key, admission.mode, wasGranted),
-    admitNow,
     grantedNow
   }
 }
