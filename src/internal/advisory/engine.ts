@@ -69,14 +69,13 @@ import { advisoryKey } from "../core/lockKey.js"
 import * as driver from "../pg/driver.js"
 import { ensureFencingTable } from "./bootstrap.js"
 import { Busy, interestKeyOf, joinShared, Retry, type Step, TimedOut, tryGrant } from "./grants.js"
-import { within, yieldToIO } from "../runtime/stallSafe.js"
+import { within } from "../runtime/stallSafe.js"
 import * as Owner from "../runtime/owner.js"
 import {
   asBackendError,
   BACKEND,
   changed,
   isFreeWaitSession,
-  killOverdue,
   markDead,
   open,
   statement
@@ -106,8 +105,6 @@ const fallbackPause = Effect.repeat(Effect.void, {
 
 /** Names whose advisory keys are remembered. */
 const KEY_CACHE_SIZE = 4_096
-/** How often the watchdog looks for overdue statements: a bound is kept within this much. */
-const WATCHDOG_TICK_MS = 100
 /** Bound on closing a session gracefully at shutdown before its socket is destroyed. */
 const CLOSE_TIMEOUT_MS = 2_000
 
@@ -435,6 +432,7 @@ export const makeWith = (
       owner,
       clock: yield* Effect.clock,
       closing: false,
+      watchdogArmed: false,
       nextSessionId: 0,
       openingWait: 0,
       homeOpening: undefined
@@ -458,12 +456,6 @@ export const makeWith = (
       )
     )
     yield* Effect.forkScoped(Effect.repeat(heartbeat, Schedule.spaced(Duration.millis(options.heartbeatIntervalMillis))))
-
-    // Watchdog: one timer for every statement bound. It reads pending I/O before it judges, so an
-    // answer that arrived during an event-loop stall counts (a stall costs nothing).
-    yield* Effect.forkScoped(
-      Effect.repeat(Effect.zipRight(yieldToIO, killOverdue(engine)), Schedule.spaced(Duration.millis(WATCHDOG_TICK_MS)))
-    )
 
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {

@@ -11,6 +11,7 @@
  * opened on: a statement without an answer, a failed connection or an answer from another
  * backend destroys the session, and the server then drops every lock it held.
  */
+import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Queue from "effect/Queue"
 import type pg from "pg"
@@ -19,6 +20,7 @@ import * as metrics from "../core/metrics.js"
 import { clockMillis, monotonicMillis } from "../core/clock.js"
 import * as driver from "../pg/driver.js"
 import { Cell } from "../runtime/cell.js"
+import { sleepThenReadIO } from "../runtime/stallSafe.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, RELEASE_BATCH_SQL, releaseSql, setupSql, tryBatchSql } from "./sql.js"
 import type { Engine, Job, ReleaseJob, Row, ServerGrant, Session, Settled, StatementJob, TryJob } from "./state.js"
@@ -162,6 +164,7 @@ const execute = (
   done: (settled: Settled) => void
 ): void => {
   session.inflight = { since: clockMillis(engine.clock), bound: timeoutMillis }
+  armWatchdog(engine)
   // Every parameterised statement of a session is one of a few fixed texts: prepared once per
   // session, then only bound (the server plans it once, not on every grant and release).
   driver.send(session.client, text, values, values === undefined ? undefined : driver.preparedName(text), undefined, (failure, result) => {
@@ -172,6 +175,37 @@ const execute = (
     done(settled)
   })
 }
+
+/** How often the watchdog looks for overdue statements: a bound is kept within this much. */
+const WATCHDOG_TICK_MS = 100
+
+/**
+ * Starts the watchdog unless it runs: one timer for every statement bound, as the layer's work.
+ * Started by the statement that finds it stopped, it stops on the first tick that finds no
+ * statement on the wire: an idle layer runs no tick (ten rounds of an Effect loop a second cost an
+ * idle process about 8 ms of CPU a second).
+ */
+const armWatchdog = (engine: Engine): void => {
+  if (engine.watchdogArmed) return
+  engine.watchdogArmed = true
+  engine.owner.unsafeFork(watchdog(engine))
+}
+
+/**
+ * A tick, then the next while a statement is on the wire. It reads pending I/O before it judges,
+ * so an answer that arrived during an event-loop stall counts (a stall costs nothing).
+ */
+const watchdog = (engine: Engine): Effect.Effect<void> =>
+  Effect.zipRight(
+    sleepThenReadIO(Duration.millis(WATCHDOG_TICK_MS)),
+    Effect.flatMap(killOverdue(engine), () =>
+      Effect.suspend(() => {
+        if (engine.sessions.some((session) => session.inflight !== undefined)) return watchdog(engine)
+        // Stopped in the same synchronous step as the check: a statement sent from now on starts it again.
+        engine.watchdogArmed = false
+        return Effect.void
+      }))
+  )
 
 /**
  * The watchdog's check: destroys every session whose statement is past its bound. Run it after

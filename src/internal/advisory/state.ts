@@ -197,6 +197,8 @@ export interface Engine {
   /** The Clock the engine was built on (TestClock in the session tests): statements' send times. */
   readonly clock: Clock.Clock
   closing: boolean
+  /** The watchdog (`session.ts`) is running: it runs while any statement is on the wire, and only then. */
+  watchdogArmed: boolean
   nextSessionId: number
   openingWait: number
   homeOpening: Deferred.Deferred<void, import("../../LockError.js").LockBackendError> | undefined
