@@ -48,13 +48,11 @@ export interface LocalKeys {
     mode: LockMode,
     wait: (signal: Effect.Effect<void>) => Effect.Effect<Option.Option<void>>
   ) => Effect.Effect<Option.Option<Admission>>
-  /** The admitted request got a grant (shared: the next shared request may now join it). */
-  readonly granted: (admission: Admission) => Effect.Effect<void>
   /** The admitted request ends: never granted, or its grant is released. Wakes the next ones. */
   readonly leave: (admission: Admission, wasGranted: boolean) => Effect.Effect<void>
   /** `leave` in this synchronous step (from a driver callback). */
   readonly leaveNow: (admission: Admission, wasGranted: boolean) => void
-  /** `granted` in this synchronous step. */
+  /** The admitted request got a grant (shared: the next shared request may now join it); in this synchronous step. */
   readonly grantedNow: (admission: Admission) => void
 }
 
@@ -175,7 +173,6 @@ export const makeLocalKeys = (): LocalKeys => {
         return admitted !== undefined ? Effect.succeed(Option.some(admitted)) : queued(key, mode, wait)
       }),
 
-    granted: (admission) => Effect.sync(() => grantedNow(admission)),
     leave: (admission, wasGranted) => Effect.sync(() => release(admission.key, admission.mode, wasGranted)),
     leaveNow: (admission, wasGranted) => release(admission.key, admission.mode, wasGranted),
     grantedNow
