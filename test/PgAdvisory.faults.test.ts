@@ -286,32 +286,55 @@ describe("PgAdvisory with a frozen or restarted server", () => {
     }), 60_000)
 })
 
+/**
+ * The test database's SqlClient as another SqlClient would be: the same client, but not
+ * recognisable as @effect/sql-pg's, so withXactLock cannot reach its connections.
+ */
+const foreignSqlClient = Layer.effect(
+  SqlClient.SqlClient,
+  Effect.map(SqlClient.SqlClient, (sql) =>
+    new Proxy(sql, {
+      get: (target, key) => key === "~@effect/sql-pg/PgClient" ? undefined : Reflect.get(target, key, target)
+    }))
+).pipe(Layer.provide(PgTest.layer(db)))
+
 describe("PgAdvisory.withXactLock with a frozen connection", () => {
-  it.scopedLive("a connection frozen at COMMIT ends in LockBackendError within the statement timeout", () =>
-    Effect.gen(function*() {
-      const freezeScope = yield* Scope.make()
-      const bodyEnded = { at: 0 }
-      const exit = yield* Effect.exit(
-        PgAdvisory.withXactLock(
-          Effect.gen(function*() {
-            const sql = yield* SqlClient.SqlClient
-            const [row] = yield* sql<{ pid: number }>`select pg_backend_pid() as pid`
-            // The transaction's own backend stops: the COMMIT that follows gets no answer.
-            yield* frozen([row!.pid]).pipe(Scope.extend(freezeScope))
-            bodyEnded.at = Date.now()
-          }),
-          "xact-frozen-commit",
-          { statementTimeout: "1 second" }
+  for (
+    const [client, layer] of [
+      ["@effect/sql-pg's client (the connection is destroyed)", PgTest.layer(db)],
+      ["another SqlClient (the transaction runs in a daemon fiber)", foreignSqlClient]
+    ] as const
+  ) {
+    it.scopedLive(`on ${client}: a connection frozen at COMMIT ends in LockBackendError within the statement timeout`, () =>
+      Effect.gen(function*() {
+        const freezeScope = yield* Scope.make()
+        const bodyEnded = { at: 0 }
+        const exit = yield* Effect.exit(
+          PgAdvisory.withXactLock(
+            Effect.gen(function*() {
+              const sql = yield* SqlClient.SqlClient
+              const [row] = yield* sql<{ pid: number }>`select pg_backend_pid() as pid`
+              // The transaction's own backend stops: the COMMIT that follows gets no answer.
+              yield* frozen([row!.pid]).pipe(Scope.extend(freezeScope))
+              bodyEnded.at = Date.now()
+            }),
+            "xact-frozen-commit",
+            { statementTimeout: "1 second" }
+          )
         )
-      )
-      const waited = Date.now() - bodyEnded.at
-      yield* Scope.close(freezeScope, Exit.void)
-      expect(Exit.isFailure(exit)).toBe(true)
-      const error = Exit.isFailure(exit) ? Option.getOrUndefined(Cause.failureOption(exit.cause)) : undefined
-      expect(error).toMatchObject({ _tag: "LockBackendError", operation: "transaction" })
-      // The promised bound: the statement timeout (1 s) plus two event-loop turns.
-      expect(waited).toBeLessThan(2_500)
-    }).pipe(Effect.provide(PgTest.layer(db))))
+        const waited = Date.now() - bodyEnded.at
+        yield* Scope.close(freezeScope, Exit.void)
+        expect(Exit.isFailure(exit)).toBe(true)
+        const error = Exit.isFailure(exit) ? Option.getOrUndefined(Cause.failureOption(exit.cause)) : undefined
+        expect(error).toMatchObject({ _tag: "LockBackendError", operation: "transaction" })
+        expect(String((error as { cause?: unknown } | undefined)?.cause)).toContain("COMMIT or ROLLBACK got no answer within 1000 ms")
+        // The promised bound: the statement timeout (1 s) plus two event-loop turns.
+        expect(waited).toBeLessThan(2_500)
+        // The pool is still usable: the frozen connection was dropped (or is left to the daemon).
+        const sql = yield* SqlClient.SqlClient
+        expect(yield* sql<{ one: number }>`select 1 as one`).toEqual([{ one: 1 }])
+      }).pipe(Effect.provide(layer)))
+  }
 
   it.scopedLive("a connection frozen in a contended wait ends in LockBackendError within a slice plus the statement timeout", () =>
     Effect.gen(function*() {

@@ -1,7 +1,7 @@
 import { SqlClient } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
 import { afterAll, describe, expect, it, layer } from "@effect/vitest"
-import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, Layer, Logger, Metric, Option, Redacted, Scope } from "effect"
+import { Cause, Config, ConfigProvider, Context, Deferred, Duration, Effect, Either, Exit, Fiber, FiberRef, Layer, Logger, Metric, Option, Redacted, Scope } from "effect"
 import * as DistributedLock from "../src/DistributedLock.js"
 import type { FencingToken } from "../src/FencingToken.js"
 import type { AcquireRequest } from "../src/LockBackend.js"
@@ -796,6 +796,18 @@ describe("PgAdvisory.withXactLock", () => {
         yield* PgAdvisory.withXactLock(Effect.void, "xact-span").pipe(Effect.withTracer(tracer))
         expect(spans.filter((span) => span.name === "effect-lock.withXactLock").map((span) => span.attributes.get("lock.name")))
           .toEqual(["xact-span"])
+      }))
+
+    it.effect("the body runs on the caller's fiber: no fiber per transaction, its FiberRef changes stay", () =>
+      Effect.gen(function*() {
+        const caller = yield* Effect.fiberId
+        const mark = FiberRef.unsafeMake("before")
+        const inside = yield* PgAdvisory.withXactLock(
+          Effect.zipRight(FiberRef.set(mark, "set in the body"), Effect.fiberId),
+          "xact-caller-fiber"
+        )
+        expect(inside).toEqual(caller)
+        expect(yield* FiberRef.get(mark)).toBe("set in the body")
       }))
 
     it.effect("excludes a concurrent holder, and a timeout gives LockTimeout", () =>

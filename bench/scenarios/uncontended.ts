@@ -321,6 +321,10 @@ export const FACTORIES = {
 
 /** Set to measure every row in the bench's own process, as runs before 2026-12-02 did (for comparison). */
 export const IN_PROCESS = process.env["BENCH_IN_PROCESS"] === "1"
+/** `BENCH_BLOCKS=xact,lease` (development only): measure just these blocks of the uncontended tables. */
+const BLOCKS = process.env["BENCH_BLOCKS"]?.split(",").filter((b) => b !== "")
+const inBlocks = <S extends { readonly block?: string | undefined }>(specs: Array<S>): Array<S> =>
+  BLOCKS === undefined ? specs : specs.filter((spec) => spec.block !== undefined && BLOCKS.includes(spec.block))
 
 /**
  * The row of `FACTORIES[factory]`, measured in a process of its own (`isolated.ts`): each
@@ -366,13 +370,13 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
     { block: "xact", id: "sql-xact", label: "@effect/sql-pg withTransaction: the same statements", connections: pool(c), concurrency: c, baseline: "raw-xact-lib", subject: own("sqlXactSubject", database, c, ms) },
     { block: "xact", id: "pg-xact", label: "PgAdvisory.withXactLock", connections: pool(c), concurrency: c, baseline: "sql-xact", subject: own("xactSubject", database, c, ms) }
   )
-  return specs
+  return inBlocks(specs)
 }
 
-const memorySpecs = (c: number, ms: number): Array<ThroughputSpec> => [
+const memorySpecs = (c: number, ms: number): Array<ThroughputSpec> => inBlocks([
   { block: "memory", id: "semaphore", label: "Effect.makeSemaphore", connections: "–", concurrency: c, subject: own("semaphoreSubject", undefined, c, ms) },
   { block: "memory", id: "memory", label: "MemoryBackend.layer", connections: "–", concurrency: c, baseline: "semaphore", subject: own("memorySubject", undefined, c, ms) }
-]
+])
 
 const run = async (context: Context): Promise<UncontendedResult> => {
   const database = await createDatabase(context.adminUrl, "uncontended")

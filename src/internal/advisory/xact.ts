@@ -4,15 +4,18 @@
  *
  * Two things of @effect/sql shape it (PG-FACTS.md): an interrupted statement is cancelled through
  * the pool (`pg_cancel_backend`, which waits for a free connection), and COMMIT/ROLLBACK run
- * uninterruptibly as defects on failure. So the lock statements are raced against their bound
- * *disconnected* (giving up never waits for the cancel), and the transaction itself runs in a
- * child fiber that a watchdog stops waiting for once the body has ended and the COMMIT or
- * ROLLBACK has had its bound: a killed or frozen connection ends in `LockBackendError` within
- * the bound instead of hanging the caller. The stuck statement finishes in the background when
- * the connection finally dies or answers (the pool then gets its connection back).
+ * uninterruptibly as defects on failure. So the contended path's statements are raced against
+ * their bound *disconnected* (giving up never waits for the cancel), and a watchdog (one timer)
+ * bounds the first lock statement and the COMMIT or ROLLBACK: on @effect/sql-pg's client it
+ * destroys the transaction's connection when one is overdue, so the transaction runs on the
+ * caller's fiber; on another SqlClient the transaction runs in a daemon fiber that the caller
+ * stops waiting for. Either way a killed or frozen connection ends in `LockBackendError` within
+ * the bound instead of hanging the caller.
  */
-import type * as SqlClient from "@effect/sql/SqlClient"
+import * as SqlClient from "@effect/sql/SqlClient"
 import type { SqlError } from "@effect/sql/SqlError"
+import * as Cause from "effect/Cause"
+import * as Context from "effect/Context"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -21,6 +24,7 @@ import * as Option from "effect/Option"
 import type { LockMode } from "../../Lease.js"
 import { LockBackendError, LockTimeout } from "../../LockError.js"
 import { monotonicMillis } from "../core/clock.js"
+import { destroy, isSqlPgClient, sqlPgClientOf } from "../pg/driver.js"
 import { sqlStateOf } from "../sql/state.js"
 import { detachedWithin, stallSafeTimer } from "../runtime/stallSafe.js"
 
@@ -131,7 +135,10 @@ const lockInTransaction = (
 
       // The first statement is bounded by the watchdog of `run` (no race of its own: the
       // uncontended path stays one statement); the contended path's statements bound themselves.
-      yield* Effect.sync(() => advance(progress, "began"))
+      yield* Effect.contextWith((context: Context.Context<never>) => {
+        progress.connection = Option.getOrUndefined(Context.getOption(context, SqlClient.TransactionConnection))?.[0]
+        advance(progress, "began")
+      })
       const tried = yield* sql.unsafe<{ granted: boolean }>(
         `select pg_try_advisory_xact_lock${shared}($1::bigint) as granted`,
         [keyText]
@@ -185,129 +192,214 @@ const lockInTransaction = (
     })
   )
 
-/** What the watchdog of `run` watches: plain fields, set by the transaction's fiber as it goes. */
+/** What the watchdog of `run` watches: plain fields, set by the transaction as it goes. */
 interface Progress {
   /** The transaction began (BEGIN answered; the pool's wait for a connection is the pool's to bound). */
   began: boolean
+  /** The transaction's connection, once it began. */
+  connection: unknown
   /** The first lock statement answered. */
   tried: boolean
   /** The body ended (or the lock failed): the COMMIT or ROLLBACK is on its way. */
   ended: boolean
+  /** What the watchdog found overdue, once it did. */
+  overdue: string | undefined
   /** The watchdog's hook, called on `began` and `ended`. */
   onChange: (() => void) | undefined
 }
+
+const newProgress = (): Progress => ({
+  began: false,
+  connection: undefined,
+  tried: false,
+  ended: false,
+  overdue: undefined,
+  onChange: undefined
+})
 
 const advance = (progress: Progress, step: "began" | "ended"): void => {
   progress[step] = true
   progress.onChange?.()
 }
 
-type Outcome<A, E> =
-  | { readonly _tag: "Done"; readonly exit: Exit.Exit<A, E> }
-  | { readonly _tag: "Overdue"; readonly what: string }
-
 /**
- * Waits for the transaction's fiber to end, or for the step it is in to be overdue: the first
- * lock statement `bound` ms after BEGIN answered, the COMMIT or ROLLBACK `bound` ms after the body
- * ended. One callback-driven wait, no fiber: it runs once per transaction, on the hot path.
+ * Watches the transaction's steps with one timer at a time: the first lock statement must answer
+ * `bound` ms after BEGIN answered, the COMMIT or ROLLBACK `bound` ms after the body ended. Past
+ * either, `onOverdue` is told what is overdue (once). Returns the watchdog's stop.
  */
-const watch = <A, E>(fiber: Fiber.RuntimeFiber<A, E>, progress: Progress, bound: number): Effect.Effect<Outcome<A, E>> =>
-  Effect.async<Outcome<A, E>>((resume) => {
-    let settled = false
-    let stage: "none" | "first" | "commit" = "none"
-    // A real timer, not the Clock's: the statements it bounds run on real time, and a fiber per
-    // transaction is what this replaces. Stall-safe: it reads what had arrived before it counts.
-    let cancelTimer = () => {}
-    const stop = () => {
-      cancelTimer()
-      progress.onChange = undefined
-      fiber.removeObserver(observe)
-    }
-    const settle = (outcome: Outcome<A, E>) => {
-      if (settled) return
-      settled = true
-      stop()
-      resume(Effect.succeed(outcome))
-    }
-    const observe = (exit: Exit.Exit<A, E>) => settle({ _tag: "Done", exit })
-    const fire = () => {
-      if (stage === "first" && !progress.tried) settle({ _tag: "Overdue", what: "the transaction lock's first statement" })
-      else if (stage === "commit") settle({ _tag: "Overdue", what: "the transaction's COMMIT or ROLLBACK" })
-    }
-    const arm = (next: "first" | "commit") => {
-      cancelTimer()
-      stage = next
-      cancelTimer = stallSafeTimer(bound, fire)
-    }
-    progress.onChange = () => {
-      if (progress.ended) {
-        if (stage !== "commit") arm("commit")
-      } else if (progress.began && stage === "none") arm("first")
-    }
-    progress.onChange()
-    fiber.addObserver(observe)
-    return Effect.sync(stop)
+const watchdog = (progress: Progress, bound: number, onOverdue: () => void): () => void => {
+  let stage: "none" | "first" | "commit" = "none"
+  // A real timer, not the Clock's: the statements it bounds run on real time, and a fiber per
+  // transaction is what this replaces. Stall-safe: it reads what had arrived before it counts.
+  let cancelTimer = () => {}
+  const fire = () => {
+    if (progress.overdue !== undefined) return
+    if (stage === "first" && !progress.tried) progress.overdue = "the transaction lock's first statement"
+    else if (stage === "commit") progress.overdue = "the transaction's COMMIT or ROLLBACK"
+    else return
+    onOverdue()
+  }
+  const arm = (next: "first" | "commit") => {
+    cancelTimer()
+    stage = next
+    cancelTimer = stallSafeTimer(bound, fire)
+  }
+  progress.onChange = () => {
+    if (progress.ended) {
+      if (stage !== "commit") arm("commit")
+    } else if (progress.began && stage === "none") arm("first")
+  }
+  progress.onChange()
+  return () => {
+    cancelTimer()
+    progress.onChange = undefined
+  }
+}
+
+const overdueError = (request: XactRequest, progress: Progress): LockBackendError =>
+  new LockBackendError({
+    operation: "transaction",
+    name: request.name,
+    cause: new Error(
+      `${progress.overdue} got no answer within ${request.statementTimeoutMillis} ms: the connection is dead or frozen` +
+        (progress.tried ? ", and whether the transaction committed is unknown" : "")
+    )
   })
 
 /**
- * Runs `self` in a transaction holding the lock. The transaction runs in a daemon fiber watched
- * by one timer at a time: the first lock statement must answer within `statementTimeoutMillis`
- * of the transaction's start, and once the body has ended (or the lock failed) the COMMIT or
- * ROLLBACK within the same bound; else the caller gets a `LockBackendError` and the daemon is
- * left to finish in the background. An interrupted caller waits for the ROLLBACK within the bound.
+ * The transaction: the lock, then `self`, in `sql.withTransaction`, with every failure that is
+ * not the body's own mapped to the lock's errors (the body's failures and defects pass through
+ * unchanged).
+ */
+const transactionOf = <A, E, R>(
+  sql: SqlClient.SqlClient,
+  self: Effect.Effect<A, E, R>,
+  request: XactRequest,
+  progress: Progress
+): Effect.Effect<A, E | LockTimeout | LockBackendError, R> => {
+  const { name } = request
+  // The body's failures and defects are marked so they pass through unchanged; everything
+  // else that fails or dies here belongs to the transaction machinery.
+  const body = self.pipe(
+    Effect.mapError((error) => new BodyFailure(error)),
+    Effect.catchAllDefect((defect) => Effect.die(new BodyDefect(defect)))
+  )
+  return sql.withTransaction(
+    Effect.zipRight(lockInTransaction(sql, request, progress), body).pipe(
+      Effect.ensuring(Effect.sync(() => advance(progress, "ended")))
+    )
+  ).pipe(
+    Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
+      if (error instanceof BodyFailure) return Effect.fail(error.error as E)
+      if (error instanceof LockTimeout || error instanceof LockBackendError) return Effect.fail(error)
+      return Effect.fail(new LockBackendError({ operation: "transaction", name, cause: error }))
+    }),
+    // COMMIT and ROLLBACK die in @effect/sql (a killed connection is a defect there).
+    Effect.catchAllDefect((defect) =>
+      defect instanceof BodyDefect
+        ? Effect.die(defect.defect)
+        : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect }))
+    )
+  )
+}
+
+/**
+ * Runs `self` in a transaction holding the lock: the first lock statement must answer within
+ * `statementTimeoutMillis` of the transaction's start, and once the body has ended (or the lock
+ * failed) the COMMIT or ROLLBACK within the same bound; else the caller gets a `LockBackendError`.
+ * An interrupted caller waits for the ROLLBACK within the bound.
+ *
+ * On `@effect/sql-pg`'s client the transaction runs on the caller's fiber, and an overdue step
+ * destroys the transaction's connection: the statement then fails at once (COMMIT and ROLLBACK
+ * with a defect, which is mapped), the pool drops the connection, and the server rolls back.
+ * On another SqlClient, whose connection the library cannot reach, it runs in a daemon fiber that
+ * the caller stops waiting for (`runDetached`).
  */
 export const run = <A, E, R>(
   sql: SqlClient.SqlClient,
   self: Effect.Effect<A, E, R>,
   request: XactRequest
 ): Effect.Effect<A, E | LockTimeout | LockBackendError, R> =>
+  isSqlPgClient(sql) ? runOnCaller(sql, self, request) : runDetached(sql, self, request)
+
+const runOnCaller = <A, E, R>(
+  sql: SqlClient.SqlClient,
+  self: Effect.Effect<A, E, R>,
+  request: XactRequest
+): Effect.Effect<A, E | LockTimeout | LockBackendError, R> =>
+  Effect.suspend(() => {
+    const progress = newProgress()
+    const stop = watchdog(progress, request.statementTimeoutMillis, () => {
+      // No answer in time: what the server did is unknown, so the connection is destroyed (the
+      // server rolls back, the pool drops it) and the stuck statement fails at once.
+      const client = sqlPgClientOf(progress.connection)
+      if (client !== undefined) destroy(client)
+    })
+    return transactionOf(sql, self, request, progress).pipe(
+      Effect.onExit(() => Effect.sync(stop)),
+      Effect.catchAllCause((cause) =>
+        // An overdue step's failure says why; an interrupted caller stays interrupted.
+        progress.overdue === undefined || Cause.isInterrupted(cause)
+          ? Effect.failCause(cause)
+          : Effect.fail(overdueError(request, progress))
+      )
+    )
+  })
+
+/**
+ * `run` on a SqlClient whose connection the library cannot reach: the transaction runs in a
+ * daemon fiber, and the caller stops waiting for it once a step is overdue (the daemon is left to
+ * finish in the background when the connection finally dies or answers).
+ */
+const runDetached = <A, E, R>(
+  sql: SqlClient.SqlClient,
+  self: Effect.Effect<A, E, R>,
+  request: XactRequest
+): Effect.Effect<A, E | LockTimeout | LockBackendError, R> =>
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
-      const { name, statementTimeoutMillis: bound } = request
-      const progress: Progress = { began: false, tried: false, ended: false, onChange: undefined }
-      // The body's failures and defects are marked so they pass through unchanged; everything
-      // else that fails or dies here belongs to the transaction machinery.
-      const body = self.pipe(
-        Effect.mapError((error) => new BodyFailure(error)),
-        Effect.catchAllDefect((defect) => Effect.die(new BodyDefect(defect)))
-      )
-      const transaction = sql.withTransaction(
-        Effect.zipRight(lockInTransaction(sql, request, progress), body).pipe(
-          Effect.ensuring(Effect.sync(() => advance(progress, "ended")))
-        )
-      ).pipe(
-        Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
-          if (error instanceof BodyFailure) return Effect.fail(error.error as E)
-          if (error instanceof LockTimeout || error instanceof LockBackendError) return Effect.fail(error)
-          return Effect.fail(new LockBackendError({ operation: "transaction", name, cause: error }))
-        }),
-        // COMMIT and ROLLBACK die in @effect/sql (a killed connection is a defect there).
-        Effect.catchAllDefect((defect) =>
-          defect instanceof BodyDefect
-            ? Effect.die(defect.defect)
-            : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect }))
-        )
-      )
+      const progress = newProgress()
+      const transaction = transactionOf(sql, self, request, progress)
       // A daemon, not a child: a parent fiber waits for its children when it exits, and a stuck
       // COMMIT/ROLLBACK (uninterruptible in @effect/sql) would hold the caller with it.
       const fiber = yield* Effect.forkDaemon(restore(transaction))
-      const outcome = yield* restore(watch(fiber, progress, bound)).pipe(
+      const done = yield* restore(watch(fiber, progress, request.statementTimeoutMillis)).pipe(
         // Interrupted: the transaction is rolled back; its ROLLBACK gets the same bound.
-        Effect.onInterrupt(() => Effect.asVoid(detachedWithin(Fiber.interrupt(fiber), bound)))
+        Effect.onInterrupt(() => Effect.asVoid(detachedWithin(Fiber.interrupt(fiber), request.statementTimeoutMillis)))
       )
-      if (outcome._tag === "Done") {
+      if (Option.isSome(done)) {
         // As `Fiber.join` would: the body's FiberRef changes carry over to the caller.
         yield* Fiber.inheritAll(fiber)
-        return yield* Exit.matchEffect(outcome.exit, { onFailure: Effect.failCause, onSuccess: Effect.succeed })
+        return yield* Exit.matchEffect(done.value, { onFailure: Effect.failCause, onSuccess: Effect.succeed })
       }
       yield* Fiber.interruptFork(fiber)
-      return yield* new LockBackendError({
-        operation: "transaction",
-        name,
-        cause: new Error(
-          `${outcome.what} got no answer within ${bound} ms: the connection is dead or frozen` +
-            (progress.tried ? ", and whether the transaction committed is unknown" : "")
-        )
-      })
+      return yield* overdueError(request, progress)
     })
   )
+
+/**
+ * Waits for the transaction's fiber to end (`Some` of its exit), or for a step to be overdue
+ * (`None`). One callback-driven wait, no fiber of its own.
+ */
+const watch = <A, E>(
+  fiber: Fiber.RuntimeFiber<A, E>,
+  progress: Progress,
+  bound: number
+): Effect.Effect<Option.Option<Exit.Exit<A, E>>> =>
+  Effect.async<Option.Option<Exit.Exit<A, E>>>((resume) => {
+    let settled = false
+    const settle = (outcome: Option.Option<Exit.Exit<A, E>>) => {
+      if (settled) return
+      settled = true
+      stop()
+      resume(Effect.succeed(outcome))
+    }
+    const observe = (exit: Exit.Exit<A, E>) => settle(Option.some(exit))
+    const stopWatchdog = watchdog(progress, bound, () => settle(Option.none()))
+    const stop = () => {
+      stopWatchdog()
+      fiber.removeObserver(observe)
+    }
+    fiber.addObserver(observe)
+    return Effect.sync(stop)
+  })

@@ -337,6 +337,27 @@ export const destroy = (client: pg.Client): void => {
   client.end().catch(() => {})
 }
 
+/**
+ * The node-postgres client under one of `@effect/sql-pg`'s connections (its `pg` field), or
+ * `undefined` for any other SqlClient's. The one place the library reads sql-pg's internals:
+ * `withXactLock` bounds a COMMIT (which sql-pg runs uninterruptibly) by destroying this client.
+ */
+export const sqlPgClientOf = (connection: unknown): pg.Client | undefined => {
+  const client: unknown = typeof connection === "object" && connection !== null
+    ? (connection as { readonly pg?: unknown }).pg
+    : undefined
+  return typeof client === "object" && client !== null && typeof (client as pg.Client).query === "function"
+    ? client as pg.Client
+    : undefined
+}
+
+/** Whether `sql` is `@effect/sql-pg`'s client (its transaction connections then carry `sqlPgClientOf`'s client). */
+export const isSqlPgClient = (sql: object): boolean =>
+  (sql as Record<string, unknown>)[SQL_PG_TYPE_ID] === SQL_PG_TYPE_ID
+
+/** `@effect/sql-pg`'s `PgClient.TypeId` (a string; not imported: sql-pg is an optional peer). */
+const SQL_PG_TYPE_ID = "~@effect/sql-pg/PgClient"
+
 /** A graceful goodbye (Terminate message); completes when the connection is closed. Never fails. */
 export const end = (client: pg.Client): Effect.Effect<void> =>
   Effect.async<void>((resume) => {
