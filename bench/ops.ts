@@ -8,6 +8,7 @@
  * their own runtimes is not counted (`Owner`: no supervisor of the caller's reaches it); the
  * resumptions line counts every fiber's resumptions, so background rounds per cycle show there.
  */
+import { SqlClient } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
@@ -52,10 +53,13 @@ const resumptions = (() => {
 const counted = <A, E, R>(self: Effect.Effect<A, E, R>, supervisor: Counting) =>
   Effect.withRuntimeFlagsPatch(Effect.supervised(self, supervisor), RuntimeFlagsPatch.enable(RuntimeFlags.OpSupervision))
 
-const perCycle = async (label: string, layer: Layer.Layer<DistributedLock.DistributedLock, unknown>) => {
+const perCycle = async <S>(
+  label: string,
+  layer: Layer.Layer<S, unknown>,
+  cycle: Effect.Effect<unknown, unknown, S> = Effect.scoped(DistributedLock.acquire(`ops-${label}`)) as never
+) => {
   const runtime = ManagedRuntime.make(layer)
   try {
-    const cycle = Effect.scoped(DistributedLock.acquire(`ops-${label}`))
     await runtime.runPromise(Effect.repeatN(cycle, 300))
     const supervisor = new Counting()
     resumptions.count = 0
@@ -104,6 +108,14 @@ runMain(() =>
       "PgLease",
       Layer.provide(PgLease.layer({ connections: 1 }), PgClient.layer({ url: Redacted.make(database.url), maxConnections: 1 }))
     )
+    const pool = PgClient.layer({ url: Redacted.make(database.url), maxConnections: 1 })
+    await perCycle(
+      "sql withTransaction",
+      pool,
+      Effect.flatMap(SqlClient.SqlClient, (sql) =>
+        sql.withTransaction(sql`select pg_try_advisory_xact_lock(${"1"}::bigint) as granted`.withoutTransform))
+    )
+    await perCycle("withXactLock", pool, PgAdvisory.withXactLock(Effect.void, "ops-xact"))
     await handoff(database.url)
   })
 )

@@ -37,6 +37,8 @@ const PAIRS: ReadonlyArray<Pair> = [
   { name: "pg-advisory", subject: (db, ms) => own("pgAdvisorySubject", db, 1, ms), floor: (db, ms) => own("rawAdvisoryFenced", db, 1, 1, ms), cycles: throughput },
   { name: "pg-lease", subject: (db, ms) => own("pgLeaseSubject", db, 1, ms), floor: (db, ms) => own("rawLease", db, 1, ms), cycles: throughput },
   { name: "xact", subject: (db, ms) => own("xactSubject", db, 1, ms), floor: (db, ms) => own("rawXactLibrary", db, 1, ms), cycles: throughput },
+  { name: "xact-16", subject: (db, ms) => own("xactSubject", db, 16, ms), floor: (db, ms) => own("sqlXactSubject", db, 16, ms), cycles: throughput },
+  { name: "pg-lease-16", subject: (db, ms) => own("pgLeaseSubject", db, 16, ms), floor: (db, ms) => own("rawLease", db, 16, ms), cycles: throughput },
   { name: "memory", subject: (_, ms) => own("memorySubject", undefined, 1, ms), floor: (_, ms) => own("semaphoreSubject", undefined, 1, ms), cycles: throughput },
   { name: "handoff-advisory", subject: (db, ms) => pgAdvisoryHandoff(db, ms, 8), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants },
   { name: "handoff-lease", subject: (db, ms) => pgLeaseHandoff(db, ms, true), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants }

@@ -37,7 +37,7 @@ import { parseTable } from "./internal/sql/tables.js"
 import * as internal from "./internal/advisory/engine.js"
 import * as optionsOf from "./internal/advisory/options.js"
 import * as xact from "./internal/advisory/xact.js"
-import { decodeDuration, validateMode, validateName } from "./internal/core/validate.js"
+import { decodeDuration, modeProblem, nameProblem } from "./internal/core/validate.js"
 
 /**
  * Options of the session-lock layer.
@@ -240,19 +240,17 @@ export const withXactLock: {
     options?: XactLockOptions
   ): Effect.Effect<A, E | LockTimeout | InvalidLockName | LockBackendError, R | SqlClient.SqlClient> =>
     Effect.withFiberRuntime((fiber) => {
-      const locked = Effect.gen(function*() {
-        const name = yield* validateName(rawName, MAX_NAME_BYTES)
-        const mode = yield* validateMode(name, options?.mode)
-        const sql = yield* SqlClientTag
-        const key = cachedAdvisoryKey(name, options?.namespace)
-        const statementTimeout = decodeDuration(options?.statementTimeout)
-        return yield* xact.run(sql, self, {
-          name,
-          key,
-          mode,
-          timeout: decodeDuration(options?.timeout),
-          statementTimeoutMillis: statementTimeout === undefined ? xact.DEFAULT_STATEMENT_TIMEOUT_MS : Duration.toMillis(statementTimeout)
-        })
+      // Read synchronously, no Effect per step: this runs once per transaction, on the hot path.
+      const problem = nameProblem(rawName, MAX_NAME_BYTES) ?? modeProblem(rawName, options?.mode)
+      const statementTimeout = decodeDuration(options?.statementTimeout)
+      const locked: Effect.Effect<A, E | LockTimeout | InvalidLockName | LockBackendError, R> = problem !== undefined
+        ? Effect.fail(problem)
+        : xact.run(Context.unsafeGet(fiber.currentContext, SqlClientTag), self, {
+        name: rawName,
+        key: cachedAdvisoryKey(rawName, options?.namespace),
+        mode: options?.mode ?? "exclusive",
+        timeout: decodeDuration(options?.timeout),
+        statementTimeoutMillis: statementTimeout === undefined ? xact.DEFAULT_STATEMENT_TIMEOUT_MS : Duration.toMillis(statementTimeout)
       })
       // A span only when a tracer would keep it: on the hot path it costs more than it tells nobody.
       return isTraced(fiber)

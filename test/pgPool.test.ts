@@ -10,7 +10,9 @@ import { describe, expect, it } from "@effect/vitest"
 import { Duration, Effect, Fiber, Layer } from "effect"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
 import * as Driver from "effect-lock/internal/pg/pool"
+import * as PgDriver from "effect-lock/internal/pg/driver"
 import * as Net from "node:net"
+import pg from "pg"
 import { useTestDatabase, withClient } from "./support/pg.js"
 import { waitFor } from "./support/eventually.js"
 
@@ -199,6 +201,38 @@ describe("PgLease's own connections", () => {
         expect(yield* prepared()).toEqual([{ n: 0 }])
       } finally {
         pool.close()
+      }
+    }))
+})
+
+describe("withXactLock's bound on an @effect/sql-pg connection (destroyIfStillBusy)", () => {
+  it.live("destroys a pool connection only in the checkout it was given and only with a statement on the wire", () =>
+    Effect.promise(async () => {
+      // One connection: every checkout below is of the same client, as a pool hands it on.
+      const pool = new pg.Pool({ connectionString: db.url, max: 1 })
+      pool.on("error", () => {})
+      try {
+        const first = await pool.connect()
+        const ours = PgDriver.checkoutOf(first)
+        // Idle in our checkout: the statement answered, nothing to bound.
+        await first.query("select 1")
+        expect(PgDriver.destroyIfStillBusy(first, ours)).toBe(false)
+        first.release()
+        // Handed to another caller, with a statement of theirs on the wire: never destroyed.
+        const second = await pool.connect()
+        expect(second).toBe(first)
+        const theirs = second.query<{ v: number }>("select pg_sleep(0.05), 7 as v")
+        expect(PgDriver.destroyIfStillBusy(second, ours)).toBe(false)
+        expect((await theirs).rows[0]?.v).toBe(7)
+        // In its own checkout with a statement on the wire: destroyed, the statement fails at once.
+        const stuck = second.query("select pg_sleep(10)")
+        const started = performance.now()
+        expect(PgDriver.destroyIfStillBusy(second, PgDriver.checkoutOf(second))).toBe(true)
+        await expect(stuck).rejects.toThrow()
+        expect(performance.now() - started).toBeLessThan(1_000)
+        second.release()
+      } finally {
+        await pool.end()
       }
     }))
 })

@@ -12,7 +12,7 @@
  * stops waiting for. Either way a killed or frozen connection ends in `LockBackendError` within
  * the bound instead of hanging the caller.
  */
-import * as SqlClient from "@effect/sql/SqlClient"
+import type * as SqlClient from "@effect/sql/SqlClient"
 import type { SqlError } from "@effect/sql/SqlError"
 import * as Cause from "effect/Cause"
 import * as Context from "effect/Context"
@@ -23,8 +23,8 @@ import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
 import type { LockMode } from "../../Lease.js"
 import { LockBackendError, LockTimeout } from "../../LockError.js"
-import { monotonicMillis } from "../core/clock.js"
-import { destroy, isSqlPgClient, sqlPgClientOf } from "../pg/driver.js"
+import { fiberMillis, monotonicMillis } from "../core/clock.js"
+import { checkoutOf, destroyIfStillBusy, isSqlPgClient, sqlPgClientOf } from "../pg/driver.js"
 import { sqlStateOf } from "../sql/state.js"
 import { detachedWithin, stallSafeTimer } from "../runtime/stallSafe.js"
 
@@ -115,14 +115,54 @@ const lockInTransaction = (
   request: XactRequest,
   progress: Progress
 ): Effect.Effect<void, LockTimeout | LockBackendError> =>
+  Effect.withFiberRuntime((fiber) => {
+    const start = fiberMillis(fiber)
+    progress.connection = Option.getOrUndefined(Context.getOption(fiber.currentContext, TransactionConnection))?.[0]
+    advance(progress, "began")
+    // The first statement is bounded by the watchdog of `run` (no race of its own: the
+    // uncontended path stays one statement); the contended path's statements bound themselves.
+    return Effect.matchEffect(
+      // Uninterruptible: sql-pg would cancel an interrupted statement through its pool (above).
+      Effect.uninterruptible(sql.unsafe<{ granted: boolean }>(TRY_TEXT[request.mode], [request.key.toString()]).withoutTransform),
+      {
+        onFailure: (error) => Effect.fail(acquireError(request.name, error)),
+        onSuccess: (rows) => {
+          progress.tried = true
+          return rows[0]?.granted === true ? Effect.void : waitInSlices(sql, request, start)
+        }
+      }
+    )
+  })
+
+/**
+ * @effect/sql's transaction tag, by its key: importing it would load @effect/sql (an optional
+ * peer) with PgAdvisory, whose session locks need none of it.
+ */
+const TransactionConnection = Context.GenericTag<SqlClient.TransactionConnection, readonly [conn: unknown, depth: number]>(
+  "@effect/sql/SqlClient/TransactionConnection"
+)
+
+/** The try-lock statement of each mode, built once. */
+const TRY_TEXT: Record<LockMode, string> = {
+  exclusive: "select pg_try_advisory_xact_lock($1::bigint) as granted",
+  shared: "select pg_try_advisory_xact_lock_shared($1::bigint) as granted"
+}
+
+const acquireError = (name: string, cause: SqlError | LockBackendError): LockBackendError =>
+  cause instanceof LockBackendError ? cause : new LockBackendError({ operation: "acquire", name, cause })
+
+/** The contended path of `lockInTransaction`: the try found the lock taken at `start`. */
+const waitInSlices = (
+  sql: SqlClient.SqlClient,
+  request: XactRequest,
+  start: number
+): Effect.Effect<void, LockTimeout | LockBackendError> =>
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
       const { key, mode, name, statementTimeoutMillis: bound, timeout } = request
-      const start = yield* monotonicMillis
       const shared = mode === "shared" ? "_shared" : ""
       const keyText = key.toString()
-      const backendError = (cause: SqlError | LockBackendError) =>
-        cause instanceof LockBackendError ? cause : new LockBackendError({ operation: "acquire", name, cause })
+      const backendError = (cause: SqlError | LockBackendError) => acquireError(name, cause)
       // Without the client's row transforms: the column names below are read as written.
       const run = <A extends object = never>(text: string, values?: ReadonlyArray<unknown>) =>
         bounded(sql.unsafe<A>(text, values).withoutTransform, request, bound).pipe(Effect.mapError(backendError))
@@ -133,18 +173,6 @@ const lockInTransaction = (
       /** Interruption takes effect here, between statements. */
       const checkpoint = restore(Effect.void)
 
-      // The first statement is bounded by the watchdog of `run` (no race of its own: the
-      // uncontended path stays one statement); the contended path's statements bound themselves.
-      yield* Effect.contextWith((context: Context.Context<never>) => {
-        progress.connection = Option.getOrUndefined(Context.getOption(context, SqlClient.TransactionConnection))?.[0]
-        advance(progress, "began")
-      })
-      const tried = yield* sql.unsafe<{ granted: boolean }>(
-        `select pg_try_advisory_xact_lock${shared}($1::bigint) as granted`,
-        [keyText]
-      ).withoutTransform.pipe(Effect.mapError(backendError))
-      progress.tried = true
-      if (tried[0]?.granted === true) return
       const millis = timeout === undefined || !Duration.isFinite(timeout) ? undefined : Duration.toMillis(timeout)
       if (millis !== undefined && millis <= 0) return yield* new LockTimeout({ name, waited: Duration.zero })
       const deadline = millis === undefined ? undefined : start + millis
@@ -225,19 +253,27 @@ const advance = (progress: Progress, step: "began" | "ended"): void => {
 /**
  * Watches the transaction's steps with one timer at a time: the first lock statement must answer
  * `bound` ms after BEGIN answered, the COMMIT or ROLLBACK `bound` ms after the body ended. Past
- * either, `onOverdue` is told what is overdue (once). Returns the watchdog's stop.
+ * either, `onOverdue` is asked to act on what is overdue; it says whether it did, and then that
+ * step is recorded as overdue (once). Returns the watchdog's stop.
  */
-const watchdog = (progress: Progress, bound: number, onOverdue: () => void): () => void => {
+const watchdog = (
+  progress: Progress,
+  bound: number,
+  onOverdue: (what: string) => boolean,
+  onBegan?: () => void
+): () => void => {
   let stage: "none" | "first" | "commit" = "none"
   // A real timer, not the Clock's: the statements it bounds run on real time, and a fiber per
   // transaction is what this replaces. Stall-safe: it reads what had arrived before it counts.
   let cancelTimer = () => {}
   const fire = () => {
     if (progress.overdue !== undefined) return
-    if (stage === "first" && !progress.tried) progress.overdue = "the transaction lock's first statement"
-    else if (stage === "commit") progress.overdue = "the transaction's COMMIT or ROLLBACK"
-    else return
-    onOverdue()
+    const what = stage === "first" && !progress.tried
+      ? "the transaction lock's first statement"
+      : stage === "commit"
+      ? "the transaction's COMMIT or ROLLBACK"
+      : undefined
+    if (what !== undefined && onOverdue(what)) progress.overdue = what
   }
   const arm = (next: "first" | "commit") => {
     cancelTimer()
@@ -247,7 +283,10 @@ const watchdog = (progress: Progress, bound: number, onOverdue: () => void): () 
   progress.onChange = () => {
     if (progress.ended) {
       if (stage !== "commit") arm("commit")
-    } else if (progress.began && stage === "none") arm("first")
+    } else if (progress.began && stage === "none") {
+      onBegan?.()
+      arm("first")
+    }
   }
   progress.onChange()
   return () => {
@@ -267,40 +306,49 @@ const overdueError = (request: XactRequest, progress: Progress): LockBackendErro
   })
 
 /**
- * The transaction: the lock, then `self`, in `sql.withTransaction`, with every failure that is
- * not the body's own mapped to the lock's errors (the body's failures and defects pass through
- * unchanged).
+ * The transaction: the lock, then `self`, in `sql.withTransaction`. The body's failures and
+ * defects are marked so they pass through unchanged (`unmark`); everything else that fails or
+ * dies here belongs to the transaction machinery.
  */
 const transactionOf = <A, E, R>(
   sql: SqlClient.SqlClient,
   self: Effect.Effect<A, E, R>,
   request: XactRequest,
   progress: Progress
-): Effect.Effect<A, E | LockTimeout | LockBackendError, R> => {
-  const { name } = request
-  // The body's failures and defects are marked so they pass through unchanged; everything
-  // else that fails or dies here belongs to the transaction machinery.
-  const body = self.pipe(
-    Effect.mapError((error) => new BodyFailure(error)),
-    Effect.catchAllDefect((defect) => Effect.die(new BodyDefect(defect)))
-  )
-  return sql.withTransaction(
-    Effect.zipRight(lockInTransaction(sql, request, progress), body).pipe(
-      Effect.ensuring(Effect.sync(() => advance(progress, "ended")))
-    )
-  ).pipe(
-    Effect.catchAll((error): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
-      if (error instanceof BodyFailure) return Effect.fail(error.error as E)
-      if (error instanceof LockTimeout || error instanceof LockBackendError) return Effect.fail(error)
-      return Effect.fail(new LockBackendError({ operation: "transaction", name, cause: error }))
-    }),
-    // COMMIT and ROLLBACK die in @effect/sql (a killed connection is a defect there).
-    Effect.catchAllDefect((defect) =>
-      defect instanceof BodyDefect
-        ? Effect.die(defect.defect)
-        : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect }))
+) =>
+  sql.withTransaction(
+    // "ended" however the lock or the body ends: the COMMIT or ROLLBACK that follows is bounded.
+    Effect.onExit(
+      Effect.zipRight(lockInTransaction(sql, request, progress), Effect.catchAllCause(self, markBody)),
+      () => Effect.sync(() => advance(progress, "ended"))
     )
   )
+
+/** The body's own failures and defect, marked (an interruption passes as it is). */
+const markBody = <E>(cause: Cause.Cause<E>): Effect.Effect<never, BodyFailure<E>> => {
+  if (Cause.isFailure(cause)) return Effect.failCause(Cause.map(cause, (error) => new BodyFailure(error)))
+  const defect = Cause.dieOption(cause)
+  return Option.isSome(defect) ? Effect.die(new BodyDefect(defect.value)) : Effect.failCause(cause as Cause.Cause<never>)
+}
+
+/**
+ * What the caller sees of a failed transaction: the body's own failure or defect unchanged,
+ * the lock's errors as they are, and the machinery's (BEGIN, and COMMIT and ROLLBACK, which die
+ * in @effect/sql: a killed connection is a defect there) as `LockBackendError`.
+ */
+const unmark = <E>(name: string, cause: Cause.Cause<unknown>): Effect.Effect<never, E | LockTimeout | LockBackendError> => {
+  const failure = Cause.failureOption(cause)
+  if (Option.isSome(failure)) {
+    const error = failure.value
+    if (error instanceof BodyFailure) return Effect.fail(error.error as E)
+    if (error instanceof LockTimeout || error instanceof LockBackendError) return Effect.fail(error)
+    return Effect.fail(new LockBackendError({ operation: "transaction", name, cause: error }))
+  }
+  const defect = Cause.dieOption(cause)
+  if (Option.isNone(defect)) return Effect.failCause(cause as Cause.Cause<never>)
+  return defect.value instanceof BodyDefect
+    ? Effect.die(defect.value.defect)
+    : Effect.fail(new LockBackendError({ operation: "transaction", name, cause: defect.value }))
 }
 
 /**
@@ -329,20 +377,29 @@ const runOnCaller = <A, E, R>(
 ): Effect.Effect<A, E | LockTimeout | LockBackendError, R> =>
   Effect.suspend(() => {
     const progress = newProgress()
-    const stop = watchdog(progress, request.statementTimeoutMillis, () => {
+    let client: ReturnType<typeof sqlPgClientOf>
+    let checkout: unknown
+    const stop = watchdog(
+      progress,
+      request.statementTimeoutMillis,
       // No answer in time: what the server did is unknown, so the connection is destroyed (the
-      // server rolls back, the pool drops it) and the stuck statement fails at once.
-      const client = sqlPgClientOf(progress.connection)
-      if (client !== undefined) destroy(client)
-    })
-    return transactionOf(sql, self, request, progress).pipe(
-      Effect.onExit(() => Effect.sync(stop)),
-      Effect.catchAllCause((cause) =>
+      // server rolls back, the pool drops it) and the stuck statement fails at once. Only while
+      // the statement is still on the wire in this checkout: once answered, the connection may
+      // already be back in the pool, and another caller's connection is never destroyed.
+      () => client !== undefined && destroyIfStillBusy(client, checkout),
+      () => {
+        client = sqlPgClientOf(progress.connection)
+        checkout = client === undefined ? undefined : checkoutOf(client)
+      }
+    )
+    return Effect.onExit(
+      Effect.catchAllCause(transactionOf(sql, self, request, progress), (cause) =>
         // An overdue step's failure says why; an interrupted caller stays interrupted.
         progress.overdue === undefined || Cause.isInterrupted(cause)
-          ? Effect.failCause(cause)
-          : Effect.fail(overdueError(request, progress))
-      )
+          ? unmark<E>(request.name, cause)
+          : Effect.fail(overdueError(request, progress))),
+      // Always, interrupted or not: a timer left armed could destroy a connection no longer ours.
+      () => Effect.sync(stop)
     )
   })
 
@@ -359,7 +416,10 @@ const runDetached = <A, E, R>(
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
       const progress = newProgress()
-      const transaction = transactionOf(sql, self, request, progress)
+      const transaction = Effect.catchAllCause(
+        transactionOf(sql, self, request, progress),
+        (cause) => unmark<E>(request.name, cause)
+      )
       // A daemon, not a child: a parent fiber waits for its children when it exits, and a stuck
       // COMMIT/ROLLBACK (uninterruptible in @effect/sql) would hold the caller with it.
       const fiber = yield* Effect.forkDaemon(restore(transaction))
@@ -395,7 +455,10 @@ const watch = <A, E>(
       resume(Effect.succeed(outcome))
     }
     const observe = (exit: Exit.Exit<A, E>) => settle(Option.some(exit))
-    const stopWatchdog = watchdog(progress, bound, () => settle(Option.none()))
+    const stopWatchdog = watchdog(progress, bound, () => {
+      settle(Option.none())
+      return true
+    })
     const stop = () => {
       stopWatchdog()
       fiber.removeObserver(observe)

@@ -351,6 +351,22 @@ export const sqlPgClientOf = (connection: unknown): pg.Client | undefined => {
     : undefined
 }
 
+/** A mark of the pool checkout `client` is in now: pg-pool gives each checkout its own `release`. */
+export const checkoutOf = (client: pg.Client): unknown => (client as { readonly release?: unknown }).release
+
+/**
+ * Destroys `client` (as `destroy`) only while it is still in the pool checkout `checkout` and a
+ * statement is on the wire (`readyForQuery` false). Returns whether it did. A statement that has
+ * answered may already have handed its connection back to the pool: another caller's connection
+ * must never be destroyed.
+ */
+export const destroyIfStillBusy = (client: pg.Client, checkout: unknown): boolean => {
+  const state = client as unknown as { readonly readyForQuery?: boolean }
+  if (checkoutOf(client) !== checkout || state.readyForQuery !== false) return false
+  destroy(client)
+  return true
+}
+
 /** Whether `sql` is `@effect/sql-pg`'s client (its transaction connections then carry `sqlPgClientOf`'s client). */
 export const isSqlPgClient = (sql: object): boolean =>
   (sql as Record<string, unknown>)[SQL_PG_TYPE_ID] === SQL_PG_TYPE_ID
