@@ -80,8 +80,11 @@
  * **Durability of tokens.** A token is only as durable as the commit that bumped it: with
  * `synchronous_commit = off` (for the role, database or server) a crash can lose the last
  * grants' commits and the token repeats after recovery; likewise a failover to an asynchronous
- * replica. Keep `synchronous_commit` at `on` or above where leases guard fenced writes (an
- * autocommit statement cannot `set local` it, so this backend cannot set it for you).
+ * replica. Keep `synchronous_commit` at `on` or above where leases guard fenced writes. A commit
+ * that grants nothing — a release, a waiting place — does not wait for the WAL flush (its statement
+ * sets `synchronous_commit = off` for its own transaction): a crash can undo it, never a grant,
+ * since a grant that saw it commits later and its flush writes both. An undone release leaves the
+ * lease to run out at its ttl; an undone place is taken again by the waiter's next try.
  *
  * **Time.** Expiry is computed and compared with the server's `now()` only; the ttl travels as
  * milliseconds. The local clock only measures durations, on the monotonic timeline

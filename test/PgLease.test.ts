@@ -11,6 +11,9 @@ import * as Wake from "effect-lock/internal/lease/pg/wake"
 import { makeWaiters } from "effect-lock/internal/lease/waiters"
 import * as Owner from "effect-lock/internal/runtime/owner"
 import * as PgLease from "effect-lock/PgLease"
+import * as LeaseSql from "effect-lock/internal/lease/pg/sql"
+import * as PermitSql from "effect-lock/internal/lease/pg/permitSql"
+import * as Crypto from "node:crypto"
 import * as ChildProcess from "node:child_process"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
@@ -898,6 +901,59 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const lease = yield* Effect.scoped(service.acquire("migrated"))
       expect(lease.token).toBe(1n)
     }))
+
+  it.effect("only a commit that grants waits for the WAL flush: a give-back and a waiting place set synchronous_commit off for their own transaction", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+        if (typeof tables === "string") throw new Error(tables)
+        await client.query(LeaseSql.createTable(tables))
+        // Each statement in a transaction of its own, then what that transaction's commit would use (read
+        // before COMMIT: `set_config(…, true)` lasts until the end of the transaction, as the autocommit one).
+        const run = async (text: string, values: ReadonlyArray<unknown>) => {
+          await client.query("begin")
+          const row = (await client.query(text, [...values])).rows[0] as Record<string, unknown>
+          const commit = (await client.query<{ synchronous_commit: string }>("show synchronous_commit")).rows[0]!.synchronous_commit
+          await client.query("commit")
+          return { row, commit }
+        }
+        const name = freshName("unflushed")
+        const [holder, waiter, next] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
+        const acquire = (owner: string, place: string) =>
+          run(LeaseSql.acquire(tables), [name, owner, place, "exclusive", 5_000, 5_000, "test", "host", process.pid, true])
+        const release = (owner: string) => run(LeaseSql.release(tables), [name, owner, null, "effect_lock_test_unflushed"])
+
+        const granted = await acquire(holder, Crypto.randomUUID())
+        expect(granted.row["token"]).not.toBeNull()
+        expect(granted.commit).toBe("on") // the token bump is durable before the grant is answered
+        const placed = await acquire(Crypto.randomUUID(), waiter)
+        expect(placed.row["token"]).toBeNull()
+        expect(placed.commit).toBe("off")
+        const released = await release(holder)
+        expect(Number(released.row["released"])).toBe(1)
+        expect(released.commit).toBe("off")
+        const taken = await acquire(next, waiter)
+        expect(taken.row["token"]).not.toBeNull()
+        expect(taken.commit).toBe("on")
+        expect((await release(next)).commit).toBe("off")
+
+        // The semaphore's statements alike: limit 1, one permit each.
+        const permit = (owner: string, place: string) =>
+          run(PermitSql.acquire(tables), [name, owner, place, 1, 1, 5_000, 5_000, "test", "host", process.pid, true])
+        const permitHolder = Crypto.randomUUID()
+        expect((await permit(permitHolder, Crypto.randomUUID())).commit).toBe("on")
+        const permitPlace = Crypto.randomUUID()
+        const permitWaiter = await permit(Crypto.randomUUID(), permitPlace)
+        expect(permitWaiter.row["token"]).toBeNull()
+        expect(permitWaiter.commit).toBe("off")
+        const permitReleased = await run(PermitSql.release(tables), [name, permitHolder, null, "effect_lock_test_unflushed"])
+        expect(Number(permitReleased.row["released"])).toBe(1)
+        expect(permitReleased.commit).toBe("off")
+        expect((await run(PermitSql.release(tables), [name, null, permitPlace, "effect_lock_test_unflushed"])).commit).toBe("off")
+        // The session's own setting is untouched.
+        expect((await client.query<{ synchronous_commit: string }>("show synchronous_commit")).rows[0]!.synchronous_commit).toBe("on")
+      })
+    ))
 
   it.scoped("invalid options fail with LockBackendError, never a defect", () =>
     Effect.gen(function*() {

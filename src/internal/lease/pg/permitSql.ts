@@ -29,7 +29,7 @@
  * Columns of results are single lowercase words so client-side name transforms cannot rename them.
  */
 import type { Tables } from "./sql.js"
-import { WAITER_PREFIX } from "./sql.js"
+import { commitsUnflushed, WAITER_PREFIX } from "./sql.js"
 
 /** The server's time in milliseconds since the epoch (numeric: microseconds kept). */
 const NOW = "(extract(epoch from now()) * 1000)"
@@ -144,6 +144,8 @@ export const acquire = ({ sem }: Tables): string =>
   select (u.token - $5::integer + 1)::text as token from u where u.holders -> -1 ->> 'owner' = $2::text
 )
 select (select token from granted) as token,
+  -- Nothing granted: the place (if any) need not wait for the disk.
+  ${commitsUnflushed("not exists (select 1 from granted)")},
   (select c.permit_limit from cur c where c.permit_limit <> $4::integer and ${inUse("c")}) as current,
   (select greatest(0, least(
       (select min((x.e->>'expires')::numeric) from jsonb_array_elements(c.holders) as x(e) where ${live("x.e")}),
@@ -187,6 +189,8 @@ export const release = ({ sem }: Tables): string =>
   returning p.permit_limit, p.holders, p.waiters
 )
 select (select count(*) from u) as released,
+  -- A give-back grants nothing: its commit need not wait for the disk.
+  ${commitsUnflushed("true")},
   -- Whom to wake is read from the row this statement wrote (still locked): exact, never a stale snapshot.
   (select count(pg_notify($4::text, '${WAITER_PREFIX}' || h.place)) from u, lateral ${heads("u")} h) as woken`
 

@@ -154,6 +154,18 @@ export const ensureSemTable = (table: Tables | TableRef): string => {
   return ensureTableSql(tables.sem, createSemTableSql(tables), DDL_NAMESPACE, { lockOn: tables.leases })
 }
 
+/**
+ * A column that lets this statement's own commit return before its WAL reaches disk
+ * (`synchronous_commit = off` for its transaction only: `set_config(…, true)` is `set local`,
+ * read when the statement's implicit transaction commits) where `condition` holds. Only for
+ * commits that grant nothing — a release, a waiting place: a crash may undo them, never a grant,
+ * because a grant that saw one is a later commit whose flush carries it to disk too. An undone
+ * release leaves the lease to run out at its ttl; an undone place is taken again by the next try.
+ * Every commit that bumps a token keeps the session's setting.
+ */
+export const commitsUnflushed = (condition: string): string =>
+  `case when ${condition} then set_config('synchronous_commit', 'off', true) end as unflushed`
+
 /** How many of the oldest places a release looks at to find whom to wake. */
 const HEAD_CANDIDATES = 16
 
@@ -242,6 +254,8 @@ const acquireSql = ({ leases, queue }: Tables): string =>
         enqueued_at = case when q.expires_at <= now() then now() else q.enqueued_at end
 )
 select (select token::text from granted) as token,
+  -- Nothing granted: the place (if any) need not wait for the disk.
+  ${commitsUnflushed("not exists (select 1 from granted)")},
   case when exists (select 1 from granted) then null else greatest(0, extract(epoch from least(
     (select case when h.owner is not null and h.expires_at > now() then h.expires_at end from ${leases.sql} h where h.name = $1::text),
     (select case when $4::text = 'exclusive' and h.shared_until > now() then h.shared_until end from ${leases.sql} h where h.name = $1::text),
@@ -343,6 +357,8 @@ const releaseSql = ({ leases, queue }: Tables): string =>
       select 1 from ${leases.sql} h where h.name = $1::text and h.owner is not null and h.expires_at > now()))
 ), ${heads(queue, "exists (select 1 from freed)")}
 select (select count(*) from exclusive) + (select count(*) from shared) as released,
+  -- A give-back grants nothing: its commit need not wait for the disk.
+  ${commitsUnflushed("true")},
   (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from heads) as woken`
 
 /**
