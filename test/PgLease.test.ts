@@ -12,7 +12,8 @@ import { makeWaiters } from "effect-lock/internal/lease/waiters"
 import * as Owner from "effect-lock/internal/runtime/owner"
 import * as PgLease from "effect-lock/PgLease"
 import * as LeaseSql from "effect-lock/internal/lease/pg/sql"
-import * as PermitSql from "effect-lock/internal/lease/pg/permitSql"
+import * as LeaseDialect from "effect-lock/internal/lease/pg/dialect"
+import type { Statement } from "effect-lock/internal/lease/dialect"
 import * as Crypto from "node:crypto"
 import * as ChildProcess from "node:child_process"
 import * as Fs from "node:fs"
@@ -908,50 +909,52 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
         if (typeof tables === "string") throw new Error(tables)
         await client.query(LeaseSql.createTable(tables))
-        // Each statement in a transaction of its own, then what that transaction's commit would use (read
-        // before COMMIT: `set_config(…, true)` lasts until the end of the transaction, as the autocommit one).
-        const run = async (text: string, values: ReadonlyArray<unknown>) => {
+        const { locks, permits } = LeaseDialect.dialect(tables, "effect_lock_test_unflushed")
+        const setting = async () => (await client.query<{ synchronous_commit: string }>("show synchronous_commit")).rows[0]!.synchronous_commit
+        // The backend's own statement in a transaction of its own, then what that transaction's commit would use
+        // (read before COMMIT: `set_config(…, true)` lasts until the end of the transaction, as the autocommit one).
+        const run = async <I, O>(statement: Statement<I, O>, input: I) => {
           await client.query("begin")
-          const row = (await client.query(text, [...values])).rows[0] as Record<string, unknown>
-          const commit = (await client.query<{ synchronous_commit: string }>("show synchronous_commit")).rows[0]!.synchronous_commit
+          const answer = statement.decode((await client.query(statement.text, [...statement.encode(input)])).rows)
+          const commit = await setting()
           await client.query("commit")
-          return { row, commit }
+          return { answer, commit }
         }
         const name = freshName("unflushed")
+        const asking = (owner: string, waiter: string) =>
+          ({ name, owner, waiter, ttlMillis: 5_000, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true })
+        const acquire = (owner: string, waiter: string) => run(locks.acquire, { ...asking(owner, waiter), mode: "exclusive" })
+        const release = (owner: string) => run(locks.release, { name, owner, waiter: null })
         const [holder, waiter, next] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
-        const acquire = (owner: string, place: string) =>
-          run(LeaseSql.acquire(tables), [name, owner, place, "exclusive", 5_000, 5_000, "test", "host", process.pid, true])
-        const release = (owner: string) => run(LeaseSql.release(tables), [name, owner, null, "effect_lock_test_unflushed"])
 
         const granted = await acquire(holder, Crypto.randomUUID())
-        expect(granted.row["token"]).not.toBeNull()
+        expect(granted.answer.token).not.toBeNull()
         expect(granted.commit).toBe("on") // the token bump is durable before the grant is answered
         const placed = await acquire(Crypto.randomUUID(), waiter)
-        expect(placed.row["token"]).toBeNull()
+        expect(placed.answer.token).toBeNull()
         expect(placed.commit).toBe("off")
         const released = await release(holder)
-        expect(Number(released.row["released"])).toBe(1)
+        expect(released.answer.released).toBe(true)
         expect(released.commit).toBe("off")
         const taken = await acquire(next, waiter)
-        expect(taken.row["token"]).not.toBeNull()
+        expect(taken.answer.token).not.toBeNull()
         expect(taken.commit).toBe("on")
         expect((await release(next)).commit).toBe("off")
 
         // The semaphore's statements alike: limit 1, one permit each.
-        const permit = (owner: string, place: string) =>
-          run(PermitSql.acquire(tables), [name, owner, place, 1, 1, 5_000, 5_000, "test", "host", process.pid, true])
+        const permit = (owner: string, waiter: string) => run(permits.acquire, { ...asking(owner, waiter), limit: 1, permits: 1 })
         const permitHolder = Crypto.randomUUID()
         expect((await permit(permitHolder, Crypto.randomUUID())).commit).toBe("on")
         const permitPlace = Crypto.randomUUID()
         const permitWaiter = await permit(Crypto.randomUUID(), permitPlace)
-        expect(permitWaiter.row["token"]).toBeNull()
+        expect(permitWaiter.answer.token).toBeNull()
         expect(permitWaiter.commit).toBe("off")
-        const permitReleased = await run(PermitSql.release(tables), [name, permitHolder, null, "effect_lock_test_unflushed"])
-        expect(Number(permitReleased.row["released"])).toBe(1)
+        const permitReleased = await run(permits.release, { name, owner: permitHolder, waiter: null })
+        expect(permitReleased.answer.released).toBe(true)
         expect(permitReleased.commit).toBe("off")
-        expect((await run(PermitSql.release(tables), [name, null, permitPlace, "effect_lock_test_unflushed"])).commit).toBe("off")
+        expect((await run(permits.release, { name, owner: null, waiter: permitPlace })).commit).toBe("off")
         // The session's own setting is untouched.
-        expect((await client.query<{ synchronous_commit: string }>("show synchronous_commit")).rows[0]!.synchronous_commit).toBe("on")
+        expect(await setting()).toBe("on")
       })
     ))
 
