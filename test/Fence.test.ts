@@ -1,5 +1,6 @@
 import { SqlClient } from "@effect/sql"
 import { describe, expect, it, layer } from "@effect/vitest"
+import pg from "pg"
 import { Array as Arr, Deferred, Duration, Effect, Either, Fiber, Random, Schedule, Tracer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as Fence from "effect-lock/Fence"
@@ -646,6 +647,58 @@ layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence bounds", (it
         expect(checked!.elapsed).toBeLessThan(BOUND_MS + SLACK_MS)
       }
     }))
+
+  it.effect("a check abandoned at its bound in a transaction leaves no cancel behind for the transaction's next statement", () =>
+    Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      const fence = yield* Fence.make({ statementTimeout: Duration.millis(BOUND_MS) })
+      yield* fence.check("late-cancel", token(1))
+      const key = 7_023_001
+      // Outside the pool: it holds the lock the transaction's next statement waits for, and watches that wait.
+      const admin = yield* Effect.acquireRelease(
+        Effect.promise(async () => {
+          const client = new pg.Client({ connectionString: db.url })
+          await client.connect()
+          return client
+        }),
+        (client) => Effect.promise(() => client.end())
+      )
+      yield* Effect.promise(() => admin.query("select pg_advisory_lock($1)", [key]))
+      // The pool's other connection is kept busy, so a cancel sent through the pool (pg_cancel_backend) waits for it.
+      const occupied = yield* Deferred.make<void>()
+      const free = yield* Deferred.make<void>()
+      const blocker = yield* Effect.fork(Effect.zipRight(
+        sql.withTransaction(Effect.zipRight(sql`select 1`, Effect.zipRight(Deferred.succeed(occupied, undefined), Deferred.await(free)))),
+        // Queued behind whatever waited for this connection: when it answers, a queued cancel has run.
+        sql`select 1`
+      ))
+      yield* Deferred.await(occupied)
+      yield* sql.withTransaction(Effect.gen(function*() {
+        const [{ pid }] = yield* sql<{ pid: number }>`select pg_backend_pid() as pid`
+        yield* sql`savepoint before_check`
+        stop(pid)
+        const checked = yield* Effect.either(fence.check("late-cancel", token(2)))
+        thaw(pid)
+        expect(Either.isLeft(checked) && checked.left).toMatchObject({ _tag: "LockBackendError", operation: "fence-check" })
+        // The abandoned statement ends after the thaw (cancelled or not); the savepoint keeps the transaction usable.
+        yield* sql`rollback to savepoint before_check`
+        const next = yield* Effect.fork(sql`select pg_advisory_xact_lock(${key})`)
+        yield* Effect.promise(() =>
+          admin.query("select count(*)::int as n from pg_locks where pid = $1 and locktype = 'advisory' and not granted", [pid])
+        ).pipe(
+          Effect.flatMap((result) => (result.rows[0].n === 1 ? Effect.void : Effect.fail("not waiting yet"))),
+          Effect.retry(Schedule.spaced(POLL)),
+          Effect.timeout(BLOCKED_WITHIN)
+        )
+        // Now a cancel still queued in the pool would run, while the next statement is on the server.
+        yield* Deferred.succeed(free, undefined)
+        yield* Fiber.join(blocker)
+        yield* Effect.promise(() => admin.query("select pg_advisory_unlock($1)", [key]))
+        const outcome = yield* Effect.either(Fiber.join(next))
+        // A late cancel would have failed it with 57014 (query_canceled).
+        expect(Either.isRight(outcome) ? "answered" : `${(outcome.left.cause as { code?: string })?.code}: ${outcome.left.cause}`).toBe("answered")
+      }))
+    }).pipe(Effect.scoped, Effect.provide(PgTest.layer(db, { maxConnections: 2 }))))
 
   it.effect("statementTimeout must be a positive, finite duration", () =>
     Effect.gen(function*() {

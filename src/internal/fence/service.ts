@@ -14,7 +14,9 @@ import * as Option from "effect/Option"
 import * as FencingToken from "../../FencingToken.js"
 import { LockBackendError, StaleFencingToken } from "../../LockError.js"
 import { sqlStateOf } from "../sql/state.js"
-import { detachedWithin } from "../runtime/stallSafe.js"
+import type pg from "pg"
+import { checkoutOf, isSqlPgClient, isStillBusy, sendCancel, sqlPgClientOf } from "../pg/driver.js"
+import { detachedWithin, within } from "../runtime/stallSafe.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, type TableRef } from "../sql/tables.js"
 
 /** A fence over one table (`Fence.Service`). */
@@ -92,16 +94,48 @@ const run = <A extends object>(
   params: ReadonlyArray<unknown> = []
 ): Effect.Effect<ReadonlyArray<A>, LockBackendError> => {
   const fail = (cause: unknown) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause })
-  // Detached: a check inside a write the caller made uninterruptible is never cut short by the
-  // caller's interruption, only by the bound; at the bound it fails at once, and sql-pg's cancel
-  // of the statement (up to 5 s through the pool) goes on in the background.
-  return Effect.flatMap(
-    detachedWithin(sql.unsafe<A>(text, params).withoutTransform.pipe(Effect.mapError(fail)), Duration.millis(bound)),
-    Option.match({
-      onNone: () => Effect.fail(fail(new Error(`no answer from the database within ${bound} ms`))),
-      onSome: Effect.succeed
-    })
+  const statement = sql.unsafe<A>(text, params).withoutTransform.pipe(Effect.mapError(fail))
+  return Effect.withFiberRuntime((fiber) => {
+    const client = isSqlPgClient(sql)
+      ? sqlPgClientOf(Option.getOrUndefined(Context.getOption(fiber.currentContext, TransactionConnectionTag))?.[0])
+      : undefined
+    // Detached: a check inside a write the caller made uninterruptible is never cut short by the
+    // caller's interruption, only by the bound; at the bound it fails at once.
+    const outcome = client === undefined
+      // Outside a transaction (or on another SqlClient) the driver cancels the left-behind
+      // statement; sql-pg hands the connection back only after that cancel has run.
+      ? detachedWithin(statement, Duration.millis(bound))
+      : inTransaction(client, statement, bound)
+    return Effect.flatMap(
+      outcome,
+      Option.match({
+        onNone: () => Effect.fail(fail(new Error(`no answer from the database within ${bound} ms`))),
+        onSome: Effect.succeed
+      })
+    )
+  })
+}
+
+/**
+ * A statement in a transaction on @effect/sql-pg's client, bounded. sql-pg would cancel an
+ * interrupted one with `pg_cancel_backend` through its pool, which waits for a free connection:
+ * sent after the caller moved on, it lands on the transaction's *next* statement (a 57014 on the
+ * caller's own work, or its COMMIT). So the statement is left uninterruptible, and a caller that
+ * leaves it behind first stops it itself, with a protocol CancelRequest on a socket of its own
+ * (no pool slot), and goes on only once the server has taken that cancel.
+ */
+const inTransaction = <A>(
+  client: pg.Client,
+  statement: Effect.Effect<A, LockBackendError>,
+  bound: number
+): Effect.Effect<Option.Option<A>, LockBackendError> => {
+  const checkout = checkoutOf(client)
+  // Only while our statement is still on the wire: once answered, the backend is idle or running
+  // the caller's next statement, and a cancel then could only hit that.
+  const abandon = Effect.suspend(() =>
+    isStillBusy(client, checkout) ? Effect.asVoid(within(sendCancel(client), Duration.millis(bound))) : Effect.void
   )
+  return detachedWithin(Effect.uninterruptible(statement), Duration.millis(bound), abandon)
 }
 
 const isUndefinedTable = (error: unknown): error is LockBackendError =>

@@ -361,11 +361,14 @@ export const checkoutOf = (client: pg.Client): unknown => (client as { readonly 
  * must never be destroyed.
  */
 export const destroyIfStillBusy = (client: pg.Client, checkout: unknown): boolean => {
-  const state = client as unknown as { readonly readyForQuery?: boolean }
-  if (checkoutOf(client) !== checkout || state.readyForQuery !== false) return false
+  if (!isStillBusy(client, checkout)) return false
   destroy(client)
   return true
 }
+
+/** Whether `client` is still in the pool checkout `checkout` with a statement on the wire. */
+export const isStillBusy = (client: pg.Client, checkout: unknown): boolean =>
+  checkoutOf(client) === checkout && (client as unknown as { readonly readyForQuery?: boolean }).readyForQuery === false
 
 /** Whether `sql` is `@effect/sql-pg`'s client (its transaction connections then carry `sqlPgClientOf`'s client). */
 export const isSqlPgClient = (sql: object): boolean =>

@@ -126,10 +126,15 @@ export const withinOrFail = <A, E, R, E2>(
  * watch; only the bound stops it (then interrupted in the background, the caller not waiting for
  * it), or the caller's interruption where the caller is interruptible. `None` when the bound
  * passed first (stall-safe, as `timeoutOption`).
+ *
+ * `abandon`, when given, is awaited whenever the caller leaves `self` behind (the bound passed, or
+ * the caller was interrupted) before the caller goes on: for a stop that must have reached the
+ * server before the caller's next statement can (a cancel of an uninterruptible statement).
  */
 export const detachedWithin = <A, E, R>(
   self: Effect.Effect<A, E, R>,
-  duration: Duration.DurationInput
+  duration: Duration.DurationInput,
+  abandon: Effect.Effect<void> = Effect.void
 ): Effect.Effect<Option.Option<A>, E, R> =>
   Effect.uninterruptibleMask((restore) =>
     Effect.gen(function*() {
@@ -143,12 +148,13 @@ export const detachedWithin = <A, E, R>(
         Effect.zipRight(Effect.interruptible(sleepThenReadIO(duration)), Deferred.succeed(outcome, Option.none()))
       )
       const settled = yield* restore(Deferred.await(outcome)).pipe(
-        Effect.onInterrupt(() => Effect.zipRight(Fiber.interruptFork(step), Fiber.interruptFork(timer)))
+        Effect.onInterrupt(() => Effect.zipRight(Effect.zipRight(Fiber.interruptFork(step), Fiber.interruptFork(timer)), abandon))
       )
       yield* Fiber.interruptFork(timer)
       if (Option.isNone(settled)) {
         // Past the bound: stopped in the background (a sent statement is cancelled by its driver).
         yield* Fiber.interruptFork(step)
+        yield* abandon
         return Option.none<A>()
       }
       return Option.some(yield* settled.value)
