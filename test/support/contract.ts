@@ -558,6 +558,45 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect(refused._tag).toBe("LockBackendError")
       }))
 
+    for (const ttlSeconds of [3, 1]) {
+      test(`closing a layer keeps renewing a lease whose body outlives its ttl (ttl ${ttlSeconds} s): another process polling every 50 ms is granted it only after the body stopped`, () =>
+        Effect.gen(function*() {
+          const ttl = Duration.max(Duration.seconds(ttlSeconds), target.minTtl)
+          const ttlMs = Duration.toMillis(ttl)
+          const scope = yield* Scope.make()
+          const a = yield* Scope.extend(node(), scope)
+          const b = yield* node()
+          const name = freshName(`shutdown-ttl-${ttlSeconds}`)
+          const order: Array<string> = []
+          const started = yield* Deferred.make<void>()
+          // A write made uninterruptible that outlives the lease's ttl by half a second.
+          const body = Effect.zipRight(
+            Deferred.succeed(started, undefined),
+            Effect.uninterruptible(Effect.zipRight(Effect.sleep(Duration.millis(ttlMs + 500)), Effect.sync(() => order.push("body ended"))))
+          )
+          const run = yield* Effect.fork(DistributedLock.withLock(body, name, { ttl }).pipe(provide(a)))
+          yield* Deferred.await(started)
+          // The layer closes before the first renewal (due at a third of the ttl), as in a rolling deploy.
+          yield* target.advance(Duration.millis(Math.round(ttlMs * 0.3)))
+          const closing = yield* Effect.fork(Scope.close(scope, Exit.void))
+          // Bounded: the body ends at ttl + 0.5 s; polling goes on 3 s past that at most.
+          const tries = Math.ceil((ttlMs + 3_500) / 50)
+          // Time goes on (on the TestClock too) until the body has ended, whoever got the lock first.
+          let granted = false
+          for (let i = 0; i < tries && !(granted && order.includes("body ended")); i++) {
+            if (!granted && (yield* Effect.scoped(Effect.map(b.tryAcquire(name), Option.isSome)))) {
+              granted = true
+              order.push("b granted")
+            }
+            yield* target.advance(Duration.millis(50))
+          }
+          const error = yield* Effect.flip(Fiber.join(run))
+          expect(error).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
+          yield* Fiber.join(closing)
+          expect(order).toEqual(["body ended", "b granted"])
+        }))
+    }
+
     leaseTest("renewal keeps a lease alive far past its ttl", () =>
       Effect.gen(function*() {
         const faults = makeFaults()

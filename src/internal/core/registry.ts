@@ -184,6 +184,13 @@ export const makeRegistry = <G extends Grant>(
     /** Releases under way on the owner's runtime: closing waits for them before connections close. */
     const releasing = new Set<Fiber.RuntimeFiber<void>>()
     let nextId = 0
+    /**
+     * Leases of a closing service whose holders were told `shutdown` and that are not given back
+     * yet: still renewed, so that the store keeps them while their guarded bodies stop.
+     */
+    const draining = new Set<Held<G>>()
+    /** Whether the renewal loop keeps `held` alive: held, or told `shutdown` and not given back yet. */
+    const kept = (held: Held<G>): boolean => held.state === "held" || draining.has(held)
     /** Losses declared synchronously (`declareLostNow`) whose log line the loop still owes. */
     const unreported: Array<{ readonly held: Held<G>; readonly error: LockLost }> = []
 
@@ -365,6 +372,8 @@ export const makeRegistry = <G extends Grant>(
       Effect.withFiberRuntime((fiber) => {
         if (held.releasing) return Effect.void
         held.releasing = true
+        // Given back now: a closing service's loop stops renewing it.
+        draining.delete(held)
         if (held.state === "held") {
           held.state = "released"
           metrics.unsafe.held(held.labels, -1)
@@ -427,12 +436,16 @@ export const makeRegistry = <G extends Grant>(
     )
 
     const applyOutcome = (held: Held<G>, outcome: RenewOutcome | undefined, startedAt: number): Effect.Effect<void> => {
-      if (held.state !== "held") return Effect.void
+      if (!kept(held)) return Effect.void
       if (outcome === undefined) {
         held.renewAt = startedAt + held.ttlMillis * RETRY_FRACTION
         return Effect.void
       }
-      if (outcome._tag === "Lost") return declareLost(held, outcome.reason)
+      if (outcome._tag === "Lost") {
+        // A draining lease the store no longer has: nothing left to keep (its holder was told already).
+        draining.delete(held)
+        return declareLost(held, outcome.reason)
+      }
       held.validUntil = outcome.validUntil
       held.renewAt = nextRenewAt(outcome.validUntil, held.ttlMillis)
       return Effect.void
@@ -469,7 +482,7 @@ export const makeRegistry = <G extends Grant>(
     const renewBatch = (batch: ReadonlyArray<Held<G>>, done: Deferred.Deferred<void>): Effect.Effect<void> => {
       let start = Number.NaN
       return Effect.gen(function*() {
-        const live = batch.filter((h) => h.state === "held")
+        const live = batch.filter(kept)
         if (live.length === 0) return
         start = yield* monotonicMillis
         // Cut off before the earliest safety deadline in the batch, measured from this call's own
@@ -482,7 +495,7 @@ export const makeRegistry = <G extends Grant>(
         Effect.catchAllCause((cause) =>
           Effect.zipRight(
             Effect.sync(() => {
-              for (const h of batch) if (h.state === "held") h.renewAt = (Number.isNaN(start) ? 0 : start) + h.ttlMillis * RETRY_FRACTION
+              for (const h of batch) if (kept(h)) h.renewAt = (Number.isNaN(start) ? 0 : start) + h.ttlMillis * RETRY_FRACTION
             }),
             Effect.logWarning("applying a lease renewal failed; retrying", cause)
           )
@@ -497,14 +510,18 @@ export const makeRegistry = <G extends Grant>(
       )
     }
 
+    /** Every lease the loop keeps: the held ones, and those of a closing service not given back yet. */
+    const keptLeases = (): Iterable<Held<G>> => (draining.size === 0 ? leases.values() : [...leases.values(), ...draining])
+
     /** Starts a batch for every due lease there is a free slot for. */
     const startRenewals = (now: number): Effect.Effect<void> =>
       Effect.suspend(() => {
-        // A closing service renews nothing more: its leases are being given back.
-        if (closed) return Effect.void
+        // A closing service renews only the leases it has not given back yet (`draining`): a lease
+        // whose body still runs must not run out in the store before the body has stopped.
+        if (closed && draining.size === 0) return Effect.void
         const idle: Array<Held<G>> = []
         let anyDue = false
-        for (const held of leases.values()) {
+        for (const held of keptLeases()) {
           if (held.validUntil === undefined || held.renewing !== undefined) continue
           idle.push(held)
           if (held.renewAt <= now) anyDue = true
@@ -531,7 +548,7 @@ export const makeRegistry = <G extends Grant>(
         Effect.catchAllCause((cause) =>
           Effect.zipRight(
             Effect.sync(() => {
-              for (const held of leases.values()) {
+              for (const held of keptLeases()) {
                 if (held.renewing === undefined && held.renewAt <= now) held.renewAt = now + held.ttlMillis * RETRY_FRACTION
               }
             }),
@@ -552,6 +569,8 @@ export const makeRegistry = <G extends Grant>(
         const renewable = slotFree && h.renewing === undefined
         wakeAt = Math.min(wakeAt, safetyDeadline(h), renewable ? h.renewAt : Number.POSITIVE_INFINITY)
       }
+      // A draining lease has no deadline to declare (its holder was told): only its renewal.
+      if (slotFree) for (const h of draining) if (h.renewing === undefined) wakeAt = Math.min(wakeAt, h.renewAt)
       return wakeAt
     }
 
@@ -635,6 +654,22 @@ export const makeRegistry = <G extends Grant>(
         })
       })
 
+    /** Stops the renewal loop for good and completes the signals of renewals cut off (no release waits on one). */
+    const stopRenewals = (held: ReadonlyArray<Held<G>>) =>
+      Effect.suspend(() => {
+        draining.clear()
+        // A renewal fiber interrupted before it started never runs its own completion.
+        return FiberSet.clear(renewals).pipe(
+          Effect.zipRight(alarm.stop),
+          Effect.zipRight(Effect.sync(() => {
+            for (const h of held) {
+              if (h.renewing !== undefined) Deferred.unsafeDone(h.renewing, Exit.void)
+              h.renewing = undefined
+            }
+          }))
+        )
+      })
+
     const close = Effect.suspend(() => {
       // 1. No new grant is handed out, and waits of acquisitions in flight end now.
       closed = true
@@ -642,19 +677,12 @@ export const makeRegistry = <G extends Grant>(
       closingListeners.clear()
       if (takes === 0) Deferred.unsafeDone(takesSettled, Exit.void)
       const held = Array.from(leases.values())
-      // Renewals are stopped first and their signals completed (a renewal fiber interrupted before
-      // it started never runs its own completion), so no release waits on one.
-      return FiberSet.clear(renewals).pipe(
-        Effect.zipRight(alarm.stop),
-        Effect.zipRight(Effect.sync(() => {
-          for (const h of held) {
-            if (h.renewing !== undefined) Deferred.unsafeDone(h.renewing, Exit.void)
-            h.renewing = undefined
-          }
-        })),
-        // 2. Holders are told; their guarded bodies are interrupted by it and awaited, so that no
-        // lock is handed on while the work under it still runs.
-        Effect.zipRight(Effect.forEach(held, (h) => declareLost(h, "shutdown"), { discard: true })),
+      // Still renewed until given back (step 4): a body that outlives its ttl while it stops must
+      // not lose its lease in the store to another process before it has stopped.
+      for (const h of held) draining.add(h)
+      // 2. Holders are told; their guarded bodies are interrupted by it and awaited, so that no
+      // lock is handed on while the work under it still runs.
+      return Effect.forEach(held, (h) => declareLost(h, "shutdown"), { discard: true }).pipe(
         Effect.zipRight(Effect.suspend(() => {
           const bodies = held.flatMap((h) => (h.bodies === undefined ? [] : Array.from(h.bodies)))
           return bodies.length === 0 ? Effect.void : Effect.flatMap(Owner.awaitAll(bodies, SHUTDOWN_BODY_WAIT_MS), (stopped) =>
@@ -664,6 +692,8 @@ export const makeRegistry = <G extends Grant>(
         })),
         // 3. Acquisitions in flight settle: a grant that arrives now is given back by its own caller.
         Effect.zipRight(timeoutOption(Deferred.await(takesSettled), SHUTDOWN_TAKE_WAIT_MS)),
+        // Renewals stop only now, right before the give-backs: a release waits for a renewal in flight.
+        Effect.zipRight(stopRenewals(held)),
         // 4. Every lease is given back, and every release under way is awaited before the
         // backend's finalizers close its connections.
         Effect.zipRight(Effect.forEach(held, release, { concurrency: RENEW_CONCURRENCY, discard: true })),
