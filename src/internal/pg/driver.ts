@@ -18,6 +18,7 @@
  * failed for that.
  */
 import * as Effect from "effect/Effect"
+import { createHash } from "node:crypto"
 import type pg from "pg"
 import { LockBackendError } from "../../LockError.js"
 import { stallSafeTimer } from "../runtime/stallSafe.js"
@@ -300,16 +301,25 @@ export const query = (
     return Effect.sync(abandon)
   })
 
+// Bounded: the texts are a few fixed statements per lease table (and PgAdvisory's), never built per call.
 const preparedNames = new Map<string, string>()
 
 /**
- * A prepared-statement name for a statement text, the same for the life of the process (node-pg
- * parses a named statement once per connection and then only binds it: no parse, no plan).
+ * A prepared-statement name for a statement text (node-pg parses a named statement once per
+ * connection and then only binds it: no parse, no plan): `effect_lock_` and the first 32 hex
+ * digits (128 bits) of the text's SHA-256, 44 bytes (an identifier has at most 63). Equal names
+ * mean equal texts, in every process and every library version, not by first use in the process:
+ * behind a transaction pooler (PgBouncer before 1.21 in transaction mode) a bind can land on a
+ * server connection another process prepared, and a name taken by first use (`effect_lock_1`)
+ * could there be another text, which the server would run with our parameters without an error.
+ * With a name from the text, such a server connection either has this very text under the name
+ * or lacks the name, and the bind fails with 26000, after which `pool.ts` sends the statement
+ * unnamed: never another text.
  */
 export const preparedName = (text: string): string => {
   let name = preparedNames.get(text)
   if (name === undefined) {
-    name = `effect_lock_${preparedNames.size + 1}`
+    name = `effect_lock_${createHash("sha256").update(text).digest("hex").slice(0, 32)}`
     preparedNames.set(text, name)
   }
   return name
