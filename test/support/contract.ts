@@ -190,6 +190,24 @@ export const stallSuite = (
         // The promise: not a single step of the body after the stall ended.
         expect(steps.filter((t) => t > stallEnded)).toEqual([])
       }), 30_000)
+
+    leaseOnly("a stall inside the body's own synchronous work past a 1 s lease's safe time stops the body before its next operation", () =>
+      Effect.gen(function*() {
+        const service = yield* make
+        const name = freshName("stall-inside")
+        const steps: Array<number> = []
+        const lease = yield* service.acquire(name, { ttl: Duration.seconds(1) })
+        // No resumption between the stall and the steps after it: only a check per operation sees them.
+        const body = Effect.gen(function*() {
+          yield* stall(2_500)
+          for (let i = 0; i < 100; i++) yield* Effect.sync(() => steps.push(performance.now()))
+        })
+        const exit = yield* Effect.exit(DistributedLock.guard(lease, body))
+        // The promise: not one operation of the body after the stall.
+        expect(steps).toHaveLength(0)
+        const error = yield* Effect.flip(exit)
+        expect(error).toMatchObject({ _tag: "LockLost", name, token: lease.token, reason: "renewal-failed" })
+      }), 30_000)
   })
 }
 

@@ -12,7 +12,7 @@ import type { Lease } from "../../Lease.js"
 import type { LockLost } from "../../LockError.js"
 import { clockOf } from "./clock.js"
 import { addBody, heldOf } from "./registry.js"
-import { StallWatch } from "./stallWatch.js"
+import { StallWatch, watchSteps } from "./stallWatch.js"
 
 /** Runs `self` while `lease` is held (documented on `DistributedLock.guard`). */
 export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effect.Effect<A, E | LockLost, R> =>
@@ -21,10 +21,12 @@ export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effe
       const held = heldOf(lease)
       // A lease already known lost never starts the body.
       if (held?.lostError !== undefined) return Effect.fail(held.lostError)
-      // The body and everything it forks are checked each time they resume: after a stall past
-      // the lease's safe time, the loss is declared and they stop before their next step.
+      // The body and everything it forks are checked before each step: after a stall past the
+      // lease's safe time, the loss is declared and they stop before their next step.
       const watch = held === undefined ? undefined : new StallWatch(held, parent.id(), clockOf(parent))
-      const fork = Effect.fork(restore(self))
+      // A lease with a deadline is checked before every step too: a stall inside the body's own
+      // synchronous work is caught at its next operation, not at its next resumption.
+      const fork = Effect.fork(restore(held?.validUntil === undefined ? self : watchSteps(self)))
       return Effect.gen(function*() {
         const body = yield* (watch === undefined ? fork : Effect.supervised(fork, watch))
         // A shutdown waits for the body to stop before it gives the lease back.
