@@ -11,8 +11,19 @@ import type { TableRef } from "../sql/tables.js"
 /** Channel of release notifications; the payload is the key in decimal. */
 export const CHANNEL = "effect_lock_released"
 
+/**
+ * A lock session's `lock_timeout` outside a blocking wait's slices: a fencing-row lock wait
+ * (another process's bump in flight) ends in 55P03 before the client-side statement bound would
+ * destroy the session. Set at session open, and set again (not `TO DEFAULT`, which is the role's or
+ * server's value) after each wait slice's own.
+ */
+export const FENCING_LOCK_TIMEOUT_MS = 4_000
+
 /** Settings of every lock session (those the server does not know are skipped). */
 const SESSION_SETTINGS: ReadonlyArray<readonly [string, string]> = [
+  // Every statement here relies on READ COMMITTED: a row lock wait (fencing bump, permit queue)
+  // re-reads the newest row version; a stricter database or role default would fail it with 40001.
+  ["default_transaction_isolation", "read committed"],
   // Fencing tokens must never repeat or go backwards, even across a server crash: every bump's
   // commit waits for its WAL flush, whatever the server, database or role default says (with
   // `off`, a crash could lose bumps that were already handed out as tokens).
@@ -26,9 +37,8 @@ const SESSION_SETTINGS: ReadonlyArray<readonly [string, string]> = [
   ["idle_session_timeout", "0"],
   // Statements are bounded on the client; a server-side default must not cut a lock wait short.
   ["statement_timeout", "0"],
-  // A fencing-row lock wait (another process's bump in flight) ends in 55P03 before the client-side
-  // statement bound would destroy the session; blocking waits set their own lock_timeout per slice.
-  ["lock_timeout", "4000"],
+  // See FENCING_LOCK_TIMEOUT_MS; blocking waits set their own lock_timeout per slice.
+  ["lock_timeout", String(FENCING_LOCK_TIMEOUT_MS)],
   ["idle_in_transaction_session_timeout", "0"]
 ]
 
@@ -96,12 +106,23 @@ export const joinBumpSql = perTable((table) =>
 /**
  * One slice of a blocking wait, one simple-protocol round trip: bounded wait, grant, bump. The
  * implicit transaction aborts as a whole on 55P03 (the slice's lock_timeout), leaving nothing.
+ * The bump's own fencing-row wait is bounded by `bumpLockTimeoutMillis` (at most
+ * `FENCING_LOCK_TIMEOUT_MS`; the caller passes less when the slice's client-side bound leaves less
+ * after a wait that used its whole slice), set explicitly: `SET LOCAL lock_timeout TO DEFAULT`
+ * would be the role's or server's value (often 0, no limit), not the session's.
  */
-export const waitSql = (table: TableRef, key: bigint, name: string, mode: LockMode, lockTimeoutMillis: number): string =>
+export const waitSql = (
+  table: TableRef,
+  key: bigint,
+  name: string,
+  mode: LockMode,
+  lockTimeoutMillis: number,
+  bumpLockTimeoutMillis: number = FENCING_LOCK_TIMEOUT_MS
+): string =>
   [
     `SET LOCAL lock_timeout = ${lockTimeoutMillis}`,
     `SELECT pg_advisory_lock${suffix(mode)}('${key}'::bigint)`,
-    `SET LOCAL lock_timeout TO DEFAULT`,
+    `SET LOCAL lock_timeout = ${Math.max(1, Math.min(FENCING_LOCK_TIMEOUT_MS, Math.floor(bumpLockTimeoutMillis)))}`,
     `INSERT INTO ${table.sql} AS f (key, name, token) VALUES ('${key}'::bigint, ${literal(name)}, 1) ` +
     `ON CONFLICT (key) DO UPDATE SET token = f.token + 1, name = excluded.name ` +
     `RETURNING f.token::text AS token, pg_backend_pid() AS pid`

@@ -106,7 +106,9 @@ export const blockingWait = (
       const slice = Math.max(1, Math.ceil(Math.min(WAIT_SLICE_MS, Option.getOrElse(remaining, () => Infinity))))
       const sent = submitStatement(
         session,
-        waitSql(engine.options.fencingTable, key, request.name, request.mode, slice),
+        // The bump's fencing-row wait ends in 55P03 (a clean retry) well inside what the bound
+        // below leaves after a wait that took its whole slice: the heartbeat timeout.
+        waitSql(engine.options.fencingTable, key, request.name, request.mode, slice, engine.options.heartbeatTimeoutMillis / 2),
         undefined,
         slice + engine.options.heartbeatTimeoutMillis
       )

@@ -1,0 +1,303 @@
+/**
+ * The library's own statements on a database whose default isolation is stricter than READ
+ * COMMITTED (issue 34, point 3): `ALTER DATABASE … SET default_transaction_isolation` to
+ * 'repeatable read', then 'serializable'. PgAdvisory's sessions set READ COMMITTED for themselves;
+ * PgLease resends a statement the server refused with 40001, 40P01 or 55P03 (its transaction
+ * rolled back, nothing happened), within the statement's bound.
+ *
+ * Not the whole contract suites (too slow twice over on 2 cores): the cases that failed at once
+ * under REPEATABLE READ, all of them contention on one row — mutual exclusion across 4
+ * processes, a semaphore's limit across 4 processes, FIFO handoff across processes — and renewal
+ * of a 1 s lease held for ~3 s while its row is updated concurrently and others contend.
+ */
+import { describe, expect, it } from "@effect/vitest"
+import { Deferred, Duration, Effect, Exit, Fiber, Layer, Scope } from "effect"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
+import type * as Lane from "effect-lock/internal/lease/pg/lane"
+import * as Make from "effect-lock/internal/lease/pg/make"
+import { sqlStateOf } from "effect-lock/internal/sql/state"
+import * as PgAdvisory from "effect-lock/PgAdvisory"
+import * as PgLease from "effect-lock/PgLease"
+import pg from "pg"
+import { beforeAll } from "vitest"
+import { freshName } from "./support/contract.js"
+import { adminUrl, PgTest, type UsedTestDatabase, useTestDatabase, withClient } from "./support/pg.js"
+
+const LEVELS = [
+  { level: "repeatable read", label: "isolation_rr" },
+  { level: "serializable", label: "isolation_serializable" }
+] as const
+
+// First, so that each database's afterAll (leak check, drop) runs after every layer is closed.
+const databases = LEVELS.map(({ label, level }) => {
+  const db = useTestDatabase(label)
+  beforeAll(async () => {
+    await withClient(adminUrl(), (client) =>
+      client.query(`alter database ${client.escapeIdentifier(db.name)} set default_transaction_isolation = '${level}'`))
+  })
+  return { level, db }
+})
+
+const PROCESSES = 4
+const FIBERS = 3
+const ROUNDS = 5
+const LEASE_APP = "iso-lease"
+const ADVISORY_APP = "iso-advisory"
+
+interface Node {
+  readonly lock: DistributedLock.Service
+  readonly sem: DistributedSemaphore.Service
+}
+
+/** What the renewals of PgLease nodes saw: SQLSTATEs of failed renewal statements, and failed backend renewals. */
+interface RenewWatch {
+  readonly laneFailures: Array<string>
+  readonly backendFailures: Array<unknown>
+}
+const renewWatch = (): RenewWatch => ({ laneFailures: [], backendFailures: [] })
+
+/** One PgLease "process": a pool of its own, the backend on it (own connections, or the application's pool). */
+const leaseNode = (db: UsedTestDatabase, options: PgLease.Options = {}, watch: RenewWatch = renewWatch()) =>
+  Effect.gen(function*() {
+    const env = yield* Layer.build(PgTest.layer(db, { applicationName: LEASE_APP }))
+    const wrapLane = (lane: Lane.Lane): Lane.Lane => ({
+      ...lane,
+      renew: (text, params, bound) =>
+        Effect.tapError(lane.renew(text, params, bound), (error) => Effect.sync(() => watch.laneFailures.push(sqlStateOf(error) ?? "none")))
+    })
+    const backend = yield* Effect.provide(Make.makeBackend({ pollInterval: Duration.millis(100), ...options }, wrapLane), env)
+    const watched = <B extends { readonly renew: (grants: any) => Effect.Effect<any, any> }>(b: B): B => ({
+      ...b,
+      renew: (grants: any) => Effect.tapError(b.renew(grants), (error) => Effect.sync(() => watch.backendFailures.push(error)))
+    })
+    return {
+      lock: yield* DistributedLock.make(watched(backend)),
+      sem: yield* DistributedSemaphore.make(watched(backend.semaphore))
+    } satisfies Node
+  })
+
+/** One PgAdvisory "process": its own sessions. */
+const advisoryNode = (db: UsedTestDatabase) =>
+  Effect.gen(function*() {
+    const backend = yield* PgAdvisory.makeBackend({ url: db.url, applicationName: ADVISORY_APP, maxSessions: 3 })
+    return { lock: yield* DistributedLock.make(backend), sem: yield* DistributedSemaphore.make(backend.semaphore) } satisfies Node
+  })
+
+const query = <R extends pg.QueryResultRow>(db: UsedTestDatabase, text: string, values: ReadonlyArray<unknown> = []) =>
+  Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((result) => result.rows)))
+
+/** Polls `check` every 10 ms until it holds; dies naming `what` after 10 s. */
+const until = (what: string, check: Effect.Effect<boolean>) =>
+  Effect.gen(function*() {
+    const deadline = Date.now() + 10_000
+    while (!(yield* check)) {
+      if (Date.now() > deadline) return yield* Effect.dieMessage(`gave up waiting until ${what}`)
+      yield* Effect.sleep(Duration.millis(10))
+    }
+  })
+
+/** Requests of `name` waiting in the store: PgLease's live places, PgAdvisory's not-granted requests in pg_locks. */
+const waitingIn = (db: UsedTestDatabase, backend: "lease" | "advisory", name: string) =>
+  backend === "lease"
+    ? Effect.map(
+      query<{ n: number }>(
+        db,
+        `select count(*)::int as n from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null and expires_at > now()`,
+        [name]
+      ),
+      (rows) => rows[0]!.n
+    )
+    : Effect.map(
+      query<{ n: number }>(
+        db,
+        `select count(*)::int as n from pg_locks where locktype = 'advisory' and not granted and objsubid = 1
+           and classid = $1 and objid = $2 and database = (select oid from pg_database where datname = current_database())`,
+        (() => {
+          const key = BigInt.asUintN(64, PgAdvisory.keyOf(name))
+          return [String(key >> 32n), String(key & 0xffffffffn)]
+        })()
+      ),
+      (rows) => rows[0]!.n
+    )
+
+for (const { db, level } of databases) {
+  describe(`default_transaction_isolation = '${level}'`, () => {
+    it.effect("the database's default applies to new sessions", () =>
+      Effect.gen(function*() {
+        const rows = yield* query<{ level: string }>(db, "select current_setting('transaction_isolation') as level")
+        expect(rows[0]!.level).toBe(level)
+      }))
+
+    const backends: ReadonlyArray<{
+      readonly backend: "lease" | "advisory"
+      readonly node: (i: number) => Effect.Effect<Node, unknown, Scope.Scope>
+    }> = [
+      {
+        backend: "lease",
+        // Processes alternate between PgLease's own connections and the application's pool.
+        node: (i: number) => leaseNode(db, { pool: i % 2 === 0 ? "own" : "application", ttl: Duration.seconds(2) })
+      },
+      { backend: "advisory", node: () => advisoryNode(db) }
+    ]
+
+    for (const { backend, node } of backends) {
+      const nodes = Effect.forEach(Array.from({ length: PROCESSES }, (_, i) => i), node)
+
+      it.scopedLive(`${backend}: mutual exclusion across ${PROCESSES} processes × ${FIBERS} fibers, tokens increasing`, () =>
+        Effect.gen(function*() {
+          const processes = yield* nodes
+          const name = freshName("iso-excl")
+          let inside = 0
+          let violations = 0
+          const tokens: Array<bigint> = []
+          const body = Effect.gen(function*() {
+            inside++
+            if (inside > 1) violations++
+            yield* Effect.sleep(Duration.millis(2))
+            inside--
+          })
+          yield* Effect.forEach(
+            Array.from({ length: PROCESSES * FIBERS }, (_, i) => processes[i % PROCESSES]!),
+            (process) =>
+              Effect.forEach(
+                Array.from({ length: ROUNDS }),
+                () =>
+                  Effect.scoped(Effect.gen(function*() {
+                    const lease = yield* process.lock.acquire(name)
+                    tokens.push(lease.token)
+                    yield* body
+                  })),
+                { discard: true }
+              ),
+            { concurrency: "unbounded", discard: true }
+          )
+          expect(violations).toBe(0)
+          expect(tokens).toHaveLength(PROCESSES * FIBERS * ROUNDS)
+          for (let i = 1; i < tokens.length; i++) expect(tokens[i]! > tokens[i - 1]!).toBe(true)
+        }), 60_000)
+
+      it.scopedLive(`${backend}: never more than the limit held across ${PROCESSES} processes × ${FIBERS} fibers`, () =>
+        Effect.gen(function*() {
+          const processes = yield* nodes
+          const name = freshName("iso-sem")
+          const limit = 3
+          let inside = 0
+          let most = 0
+          let violations = 0
+          const body = (permits: number) =>
+            Effect.acquireUseRelease(
+              Effect.sync(() => {
+                inside += permits
+                most = Math.max(most, inside)
+                if (inside > limit) violations++
+              }),
+              () => Effect.sleep(Duration.millis(2)),
+              () => Effect.sync(() => (inside -= permits))
+            )
+          yield* Effect.forEach(
+            Array.from({ length: PROCESSES * FIBERS }, (_, i) => i),
+            (i) =>
+              Effect.forEach(
+                Array.from({ length: ROUNDS }, (_, round) => 1 + ((i + round) % limit)),
+                (permits) => body(permits).pipe(DistributedSemaphore.withPermits(name, { limit, permits }), Effect.provideService(DistributedSemaphore.DistributedSemaphore, processes[i % PROCESSES]!.sem)),
+                { discard: true }
+              ),
+            { concurrency: "unbounded", discard: true }
+          )
+          expect(violations).toBe(0)
+          expect(most).toBe(limit)
+        }), 60_000)
+
+      it.scopedLive(`${backend}: waiters of other processes are served first in, first out`, () =>
+        Effect.gen(function*() {
+          const [holder, ...others] = yield* nodes
+          const name = freshName("iso-fifo")
+          const release = yield* Deferred.make<void>()
+          const held = yield* Deferred.make<void>()
+          const holding = yield* Effect.fork(Effect.scoped(Effect.gen(function*() {
+            yield* holder!.lock.acquire(name)
+            yield* Deferred.succeed(held, undefined)
+            yield* Deferred.await(release)
+          })))
+          yield* Deferred.await(held)
+          const order: Array<string> = []
+          const waiters: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
+          for (const [i, label] of ["b", "c", "d"].entries()) {
+            waiters.push(yield* Effect.fork(Effect.scoped(Effect.zipRight(others[i]!.lock.acquire(name), Effect.sync(() => order.push(label))))))
+            yield* until(`${i + 1} waiter(s) queued`, Effect.map(Effect.orDie(waitingIn(db, backend, name)), (n) => n >= i + 1))
+          }
+          yield* Deferred.succeed(release, undefined)
+          yield* Fiber.join(holding)
+          for (const waiter of waiters) yield* Fiber.join(waiter)
+          expect(order).toEqual(["b", "c", "d"])
+        }), 30_000)
+    }
+
+    it.scopedLive("lease: renewals of a 1 s lease and of 1 s permits racing concurrent updates of their rows, held ~3 s under contention: no LockLost", () =>
+      Effect.gen(function*() {
+        const watch = renewWatch()
+        const ttl = Duration.seconds(1)
+        const a = yield* leaseNode(db, { ttl }, watch)
+        const contenders = [yield* leaseNode(db, { ttl, pool: "application" }), yield* leaseNode(db, { ttl })]
+        const lockName = freshName("iso-renew")
+        const semName = freshName("iso-renew-sem")
+        const held = yield* Deferred.make<void>()
+        const stop = yield* Deferred.make<void>()
+        const holder = yield* Effect.fork(
+          Effect.gen(function*() {
+            yield* Deferred.succeed(held, undefined)
+            yield* Effect.sleep(Duration.seconds(3))
+          }).pipe(
+            DistributedSemaphore.withPermits(semName, { limit: 1 }),
+            Effect.provideService(DistributedSemaphore.DistributedSemaphore, a.sem),
+            DistributedLock.withLock(lockName),
+            Effect.provideService(DistributedLock.DistributedLock, a.lock)
+          )
+        )
+        yield* Deferred.await(held)
+        // Others keep trying, each attempt waiting a little (a place in the queue, refreshed).
+        const contend = (process: Node) =>
+          Effect.forever(
+            Effect.zipRight(
+              Effect.exit(Effect.scoped(process.lock.acquire(lockName, { timeout: Duration.millis(150) }))),
+              Effect.exit(Effect.scoped(process.sem.acquire(semName, { limit: 1, timeout: Duration.millis(150) })))
+            )
+          ).pipe(Effect.interruptible, Effect.race(Deferred.await(stop)))
+        const contending = yield* Effect.fork(Effect.all(contenders.map(contend), { concurrency: "unbounded", discard: true }))
+        // A renewal that starts while another transaction holds its row, updated, waits for it; once
+        // that commits, READ COMMITTED re-checks the new version, stricter levels refuse with 40001.
+        const raced = yield* Effect.fork(Effect.promise(() =>
+          withClient(db.url, async (client) => {
+            const stopAt = Date.now() + 2_400
+            while (Date.now() < stopAt) {
+              await client.query("begin isolation level read committed")
+              await client.query(`update ${PgLease.DEFAULT_TABLE} set token = token where name = $1`, [lockName])
+              await client.query(`update ${PgLease.DEFAULT_TABLE}_sem set token = token where name = $1`, [semName])
+              // Held until a renewal waits behind it, at most 100 ms (a renewal must not be late for it).
+              const waitUntil = Date.now() + 100
+              while (Date.now() < waitUntil) {
+                const waiting = await client.query<{ n: number }>(
+                  `select count(*)::int as n from pg_stat_activity where datname = current_database()
+                     and application_name = $1 and wait_event_type = 'Lock' and query ilike '%renewed%'`,
+                  [LEASE_APP]
+                )
+                if (waiting.rows[0]!.n > 0) break
+                await new Promise((resolve) => setTimeout(resolve, 10))
+              }
+              await client.query("commit")
+              await new Promise((resolve) => setTimeout(resolve, 20))
+            }
+          })
+        ))
+        const exit = yield* Fiber.await(holder)
+        yield* Fiber.join(raced)
+        yield* Deferred.succeed(stop, undefined)
+        yield* Fiber.join(contending)
+        // The race happened: a renewal statement was refused at least once.
+        expect(watch.laneFailures.filter((code) => code === "40001").length).toBeGreaterThan(0)
+        expect(watch.backendFailures).toEqual([])
+        expect(exit).toStrictEqual(Exit.void)
+      }), 30_000)
+  })
+}
