@@ -664,22 +664,29 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const worker = yield* Effect.acquireRelease(Effect.promise(() => startWorker(db.url)), (w) => Effect.promise(() => w.kill()))
       void worker.command(`acquire ${name}`, `acquired ${name}`).catch(() => {})
       yield* waitFor("the worker's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(10))
-      const [place] = yield* query<{ left: number }>(
-        `select (extract(epoch from expires_at - now()) * 1000)::float8 as left from ${PgLease.DEFAULT_TABLE}_queue where name = $1`,
+      yield* Effect.promise(() => worker.kill())
+      // Read once the worker is dead: nothing refreshes the place any more, so this is when it runs out.
+      const places = yield* query<{ ends: number }>(
+        `select (extract(epoch from expires_at) * 1000)::float8 as ends from ${PgLease.DEFAULT_TABLE}_queue where name = $1`,
         [name]
       )
-      yield* Effect.promise(() => worker.kill())
-      const diedAt = Date.now()
+      expect(places).toHaveLength(1)
+      const placeEnds = places[0]!.ends
       const waiter = yield* processOn(env)
-      const next = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), () => Date.now())))
+      const next = yield* Effect.fork(Effect.scoped(Effect.zipRight(
+        waiter.acquire(name),
+        // The server's own time of the grant (its now() in the granting statement).
+        query<{ at: number }>(`select (extract(epoch from acquired_at) * 1000)::float8 as at from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])
+      )))
       yield* probe.waiting(name)
       yield* Scope.close(holderScope, Exit.void)
-      const grantedAt = yield* Fiber.join(next)
-      console.log(`PgLease: a dead waiter's place (${Math.round(place!.left)} ms left) held the lock for ${grantedAt - diedAt} ms after its death`)
-      // Not before the dead waiter's place ran out on the server, and soon after (a waiter
-      // retries at least every 1.5 s; the place lasts at most 5 s).
-      expect(grantedAt - diedAt).toBeGreaterThanOrEqual(place!.left - 100)
-      expect(grantedAt - diedAt).toBeLessThan(place!.left + 2_000)
+      const [granted] = yield* Fiber.join(next)
+      const after = granted!.at - placeEnds
+      console.log(`PgLease: the lock was granted ${Math.round(after)} ms (server time) after the dead waiter's place ran out`)
+      // Both on the server's clock: not before the dead waiter's place ran out, and soon after (a
+      // waiter retries at least every 1.5 s).
+      expect(after).toBeGreaterThanOrEqual(0)
+      expect(after).toBeLessThan(2_000)
       expect(yield* placesOf(name)).toBe(0)
     }), { timeout: 30_000, concurrent: true })
 
