@@ -19,6 +19,7 @@ import * as MemoryBackend from "effect-lock/MemoryBackend"
 import { TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
 import { yieldTimes } from "./support/faults.js"
 import { seededRandom, testSeed } from "./support/random.js"
+import { occupancy } from "./support/occupancy.js"
 
 /** One "process" of a cluster sharing `store`: its own semaphore service (own registry, own renewals). */
 const node = (store: MemoryBackend.Store, wrap: (backend: SemaphoreBackend<any>) => SemaphoreBackend<any> = (b) => b) =>
@@ -42,24 +43,6 @@ const waitingAre = (store: MemoryBackend.Store, name: string, permits: ReadonlyA
 const heldPermits = (store: MemoryBackend.Store, name: string) =>
   Effect.map(stateOf(store, name), (s) => (s?.holders ?? []).reduce((sum, h) => sum + h.permits, 0))
 
-/** Counts the permits held inside bodies and remembers the worst it saw. */
-const occupancy = (limit: number) => {
-  let inside = 0
-  let most = 0
-  let violations = 0
-  const body = (permits: number) =>
-    Effect.acquireUseRelease(
-      Effect.sync(() => {
-        inside += permits
-        most = Math.max(most, inside)
-        if (inside > limit) violations++
-      }),
-      // A few steps inside, so the runtime switches fibers while the permits are held.
-      () => yieldTimes(3),
-      () => Effect.sync(() => (inside -= permits))
-    )
-  return { body, most: () => most, violations: () => violations }
-}
 
 const LIMIT = 3
 const PROCESSES = 3
@@ -75,7 +58,8 @@ describe("DistributedSemaphore on the memory backend", () => {
         const random = seededRandom(seed)
         const store = yield* MemoryBackend.makeStore
         const services = yield* Effect.forEach(Array.from({ length: PROCESSES }), () => node(store))
-        const probe = occupancy(LIMIT)
+        // A few steps inside, so the runtime switches fibers while the permits are held.
+        const probe = occupancy(LIMIT, yieldTimes(3))
         const plans = Array.from(
           { length: PROCESSES * FIBERS_PER_PROCESS },
           () => Array.from({ length: ROUNDS }, () => 1 + Math.floor(random() * LIMIT))

@@ -18,6 +18,7 @@ import { frozen } from "./support/freeze.js"
 import { countSessions, HARNESS_APPLICATION_NAME, terminateBackends, useTestDatabase, withClient } from "./support/pg.js"
 import { seededRandom, testSeed } from "./support/random.js"
 import { eventually as pollUntil } from "./support/eventually.js"
+import { occupancy } from "./support/occupancy.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory_semaphore")
@@ -173,24 +174,6 @@ const holdUntil = (
     return { permits: yield* Deferred.await(got).pipe(Effect.orDie), fiber }
   })
 
-/** Counts the permits held inside bodies and remembers the worst it saw. */
-const occupancy = (limit: number) => {
-  let inside = 0
-  let most = 0
-  let violations = 0
-  const body = (permits: number) =>
-    Effect.acquireUseRelease(
-      Effect.sync(() => {
-        inside += permits
-        most = Math.max(most, inside)
-        if (inside > limit) violations++
-      }),
-      // A little work while holding them, so that holders overlap (work, not synchronisation).
-      () => Effect.zipRight(yieldTimes(3), Effect.sleep("2 millis")),
-      () => Effect.sync(() => (inside -= permits))
-    )
-  return { body, most: () => most, violations: () => violations }
-}
 
 const LIMIT = 3
 const LAYERS = 3
@@ -237,7 +220,7 @@ describe("DistributedSemaphore on PgAdvisory", () => {
         const random = seededRandom(seed)
         const apps = Array.from({ length: LAYERS }, (_, i) => `sem-limit-${budget ?? "default"}-${i}`)
         const services = yield* Effect.forEach(apps, (app) => node(app))
-        const probe = occupancy(LIMIT)
+        const probe = occupancy(LIMIT, Effect.zipRight(yieldTimes(3), Effect.sleep("2 millis")))
         const plans = Array.from(
           { length: LAYERS * FIBERS_PER_LAYER },
           () => Array.from({ length: ROUNDS }, () => 1 + Math.floor(random() * 2))

@@ -23,6 +23,7 @@ import pg from "pg"
 import { beforeAll } from "vitest"
 import { freshName } from "./support/contract.js"
 import { adminUrl, PgTest, type UsedTestDatabase, useTestDatabase, withClient } from "./support/pg.js"
+import { occupancy } from "./support/occupancy.js"
 
 const LEVELS = [
   { level: "repeatable read", label: "isolation_rr" },
@@ -182,19 +183,7 @@ for (const { db, level } of databases) {
           const processes = yield* nodes
           const name = freshName("iso-sem")
           const limit = 3
-          let inside = 0
-          let most = 0
-          let violations = 0
-          const body = (permits: number) =>
-            Effect.acquireUseRelease(
-              Effect.sync(() => {
-                inside += permits
-                most = Math.max(most, inside)
-                if (inside > limit) violations++
-              }),
-              () => Effect.sleep(Duration.millis(2)),
-              () => Effect.sync(() => (inside -= permits))
-            )
+          const { body, most, violations } = occupancy(limit, Effect.sleep(Duration.millis(2)))
           yield* Effect.forEach(
             Array.from({ length: PROCESSES * FIBERS }, (_, i) => i),
             (i) =>
@@ -205,8 +194,8 @@ for (const { db, level } of databases) {
               ),
             { concurrency: "unbounded", discard: true }
           )
-          expect(violations).toBe(0)
-          expect(most).toBe(limit)
+          expect(violations()).toBe(0)
+          expect(most()).toBe(limit)
         }), 60_000)
 
       it.scopedLive(`${backend}: waiters of other processes are served first in, first out`, () =>
