@@ -270,6 +270,18 @@ export const useTestDatabase = (label: string, options?: AssertNoLeaksOptions): 
   }
 }
 
+/**
+ * Makes `db`'s default isolation `level` for every session opened afterwards (ALTER DATABASE …
+ * SET default_transaction_isolation), in a beforeAll that runs after the database's own: the
+ * library's statements must hold on a database stricter than READ COMMITTED.
+ */
+export const defaultIsolation = (db: UsedTestDatabase, level: "repeatable read" | "serializable"): void => {
+  beforeAll(async () => {
+    await withClient(adminUrl(), (client) =>
+      client.query(`alter database ${client.escapeIdentifier(db.name)} set default_transaction_isolation = '${level}'`))
+  })
+}
+
 /** A URL, or something that yields one once the database exists (a `useTestDatabase` handle or a thunk). */
 export type UrlSource = string | { readonly url: string } | (() => string)
 
