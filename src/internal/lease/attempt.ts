@@ -224,7 +224,8 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
       // The layer's work, not the caller's: it outlives a caller that stops waiting, never joins
       // its transaction, and no stall watch of a body the caller runs in can cut it short.
       const cell = start(request, owner, waiter, ttlMillis, clock)
-      const abandon = deps.giveBack.abandon(cell.await, request.name, owner, waiter, ttlMillis)
+      // Built only when nobody reads the outcome: nothing on the path of an answered attempt.
+      const abandon = (awaited: boolean) => deps.giveBack.abandon(cell.await, request.name, owner, waiter, ttlMillis, awaited)
       // Awaiting never stops the attempt. Its statement is bounded by the lane; only a deadline
       // nearer than that bound needs a timer of its own (stall-safe: an answer already received
       // when it fires is still read).
@@ -232,10 +233,14 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
         ? Effect.map(within(cell.await, Duration.millis(remaining)), Option.getOrUndefined)
         : cell.await
       return Effect.matchCauseEffect(restore(request.interruptible(settled)), {
-        onFailure: (cause) => Effect.zipRight(abandon, Effect.failCause(cause)),
+        // Interrupted: the interrupt returns only once the attempt has let go (Effect's contract,
+        // as `acquireRelease`): awaited, at most the attempt's statement bound plus the give-back's.
+        onFailure: (cause) => Effect.zipRight(abandon(true), Effect.failCause(cause)),
         onSuccess: (exit): Effect.Effect<Outcome<G, X>, LockBackendError> => {
-          if (exit === undefined) return Effect.as(abandon, { _tag: "TimedOut" } as const)
-          return Exit.isFailure(exit) ? Effect.zipRight(abandon, exit) : exit
+          // Past the deadline: the timeout is reported on time, the give-back follows it (bounded).
+          if (exit === undefined) return Effect.as(abandon(false), { _tag: "TimedOut" } as const)
+          // Failed: settled already, so its give-back is one statement; in the background as before.
+          return Exit.isFailure(exit) ? Effect.zipRight(abandon(false), exit) : exit
         }
       })
     }))

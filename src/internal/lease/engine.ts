@@ -162,7 +162,10 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
       waitFor(request, waiter, registered?.subscription).pipe(
         Effect.onExit((exit) => {
           registered?.unsubscribe()
-          return Exit.isSuccess(exit) && isGranted(exit.value) ? Effect.void : giveBack.leave(request.name, waiter)
+          if (Exit.isSuccess(exit) && isGranted(exit.value)) return Effect.void
+          // Interrupted: the place is gone before the interrupt returns (awaited, one statement
+          // bound), else a try right after it would find a waiter ahead; otherwise in the background.
+          return giveBack.leave(request.name, waiter, Exit.isFailure(exit) && Exit.isInterrupted(exit))
         })
       ))
 

@@ -34,6 +34,8 @@ const SHUTDOWN_GIVE_BACK = Duration.seconds(3)
 /** Spacing of an abandoned attempt's repeated give-backs: from the first to the longest. */
 const ABANDON_FIRST_SPACING_MS = 50
 const ABANDON_MAX_SPACING_MS = 1_000
+/** Slack of an interrupted caller's wait for its give-back over the statements' own bounds. */
+const AWAIT_GRACE_MS = 250
 
 export interface GiveBack {
   /** The holder's release: retried, at most `statementTimeout` in all. */
@@ -43,11 +45,18 @@ export interface GiveBack {
    * `Grant.releaseNow`. Undefined on a lane without a callback path.
    */
   readonly releaseNow: ((name: string, owner: string) => (done: (failure: LockBackendError | undefined) => void) => void) | undefined
-  /** Leaves the waiting place `waiter` (in the background; a place left behind expires by itself). */
-  readonly leave: (name: string, waiter: string) => Effect.Effect<void>
   /**
-   * Once `attempt` settles, gives back what it may have taken (its grant, its waiting place),
-   * retried with backoff until the lease would have expired anyway. Returns at once.
+   * Leaves the waiting place `waiter`, as the layer's work (a place left behind expires by itself).
+   * `awaited`: the caller waits for it, at most one statement bound (an interrupted waiter);
+   * otherwise this returns at once.
+   */
+  readonly leave: (name: string, waiter: string, awaited: boolean) => Effect.Effect<void>
+  /**
+   * Once `attempt` settles, gives back what it may have taken (its grant, its waiting place), as
+   * the layer's work, retried with backoff until the lease would have expired anyway. `awaited`:
+   * the caller waits for the first give-back, at most two statement bounds (the attempt's still
+   * in flight, then the give-back's) — an interrupted caller, which must have let go when its
+   * interrupt returns; the repeats go on in the background. Otherwise this returns at once.
    */
   readonly abandon: (
     /** The attempt's outcome, once it has one. */
@@ -55,7 +64,8 @@ export interface GiveBack {
     name: string,
     owner: string,
     waiter: string,
-    ttlMillis: number
+    ttlMillis: number,
+    awaited: boolean
   ) => Effect.Effect<void>
 }
 
@@ -94,7 +104,17 @@ export const make = (
         Effect.sync(() => {
           running.add(fiber)
           fiber.addObserver(() => running.delete(fiber))
+          return fiber
         }))
+    /**
+     * `background`; when `awaited`, the caller also waits for it to end, at most `millis` (a timer
+     * and an observer, no fiber of the caller's). The work runs on the layer's runtime either way:
+     * it finishes whether or not anybody waits, and past the bound the caller goes on without it.
+     */
+    const backgroundAwaited = (self: Effect.Effect<void>, awaited: boolean, millis: number) =>
+      awaited
+        ? Effect.flatMap(background(self), (fiber) => Owner.awaitWithin(fiber, millis))
+        : background(self)
 
     const totalMillis = Duration.toMillis(statementTimeout)
     const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> =>
@@ -133,26 +153,37 @@ export const make = (
       once()
     }
 
-    const leave = (name: string, waiter: string) => background(Effect.ignore(giveBack(name, null, waiter)))
+    // An awaited leave is one give-back statement: its bound, and some slack for the fiber.
+    const leaveWaitMillis = totalMillis + AWAIT_GRACE_MS
+    const leave: GiveBack["leave"] = (name, waiter, awaited) =>
+      backgroundAwaited(Effect.ignore(giveBack(name, null, waiter)), awaited, leaveWaitMillis)
 
-    const abandon: GiveBack["abandon"] = (attempt, name, grantOwner, waiter, ttlMillis) =>
-      background(Effect.gen(function*() {
+    // An awaited abandon is the attempt still in flight (its statement bound), then one give-back.
+    const abandonWaitMillis = 2 * totalMillis + AWAIT_GRACE_MS
+    const abandon: GiveBack["abandon"] = (attempt, name, grantOwner, waiter, ttlMillis, awaited) =>
+      backgroundAwaited(Effect.gen(function*() {
         // The lease the attempt may have taken lasts at most its ttl from now (it was sent before).
         const expiresBy = (yield* monotonicMillis) + ttlMillis
+        // Never ahead of the attempt: a give-back sent first could be overtaken by its own grant.
         const exit = yield* attempt
         // Answered, or refused by the server: whatever it took is committed already. Otherwise
         // its statement may still commit later, and an empty give-back proves nothing yet.
         const unknown = outcomeUnknown(exit)
-        let spacing = ABANDON_FIRST_SPACING_MS
-        while (true) {
-          const freed = yield* Effect.either(giveBack(name, grantOwner, waiter))
-          if (freed._tag === "Right" && (freed.right || !unknown)) return
-          const left = expiresBy - (yield* monotonicMillis)
-          if (left <= 0) return
-          yield* sleepMillis(Math.min(spacing, left))
-          spacing = Math.min(ABANDON_MAX_SPACING_MS, spacing * 2)
-        }
-      }))
+        const freed = yield* Effect.either(giveBack(name, grantOwner, waiter))
+        if (freed._tag === "Right" && (freed.right || !unknown)) return
+        // Repeats in a fiber of their own: an awaiting caller waits for the first give-back only.
+        yield* background(Effect.gen(function*() {
+          let spacing = ABANDON_FIRST_SPACING_MS
+          while (true) {
+            const left = expiresBy - (yield* monotonicMillis)
+            if (left <= 0) return
+            yield* sleepMillis(Math.min(spacing, left))
+            spacing = Math.min(ABANDON_MAX_SPACING_MS, spacing * 2)
+            const again = yield* Effect.either(giveBack(name, grantOwner, waiter))
+            if (again._tag === "Right" && (again.right || !unknown)) return
+          }
+        }))
+      }), awaited, abandonWaitMillis)
 
     return { release, releaseNow, leave, abandon }
   })
