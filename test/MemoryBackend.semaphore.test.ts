@@ -2,18 +2,24 @@
  * The semaphore contract on the memory backend, under TestClock: the reference the lease
  * backends' runs of the same suite are held to.
  */
+import { beforeEach } from "@effect/vitest"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as TestClock from "effect/TestClock"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import { semaphoreContractSuite } from "./support/semaphoreContract.js"
 
-const store = Effect.runSync(MemoryBackend.makeStore)
+// A fresh store (one "cluster") per test: tokens come from one counter per store, and the suite
+// expects a test's first grant to carry token 1.
+let store = Effect.runSync(MemoryBackend.makeStore)
+beforeEach(() => {
+  store = Effect.runSync(MemoryBackend.makeStore)
+})
 
 semaphoreContractSuite("MemoryBackend", {
   clock: "test",
   ttl: Duration.seconds(3),
-  makeBackend: Effect.map(MemoryBackend.makeBackend({ store }), (backend) => backend.semaphore),
+  makeBackend: Effect.suspend(() => Effect.map(MemoryBackend.makeBackend({ store }), (backend) => backend.semaphore)),
   state: (name) =>
     Effect.map(MemoryBackend.semaphores(store), (all) => {
       const semaphore = all.find((s) => s.name === name)

@@ -1,7 +1,9 @@
 /**
- * The expiry alarm of one memory backend: when the earliest lease ahead of its waiters runs out,
- * it sweeps the entries they wait in (`queue.sweep`), which drops the expired holders and wakes
- * the waiters that now fit. Waiters themselves wait for their wake-up only.
+ * The expiry alarm of one memory backend: when the earliest lease ahead of its waiters, or of its
+ * own holders, runs out, it sweeps the entries they wait in or hold (`queue.sweep`), which drops
+ * the expired holders, wakes the waiters that now fit and frees a name left idle (a lease nobody
+ * gives back frees its name when it runs out, not never). Waiters themselves wait for their
+ * wake-up only.
  *
  * Why timers of the backend's own that are never interrupted, rather than each waiter racing a
  * sleep against its wake-up: the losing sleep of such a race is interrupted, and a TestClock sleep
@@ -25,8 +27,9 @@ export const make = (owner: Owner): Queue.Alarm => {
   const fire = Effect.withFiberRuntime((fiber) => {
     const swept = Queue.sweep(watched, fiberMillis(fiber))
     if (swept.next !== Number.POSITIVE_INFINITY) arm(swept.next)
-    // Swept because a waiter takes over: the expired holders hear it as a takeover.
-    return Queue.tellLost(swept.lost, "stolen")
+    // Swept because a waiter takes over: those expired holders hear it as a takeover; a lease
+    // nobody waited for (swept only to free its name) simply expired.
+    return Effect.zipRight(Queue.tellLost(swept.stolen, "stolen"), Queue.tellLost(swept.expired, "expired"))
   })
 
   const arm = (at: number): void => {

@@ -32,10 +32,11 @@ export const holders = (entries: Queue.Entries, now: number): ReadonlyArray<Stor
   return out
 }
 
-/** What the lock request of `owner` claims: one unit if shared, all of them if exclusive; one token. */
-export const claim = (request: AcquireRequest, owner: number): Queue.Claim => ({
+/** What the lock request of `owner` claims: one unit if shared, all of them if exclusive; one token from `counter`. */
+export const claim = (request: AcquireRequest, owner: number, counter: Queue.Tokens): Queue.Claim => ({
   request,
   owner,
+  counter,
   limit: Queue.LOCK_UNITS,
   units: request.mode === "exclusive" ? Queue.LOCK_UNITS : 1,
   tokens: 1

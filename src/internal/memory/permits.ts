@@ -39,10 +39,11 @@ export const snapshot = (entries: Queue.Entries, now: number): ReadonlyArray<Sto
   return out
 }
 
-/** What the permit request of `owner` claims: its permits, a token each, of a name of `limit` permits. */
-export const claim = (request: PermitRequest, owner: number): Queue.Claim => ({
+/** What the permit request of `owner` claims: its permits, a token each from `counter`, of a name of `limit` permits. */
+export const claim = (request: PermitRequest, owner: number, counter: Queue.Tokens): Queue.Claim => ({
   request,
   owner,
+  counter,
   limit: request.limit,
   units: request.permits,
   tokens: request.permits

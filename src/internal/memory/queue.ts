@@ -20,6 +20,14 @@
  * own deadline, when it has one, is the core's (`waitUntilDeadline`, a sleep raced against the
  * wait); a wait without a deadline races no sleep at all.
  *
+ * Names come and go: an entry exists only while its name is held or waited for. Every step that
+ * can leave a name idle (a release, a revocation, an expiry found by a renewal, an acquire or the
+ * alarm's sweep, a waiter leaving) ends by deleting the entry when it has neither holders nor
+ * waiters (`settle`). Fencing tokens therefore do not live in the entry: they come from the
+ * store's one counter (`Tokens`), shared by its locks and semaphores, so a name freed and used
+ * again still gets larger tokens. A holder is watched by its backend's alarm like a waiter, so a
+ * lease nobody gives back is swept (and its name freed) when it runs out.
+ *
  * Why a queue of its own rather than Effect's `Semaphore`: a store is shared by several layers
  * (processes), and its holders have leases that expire, are renewed, revoked and fenced.
  */
@@ -37,8 +45,16 @@ import { fiberMillis } from "../core/clock.js"
 /** The units of a lock: an exclusive holder takes them all, a shared one a single unit. */
 export const LOCK_UNITS = Number.MAX_SAFE_INTEGER
 
+/** The one token counter of a store: every lock and permit grant of the store draws from it. */
+export interface Tokens {
+  /** Last token handed out (0: none yet). */
+  last: bigint
+}
+
 export interface Holder {
   readonly owner: number
+  /** The alarm of the holder's backend, which sweeps the lease when it runs out (moved to another on close). */
+  alarm: Alarm
   /** Units of the name's capacity it takes. */
   readonly units: number
   /** Its fencing tokens: one for a lock, one per permit for a semaphore. */
@@ -58,10 +74,11 @@ interface Waiter {
   readonly alarm: Alarm
 }
 
-/** One name in the store. */
+/** One name in the store, while it is held or waited for (deleted as soon as it is idle). */
 export interface Entry {
-  /** Last token handed out; entries are kept forever so tokens never repeat. */
-  counter: bigint
+  readonly name: string
+  /** The map it is stored in, to delete itself from once idle. */
+  readonly entries: Entries
   /** The capacity every holder and waiter agreed on; for a semaphore meaningful only while in use. */
   limit: number
   /** Units held, summed over holders. */
@@ -71,7 +88,7 @@ export interface Entry {
   readonly holders: Map<number, Holder>
   /** Waiters in arrival order (woken ones stay until they take their units or leave). */
   readonly queue: Array<Waiter>
-  /** The alarms of the backends whose waiters are queued here, with how many waiters each. */
+  /** The alarms of the backends whose waiters are queued or holders hold here, with how many each. */
   readonly watchers: Map<Alarm, number>
 }
 
@@ -80,10 +97,10 @@ export type Entries = Map<string, Entry>
 
 /**
  * What the queue needs of a backend's expiry alarm (made in `expiry.ts`): the entries its
- * waiters wait in, and a timer that sweeps them.
+ * waiters wait in or its holders hold, and a timer that sweeps them.
  */
 export interface Alarm {
-  /** Entries in which waiters of this backend are queued. */
+  /** Entries in which waiters of this backend are queued or holders of it hold a lease. */
   readonly watched: Set<Entry>
   /** Makes sure the watched entries are swept at `at` (monotonic ms) or earlier. */
   readonly arm: (at: number) => void
@@ -106,6 +123,8 @@ export interface Claim {
   readonly limit: number
   readonly units: number
   readonly tokens: number
+  /** The store's token counter the grant draws its tokens from. */
+  readonly counter: Tokens
 }
 
 /**
@@ -131,6 +150,8 @@ export const acquire = <G, R = never>(
       ? Effect.succeed(refused)
       : Effect.map(claim(entry, wanted, alarm, fiber), (result) =>
         result._tag === "Granted" ? { _tag: "Granted", grant: toGrant(grantOf(entries, name, result.grant), result.grant) } : result)
+    // A refusal or a busy try leaves nothing of its own; a name the purge left idle is freed.
+    settle(entry)
     return expired === undefined ? decided : Effect.zipRight(tellLost(expired, "stolen"), decided)
   })
 
@@ -149,13 +170,22 @@ const entryOf = (entries: Entries, name: string, limit: number): Entry => {
   if (entry === undefined) {
     entries.set(
       name,
-      entry = { counter: 0n, limit, held: 0, reserved: 0, holders: new Map(), queue: [], watchers: new Map() }
+      entry = { name, entries, limit, held: 0, reserved: 0, holders: new Map(), queue: [], watchers: new Map() }
     )
   }
   return entry
 }
 
 const inUse = (entry: Entry): boolean => entry.holders.size > 0 || entry.queue.length > 0
+
+/**
+ * Deletes `entry` from its store once nobody holds or waits for its name: an idle name keeps no
+ * state (its tokens come from the store's counter). Called at the end of every step that can
+ * leave a name idle, never in the middle of one (an acquire purges and then claims the same entry).
+ */
+const settle = (entry: Entry): void => {
+  if (!inUse(entry) && entry.entries.get(entry.name) === entry) entry.entries.delete(entry.name)
+}
 
 /** When the earliest lease of `entry` runs out (`Infinity` without holders). */
 const nextExpiry = (entry: Entry): number => {
@@ -202,6 +232,7 @@ const dequeue = (entry: Entry, waiter: Waiter): boolean => {
 const removeHolder = (entry: Entry, holder: Holder): void => {
   if (!entry.holders.delete(holder.owner)) return
   entry.held -= holder.units
+  unwatch(entry, holder.alarm)
   pump(entry)
 }
 
@@ -221,16 +252,17 @@ export const tellLost = (gone: ReadonlyArray<Holder> | undefined, reason: LostRe
     ? Effect.void
     : Effect.forEach(gone, (holder) => holder.onLost(reason), { discard: true })
 
-/** Adds the holder `wanted` asks for, with its tokens, as of `now`. Synchronous. */
-const grant = (entry: Entry, wanted: Claim, now: number): Holder => {
-  const first = entry.counter + 1n
-  entry.counter += BigInt(wanted.tokens)
+/** Adds the holder `wanted` asks for, with its tokens from the store's counter, as of `now`. Synchronous. */
+const grant = (entry: Entry, wanted: Claim, alarm: Alarm, now: number): Holder => {
+  const first = wanted.counter.last + 1n
+  wanted.counter.last += BigInt(wanted.tokens)
   const tokens = wanted.tokens === 1
     ? [FencingToken.make(first)]
     : Array.from({ length: wanted.tokens }, (_, i) => FencingToken.make(first + BigInt(i)))
   const ttlMillis = Duration.toMillis(wanted.request.ttl)
   const holder: Holder = {
     owner: wanted.owner,
+    alarm,
     units: wanted.units,
     tokens,
     onLost: wanted.request.onLost,
@@ -239,8 +271,10 @@ const grant = (entry: Entry, wanted: Claim, now: number): Holder => {
   }
   entry.held += wanted.units
   entry.holders.set(wanted.owner, holder)
+  // Its own backend sweeps the lease when it runs out, should nobody give it back or renew it.
+  watch(entry, alarm)
   // Waiters still queued behind may have to be swept at this new lease's expiry, earlier than
-  // any timer their alarms have yet.
+  // any timer their alarms have yet (its own backend's alarm among them).
   for (const alarm of entry.watchers.keys()) alarm.arm(holder.expiresAt)
   return holder
 }
@@ -256,7 +290,7 @@ type Claimed = AcquireResult<Holder>
 const claim = (entry: Entry, wanted: Claim, alarm: Alarm, fiber: Fiber.RuntimeFiber<unknown, unknown>): Effect.Effect<Claimed> => {
   const now = fiberMillis(fiber)
   if (entry.queue.length === 0 && wanted.units <= entry.limit - entry.held) {
-    return Effect.succeed({ _tag: "Granted", grant: grant(entry, wanted, now) })
+    return Effect.succeed({ _tag: "Granted", grant: grant(entry, wanted, alarm, now) })
   }
   if (wanted.request.attempt === "once") return Effect.succeed({ _tag: "Busy" })
   const waiter: Waiter = { units: wanted.units, woken: false, signal: Deferred.unsafeMake<void>(fiber.id()), alarm }
@@ -264,26 +298,30 @@ const claim = (entry: Entry, wanted: Claim, alarm: Alarm, fiber: Fiber.RuntimeFi
   entry.queue.push(waiter)
   watch(entry, alarm)
   pump(entry)
-  if (waiter.woken) return Effect.succeed(take(entry, waiter, wanted, now))
+  if (waiter.woken) return Effect.succeed(take(entry, waiter, wanted, alarm, now))
   const expiry = nextExpiry(entry)
   if (expiry !== Number.POSITIVE_INFINITY) alarm.arm(expiry)
   const waited: Effect.Effect<Claimed> = Effect.flatMap(wanted.request.waitUntilDeadline(Deferred.await(waiter.signal)), (woke) =>
     Option.isNone(woke)
       ? Effect.succeed<Claimed>({ _tag: "TimedOut" })
       // Woken only by `pump`, which set the units aside: they are taken in this step.
-      : Effect.withFiberRuntime((fiber) => Effect.succeed(take(entry, waiter, wanted, fiberMillis(fiber)))))
+      : Effect.withFiberRuntime((fiber) => Effect.succeed(take(entry, waiter, wanted, alarm, fiberMillis(fiber)))))
   // However the wait ends without a grant (deadline, interruption, the service closing), the
-  // waiter's place and any units set aside for it go to the next: nothing is left behind.
+  // waiter's place and any units set aside for it go to the next: nothing is left behind, and
+  // a name its last waiter left is freed.
   return Effect.onExit(waited, (exit) =>
     Exit.isSuccess(exit) && exit.value._tag === "Granted" ? Effect.void : Effect.sync(() => {
-      if (dequeue(entry, waiter)) pump(entry)
+      if (dequeue(entry, waiter)) {
+        pump(entry)
+        settle(entry)
+      }
     }))
 }
 
 /** Hands the units set aside for `waiter` to it. Synchronous. */
-const take = (entry: Entry, waiter: Waiter, wanted: Claim, now: number): Claimed => {
+const take = (entry: Entry, waiter: Waiter, wanted: Claim, alarm: Alarm, now: number): Claimed => {
   dequeue(entry, waiter)
-  return { _tag: "Granted", grant: grant(entry, wanted, now) }
+  return { _tag: "Granted", grant: grant(entry, wanted, alarm, now) }
 }
 
 /** Gives back the lease of `owner` on `name`; a holder that was taken over finds nothing of its own. */
@@ -292,7 +330,10 @@ export const release = (entries: Entries, name: string, owner: number): Effect.E
     const entry = entries.get(name)
     const holder = entry?.holders.get(owner)
     // Owner-scoped: a holder that was taken over finds no lease of its own and touches nothing.
-    if (entry !== undefined && holder !== undefined) removeHolder(entry, holder)
+    if (entry !== undefined && holder !== undefined) {
+      removeHolder(entry, holder)
+      settle(entry)
+    }
   })
 
 /** Takes every lease of `name` away: holders are told `revoked`, waiters that now fit are woken. */
@@ -302,6 +343,7 @@ export const revoke = (entries: Entries, name: string): Effect.Effect<void> =>
     if (entry === undefined || entry.holders.size === 0) return Effect.void
     const gone = Array.from(entry.holders.values())
     for (const holder of gone) removeHolder(entry, holder)
+    settle(entry)
     return tellLost(gone, "revoked")
   })
 
@@ -315,6 +357,7 @@ const renewOne = (entries: Entries, grant: MemoryGrant, now: number): RenewOutco
   }
   if (holder.expiresAt <= now) {
     removeHolder(entry, holder)
+    settle(entry)
     return { _tag: "Lost", reason: "expired" }
   }
   holder.expiresAt = now + holder.ttlMillis
@@ -329,17 +372,40 @@ export const renew = (entries: Entries, grants: ReadonlyArray<MemoryGrant>): Eff
   })
 
 /**
- * The alarm's sweep of the entries its waiters wait in, at `now`: expired holders are dropped
- * (told `stolen`: a waiter takes over) and the waiters that now fit woken. Returns when the
- * entries must be swept next (`Infinity`: no more), and the holders to tell.
+ * The alarm's sweep of the entries its waiters wait in or its holders hold, at `now`: expired
+ * holders are dropped (told `stolen` when a waiter takes over, else `expired`), the waiters that
+ * now fit woken, and a name left idle freed. Returns when the entries must be swept next
+ * (`Infinity`: no more), and the holders to tell.
  */
-export const sweep = (watched: Iterable<Entry>, now: number): { readonly next: number; readonly lost: Array<Holder> } => {
+export const sweep = (
+  watched: Iterable<Entry>,
+  now: number
+): { readonly next: number; readonly stolen: Array<Holder>; readonly expired: Array<Holder> } => {
   let next = Number.POSITIVE_INFINITY
-  const lost: Array<Holder> = []
-  for (const entry of watched) {
-    const expired = purgeExpired(entry, now)
-    if (expired !== undefined) lost.push(...expired)
+  const stolen: Array<Holder> = []
+  const expired: Array<Holder> = []
+  // A copy: dropping a holder may take its entry out of the set being swept.
+  for (const entry of Array.from(watched)) {
+    const gone = purgeExpired(entry, now)
+    if (gone !== undefined) (entry.queue.length > 0 ? stolen : expired).push(...gone)
+    settle(entry)
     next = Math.min(next, nextExpiry(entry))
   }
-  return { next, lost }
+  return { next, stolen, expired }
+}
+
+/**
+ * Hands the leases of `from`'s holders over to `to` (a closing backend's to a live one), so a
+ * lease nobody gives back is still swept when it runs out. Waiters stay with their own alarm.
+ */
+export const adopt = (from: Alarm, to: Alarm): void => {
+  for (const entry of Array.from(from.watched)) {
+    for (const holder of entry.holders.values()) {
+      if (holder.alarm !== from) continue
+      unwatch(entry, from)
+      holder.alarm = to
+      watch(entry, to)
+      to.arm(holder.expiresAt)
+    }
+  }
 }
