@@ -15,7 +15,7 @@ import * as DistributedLock from "effect-lock/DistributedLock"
 import type { LockMode } from "effect-lock/Lease"
 import type { LockBackend } from "effect-lock/LockBackend"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./faults.js"
-import { seededRandom, testSeed } from "./random.js"
+import { seededRandom, somewhen, testSeed } from "./random.js"
 
 export interface ContractTarget {
   /** Runs tests on the TestClock (`scoped`) or on real time (`scopedLive`). */
@@ -419,11 +419,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           const seed = testSeed()
           const random = seededRandom(seed)
           const [a, b, c] = [yield* node(), yield* node(), yield* node()]
-          // A random point in the first few ms (yields on the TestClock, where no real time passes).
-          const somewhen = () => {
-            const n = Math.floor(random() * 7)
-            return target.clock === "test" ? yieldTimes(n * 10) : Effect.sleep(Duration.millis(n))
-          }
+          const moment = () => somewhen(random, target.clock === "live")
           const kinds = ["acquire, free", "acquire behind a holder", "tryAcquire"] as const
           for (let round = 0; round < 30; round++) {
             for (const kind of kinds) {
@@ -432,8 +428,8 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
               const taking: Effect.Effect<unknown, unknown, Scope.Scope> = kind === "tryAcquire" ? a.tryAcquire(name) : a.acquire(name)
               const taker = yield* Effect.fork(Effect.scoped(Effect.zipRight(taking, Effect.never)))
               // The holder lets go at a random moment of its own, before or after the interrupt.
-              const released = letGo === undefined ? undefined : yield* Effect.fork(Effect.zipRight(somewhen(), letGo))
-              yield* somewhen()
+              const released = letGo === undefined ? undefined : yield* Effect.fork(Effect.zipRight(moment(), letGo))
+              yield* moment()
               yield* Fiber.interrupt(taker)
               if (released !== undefined) yield* Fiber.join(released)
               const got = yield* Effect.scoped(Effect.map(b.tryAcquire(name), Option.isSome))

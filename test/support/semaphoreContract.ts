@@ -22,7 +22,7 @@ import type { PermitRequest, SemaphoreBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
 import { freshName, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
 import { yieldTimes } from "./faults.js"
-import { seededRandom, testSeed } from "./random.js"
+import { seededRandom, somewhen, testSeed } from "./random.js"
 
 /** A semaphore as the store has it right now: live permits held, and the permits each live waiter asks for, in queue order. */
 export interface StoreState {
@@ -481,11 +481,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
           const seed = testSeed()
           const random = seededRandom(seed)
           const [a, b, c] = [yield* node(), yield* node(), yield* node()]
-          // A random point in the first few ms (yields on the TestClock, where no real time passes).
-          const somewhen = () => {
-            const n = Math.floor(random() * 7)
-            return live ? Effect.sleep(Duration.millis(n)) : yieldTimes(n * 10)
-          }
+          const moment = () => somewhen(random, live)
           const kinds = ["acquire, free", "acquire behind a holder", "tryAcquire"] as const
           for (let round = 0; round < 20; round++) {
             for (const kind of kinds) {
@@ -497,8 +493,8 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
                 : a.acquire(name, { limit: 2, permits, ttl: LONG_TTL })
               const taker = yield* Effect.fork(Effect.scoped(Effect.zipRight(taking, Effect.never)))
               // The holder lets go at a random moment of its own, before or after the interrupt.
-              const released = holder === undefined ? undefined : yield* Effect.fork(Effect.zipRight(somewhen(), holder.release))
-              yield* somewhen()
+              const released = holder === undefined ? undefined : yield* Effect.fork(Effect.zipRight(moment(), holder.release))
+              yield* moment()
               yield* Fiber.interrupt(taker)
               if (released !== undefined) yield* Fiber.join(released)
               const got = yield* Effect.scoped(Effect.map(b.tryAcquire(name, { limit: 2, permits: 2 }), Option.isSome))
