@@ -26,6 +26,7 @@ import { scenario as semaphore } from "./scenarios/semaphore.js"
 import { renderSideBySide } from "./scenarios/sideBySide.js"
 import { scenario as sqlite } from "./scenarios/sqlite.js"
 import { scenario as cpu } from "./scenarios/cpu.js"
+import { scenario as names } from "./scenarios/names.js"
 import { IN_PROCESS, scenario as uncontended, type UncontendedResult } from "./scenarios/uncontended.js"
 
 /** A scenario with its result type hidden: it runs, renders and judges itself in one go. */
@@ -51,7 +52,8 @@ const SCENARIOS: ReadonlyArray<Runnable> = [
   runnable(peers),
   runnable(semaphore),
   runnable(sqlite),
-  runnable(cpu)
+  runnable(cpu),
+  runnable(names)
 ]
 
 const FULL: Settings = {
