@@ -14,6 +14,8 @@ import { describe, expect, it } from "@effect/vitest"
 import { Deferred, Duration, Effect, Exit, Fiber, Layer, Scope } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
+import * as Fence from "effect-lock/Fence"
+import * as FencingToken from "effect-lock/FencingToken"
 import type * as Lane from "effect-lock/internal/lease/pg/lane"
 import * as Make from "effect-lock/internal/lease/pg/make"
 import { sqlStateOf } from "effect-lock/internal/sql/state"
@@ -289,6 +291,56 @@ for (const { db, level } of databases) {
         expect(watch.laneFailures.filter((code) => code === "40001").length).toBeGreaterThan(0)
         expect(watch.backendFailures).toEqual([])
         expect(exit).toStrictEqual(Exit.void)
+      }), 30_000)
+
+    it.scopedLive("Fence.check outside a transaction and the lease operator functions: refused statements are sent again, no backend error", () =>
+      Effect.gen(function*() {
+        const env = yield* Layer.build(PgTest.layer(db, { applicationName: "iso-fence" }))
+        const resource = freshName("iso-fence")
+        yield* Effect.provide(Fence.check(resource, FencingToken.make(1n)), env)
+        // 8 fibers race increasing tokens on one row, each check its own autocommit statement.
+        const outcomes = yield* Effect.forEach(
+          Array.from({ length: 40 }, (_, i) => BigInt(i + 2)),
+          (token) => Effect.either(Effect.provide(Fence.check(resource, FencingToken.make(token)), env)),
+          { concurrency: 8 }
+        )
+        const backendErrors = outcomes.flatMap((o) => (o._tag === "Left" && o.left._tag === "LockBackendError" ? [String(o.left.cause)] : []))
+        expect(backendErrors).toEqual([])
+        // An operator's revokes meet rows another transaction updated while they waited for them.
+        const node = yield* leaseNode(db, { ttl: Duration.seconds(30) })
+        const names = Array.from({ length: 4 }, () => freshName("iso-revoke"))
+        yield* Effect.forEach(names, (name) => node.lock.acquire(name), { discard: true })
+        const blocker = yield* Effect.acquireRelease(
+          Effect.promise(async () => {
+            const client = new pg.Client({ connectionString: db.url })
+            await client.connect()
+            await client.query("begin isolation level read committed")
+            await client.query(`update ${PgLease.DEFAULT_TABLE} set token = token where name = any($1::text[])`, [names])
+            return client
+          }),
+          (client) => Effect.promise(() => client.end())
+        )
+        const revoking = yield* Effect.fork(Effect.forEach(
+          names,
+          (name) => Effect.either(Effect.provide(PgLease.revoke(name), env)),
+          { concurrency: "unbounded" }
+        ))
+        yield* Effect.promise(async () => {
+          const deadline = Date.now() + 10_000
+          // Every revoke waits for the updated rows, so each meets the commit below.
+          while (true) {
+            const { rows } = await blocker.query<{ n: number }>(
+              "select count(*)::int as n from pg_stat_activity where application_name = 'iso-fence' and wait_event_type = 'Lock'"
+            )
+            if (rows[0]!.n >= names.length) break
+            if (Date.now() > deadline) throw new Error("gave up waiting until the revokes wait for the rows")
+            await new Promise((resolve) => setTimeout(resolve, 10))
+          }
+          await blocker.query("commit")
+        })
+        const revoked = yield* Fiber.join(revoking)
+        expect(revoked.flatMap((r) => (r._tag === "Left" ? [String(r.left.cause)] : []))).toEqual([])
+        expect(revoked.every((r) => r._tag === "Right" && r.right === true)).toBe(true)
       }), 30_000)
   })
 }

@@ -17,6 +17,7 @@ import { sqlStateOf } from "../sql/state.js"
 import type pg from "pg"
 import { checkoutOf, isSqlPgClient, isStillBusy, sendCancel, sqlPgClientOf } from "../pg/driver.js"
 import { detachedWithin, within } from "../runtime/stallSafe.js"
+import { resending } from "../sql/resend.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, type TableRef } from "../sql/tables.js"
 
 /** A fence over one table (`Fence.Service`). */
@@ -295,8 +296,10 @@ export const makeService = (table: TableRef, createTable: boolean, bound: number
     const inTransaction = Option.isSome(yield* Effect.serviceOption(TransactionConnectionTag))
     const state = stateOf(sql, table)
     if (!inTransaction) {
-      if (!createTable) return yield* attempt(sql, resource, token)
-      return yield* checkAutocommit(sql, state, resource, token)
+      // Its own autocommit statements: one refused as a whole (a stricter default isolation's
+      // 40001) rolled back and is sent again, within the check's bound.
+      if (!createTable) return yield* resending(Duration.millis(bound), () => attempt(sql, resource, token))
+      return yield* resending(Duration.millis(bound), () => checkAutocommit(sql, state, resource, token))
     }
     if (!createTable || state.known) {
       // The caller's transaction is aborted if the table was dropped since; the next check starts over.

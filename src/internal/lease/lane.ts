@@ -10,8 +10,7 @@
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { LockBackendError } from "../../LockError.js"
-import { fiberMillis, monotonicMillis, sleepMillis } from "../core/clock.js"
-import { sqlStateOf } from "../sql/state.js"
+import { backoffMillis, RESEND_ATTEMPTS, RESEND_MIN_LEFT_MS, resendable, resending } from "../sql/resend.js"
 import type { Row, Statement } from "./dialect.js"
 
 /** Rows of a statement, with the monotonic time (ms) just before it was sent. */
@@ -68,67 +67,6 @@ const answer = <O>(statement: Statement<never, O>) => ({ rows, sentAt }: Sent<Ro
   value: statement.decode(rows),
   sentAt
 })
-
-// --- resending a refused statement ---------------------------------------------------------------
-//
-// Every statement a lease lane sends is one autocommit statement: its own implicit transaction.
-// A database whose default isolation is stricter than READ COMMITTED refuses one that met a
-// concurrent update of its row (REPEATABLE READ and SERIALIZABLE: 40001, where READ COMMITTED
-// re-checks the newest version); a deadlock (40P01) or a role's lock_timeout (55P03) refuse it
-// too. Refused, its transaction rolled back: nothing of it happened, and the same statement sent
-// again takes a fresh snapshot, so it is correct. It is resent here, where every lease statement
-// passes, within the bound the caller gave the statement: never past it. SQLite has no SQLSTATE,
-// so nothing of SQLite's is ever resent.
-
-/** SQLSTATEs of a statement the server refused as a whole: serialization failure, deadlock, lock_timeout. */
-export const RESENDABLE: ReadonlySet<string> = new Set(["40001", "40P01", "55P03"])
-/** Sends of one statement in all, the first included. */
-export const RESEND_ATTEMPTS = 12
-/**
- * Backoff before resend `n` (1-based): jittered in [b/2, b], b = this × 2^(n-1), at most
- * `RESEND_BACKOFF_CAP_MS` (all eleven backoffs: under 0.6 s). Many sends, short waits: on one
- * row hammered by a dozen requests (the contract's exclusion case) a statement needed up to
- * eleven resends under REPEATABLE READ; each refusal costs one statement's time.
- */
-const RESEND_BACKOFF_MS = 4
-const RESEND_BACKOFF_CAP_MS = 64
-/** A resend goes only while at least this much of the statement's bound is left after its backoff. */
-const RESEND_MIN_LEFT_MS = 50
-
-const resendable = (error: LockBackendError): boolean => RESENDABLE.has(sqlStateOf(error) ?? "")
-
-const backoffMillis = (resend: number): number => {
-  const ceiling = Math.min(RESEND_BACKOFF_CAP_MS, RESEND_BACKOFF_MS * 2 ** (resend - 1))
-  return ceiling / 2 + Math.random() * (ceiling / 2)
-}
-
-/**
- * `once` with the whole `bound`, then again with what is left of it (resend `n` after its
- * backoff) while the server refused it with a `RESENDABLE` SQLSTATE, at most `RESEND_ATTEMPTS`
- * sends and never past `bound` from the first send. The last failure is the one reported: a
- * refusal (nothing committed) or whatever the last send met (a timeout: outcome unknown).
- */
-const resending = <A>(
-  bound: Duration.Duration,
-  once: (bound: Duration.Duration) => Effect.Effect<A, LockBackendError>
-): Effect.Effect<A, LockBackendError> =>
-  Effect.withFiberRuntime((fiber) => {
-    // Read synchronously: the uncontended path pays no extra step for the deadline.
-    const deadline = fiberMillis(fiber) + Duration.toMillis(bound)
-    const again = (resend: number, error: LockBackendError): Effect.Effect<A, LockBackendError> =>
-      Effect.flatMap(monotonicMillis, (now) => {
-        const backoff = backoffMillis(resend)
-        if (resend >= RESEND_ATTEMPTS || !resendable(error) || deadline - now - backoff < RESEND_MIN_LEFT_MS) {
-          return Effect.fail(error)
-        }
-        return Effect.zipRight(
-          sleepMillis(backoff),
-          Effect.flatMap(monotonicMillis, (sentAt) =>
-            Effect.catchAll(once(Duration.millis(Math.max(1, deadline - sentAt))), (next) => again(resend + 1, next)))
-        )
-      })
-    return Effect.catchAll(once(bound), (error) => (resendable(error) ? again(1, error) : Effect.fail(error)))
-  })
 
 /** Sends `statement` with `input` as a lock statement (about the lock `name`, for errors); resent while refused (`RESENDABLE`). */
 export const send = <I, O>(

@@ -7,8 +7,11 @@
  */
 import type { SqlClient } from "@effect/sql/SqlClient"
 import * as Context from "effect/Context"
+import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Option from "effect/Option"
 import { LockBackendError } from "../../LockError.js"
+import { resending } from "../sql/resend.js"
 import type { LeaseTables, OperatorStatements, Row, Statement } from "./dialect.js"
 import type { StoredLease } from "./stored.js"
 
@@ -39,13 +42,28 @@ export interface RevokeOptions extends TableOptions {
   readonly channel?: string | undefined
 }
 
-/** `statement` with `input` on the caller's `SqlClient`; a failure names the operation and `name`. */
+/** @effect/sql's transaction tag, by its key (no driver loaded here). */
+const TransactionConnectionTag = Context.GenericTag<unknown, readonly [conn: unknown, depth: number]>(
+  "@effect/sql/SqlClient/TransactionConnection"
+)
+
+/** How long an operator statement outside a transaction is resent for while the server refuses it as a whole. */
+const OPERATOR_RESEND_BOUND = Duration.seconds(5)
+
+/**
+ * `statement` with `input` on the caller's `SqlClient`; a failure names the operation and `name`.
+ * Outside a transaction, a statement refused as a whole (a stricter default isolation's 40001) is
+ * sent again; inside the caller's, the refusal aborted it, and only the caller can retry.
+ */
 const run = <I, O>(statement: Statement<I, O>, input: I, name: string | undefined) =>
-  Effect.flatMap(SqlClientTag, (sql) =>
-    sql.unsafe<Row>(statement.text, statement.encode(input)).withoutTransform.pipe(
+  Effect.flatMap(SqlClientTag, (sql) => {
+    const once = sql.unsafe<Row>(statement.text, statement.encode(input)).withoutTransform.pipe(
       Effect.map(statement.decode),
       Effect.mapError((cause) => new LockBackendError({ operation: statement.operation, ...(name === undefined ? {} : { name }), cause }))
-    ))
+    )
+    return Effect.flatMap(Effect.serviceOption(TransactionConnectionTag), (transaction) =>
+      Option.isSome(transaction) ? once : resending(OPERATOR_RESEND_BOUND, () => once))
+  })
 
 /** `use` with the store's statements on the tables `options` names. */
 const onTables = <T extends LeaseTables, A>(
