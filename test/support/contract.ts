@@ -645,6 +645,40 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         }))
     }
 
+    leaseTest("a closing layer whose renewals failed past the safety deadline still renews with the time the store has left: the lease outlasts its body", () =>
+      Effect.gen(function*() {
+        const scope = yield* Scope.make()
+        const aFaults = makeFaults()
+        const a = yield* Scope.extend(node(aFaults), scope)
+        const b = yield* node()
+        const name = freshName("drain-late")
+        const order: Array<string> = []
+        const started = yield* Deferred.make<void>()
+        const body = Effect.zipRight(
+          Deferred.succeed(started, undefined),
+          Effect.uninterruptible(Effect.zipRight(Effect.sleep(Duration.millis(ttlMillis * 2)), Effect.sync(() => order.push("body ended"))))
+        )
+        const run = yield* Effect.fork(DistributedLock.withLock(body, name, { ttl: target.ttl }).pipe(provide(a)))
+        yield* Deferred.await(started)
+        // Renewals fail from the close until past the safety deadline (ttl − ttl/5), then work again.
+        aFaults.failRenew = true
+        const closing = yield* Effect.fork(Scope.close(scope, Exit.void))
+        yield* target.advance(Duration.millis(Math.round(ttlMillis * 0.85)))
+        aFaults.failRenew = false
+        let granted = false
+        const tries = Math.ceil((ttlMillis * 2 + 3_000) / 50)
+        for (let i = 0; i < tries && !(granted && order.includes("body ended")); i++) {
+          if (!granted && (yield* Effect.scoped(Effect.map(b.tryAcquire(name), Option.isSome)))) {
+            granted = true
+            order.push("b granted")
+          }
+          yield* target.advance(Duration.millis(50))
+        }
+        expect(yield* Effect.flip(Fiber.join(run))).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
+        yield* Fiber.join(closing)
+        expect(order).toEqual(["body ended", "b granted"])
+      }))
+
     leaseTest("renewal keeps a lease alive far past its ttl", () =>
       Effect.gen(function*() {
         const faults = makeFaults()

@@ -488,7 +488,12 @@ export const makeRegistry = <G extends Grant>(
         // Cut off before the earliest safety deadline in the batch, measured from this call's own
         // start; the loop gives leases up on time whatever this call does.
         let budget = Number.POSITIVE_INFINITY
-        for (const h of live) budget = Math.min(budget, safetyDeadline(h) - start, h.ttlMillis * RENEW_FRACTION)
+        for (const h of live) {
+          // A draining lease was told already: its bound is the store's expiry, not the safety
+          // deadline (past which its renewal would get no time at all while the store still keeps it).
+          const until = draining.has(h) ? (h.validUntil ?? Number.POSITIVE_INFINITY) : safetyDeadline(h)
+          budget = Math.min(budget, until - start, h.ttlMillis * RENEW_FRACTION)
+        }
         const outcomes = yield* callRenew(live, Math.max(1, wholeMillis(budget)))
         for (let i = 0; i < live.length; i++) yield* applyOutcome(live[i]!, outcomes?.[i], start)
       }).pipe(
@@ -523,6 +528,11 @@ export const makeRegistry = <G extends Grant>(
         let anyDue = false
         for (const held of keptLeases()) {
           if (held.validUntil === undefined || held.renewing !== undefined) continue
+          // The store has let a draining lease go (its expiry passed): nothing left to renew.
+          if (draining.has(held) && now >= held.validUntil) {
+            draining.delete(held)
+            continue
+          }
           idle.push(held)
           if (held.renewAt <= now) anyDue = true
         }

@@ -229,10 +229,12 @@ export const makeService = (table: TableRef, createTable: boolean, bound: number
   const attempt = (
     sql: SqlClient.SqlClient,
     resource: string,
-    presented: FencingToken.FencingToken
+    presented: FencingToken.FencingToken,
+    // A resend gets what is left of the check's bound, not a new one.
+    within: number = bound
   ): Effect.Effect<void, StaleFencingToken | LockBackendError> => {
     const statement = <A extends object>(text: string, params: ReadonlyArray<unknown>) =>
-      run<A>(sql, bound, "fence-check", resource, text, params)
+      run<A>(sql, within, "fence-check", resource, text, params)
     const refuse = Effect.flatMap(statement<{ token: string }>(currentSql(table), [resource]), ([row]) =>
       Effect.fail<StaleFencingToken | LockBackendError>(
         row === undefined
@@ -257,8 +259,14 @@ export const makeService = (table: TableRef, createTable: boolean, bound: number
     )
 
   /** Outside a transaction: one statement; a missing table is created and the check retried once. */
-  const checkAutocommit = (sql: SqlClient.SqlClient, state: TableState, resource: string, token: FencingToken.FencingToken) =>
-    attempt(sql, resource, token).pipe(
+  const checkAutocommit = (
+    sql: SqlClient.SqlClient,
+    state: TableState,
+    resource: string,
+    token: FencingToken.FencingToken,
+    within: number = bound
+  ) =>
+    attempt(sql, resource, token, within).pipe(
       Effect.catchIf(
         isUndefinedTable,
         () => Effect.zipRight(ensure(sql, false, "fence-check", resource), attempt(sql, resource, token))
@@ -298,8 +306,8 @@ export const makeService = (table: TableRef, createTable: boolean, bound: number
     if (!inTransaction) {
       // Its own autocommit statements: one refused as a whole (a stricter default isolation's
       // 40001) rolled back and is sent again, within the check's bound.
-      if (!createTable) return yield* resending(Duration.millis(bound), () => attempt(sql, resource, token))
-      return yield* resending(Duration.millis(bound), () => checkAutocommit(sql, state, resource, token))
+      if (!createTable) return yield* resending(Duration.millis(bound), (left) => attempt(sql, resource, token, Duration.toMillis(left)))
+      return yield* resending(Duration.millis(bound), (left) => checkAutocommit(sql, state, resource, token, Duration.toMillis(left)))
     }
     if (!createTable || state.known) {
       // The caller's transaction is aborted if the table was dropped since; the next check starts over.

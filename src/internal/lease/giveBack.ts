@@ -162,10 +162,11 @@ export const make = (
     const abandonWaitMillis = 2 * totalMillis + AWAIT_GRACE_MS
     const abandon: GiveBack["abandon"] = (attempt, name, grantOwner, waiter, ttlMillis, awaited) =>
       backgroundAwaited(Effect.gen(function*() {
-        // The lease the attempt may have taken lasts at most its ttl from now (it was sent before).
-        const expiresBy = (yield* monotonicMillis) + ttlMillis
         // Never ahead of the attempt: a give-back sent first could be overtaken by its own grant.
         const exit = yield* attempt
+        // The lease the attempt may have taken lasts at most its ttl from now: every send of it
+        // (resends included) began before it settled, and the server counts from its statement's start.
+        const expiresBy = (yield* monotonicMillis) + ttlMillis
         // Answered, or refused by the server: whatever it took is committed already. Otherwise
         // its statement may still commit later, and an empty give-back proves nothing yet.
         const unknown = outcomeUnknown(exit)
