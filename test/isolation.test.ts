@@ -10,8 +10,9 @@
  * processes, a semaphore's limit across 4 processes, FIFO handoff across processes — and renewal
  * of a 2 s lease held for ~3 s while its row is updated concurrently and others contend.
  */
+import { SqlClient } from "@effect/sql"
 import { describe, expect, it } from "@effect/vitest"
-import { Deferred, Duration, Effect, Exit, Fiber, Layer, Scope } from "effect"
+import { Context, Deferred, Duration, Effect, Exit, Fiber, Layer, Scope } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import * as Fence from "effect-lock/Fence"
@@ -53,13 +54,23 @@ interface Node {
 interface RenewWatch {
   readonly laneFailures: Array<string>
   readonly backendFailures: Array<unknown>
+  /** Connections reserved from the application's pool (the application lane's renewal connection). */
+  reserves: number
 }
-const renewWatch = (): RenewWatch => ({ laneFailures: [], backendFailures: [] })
+const renewWatch = (): RenewWatch => ({ laneFailures: [], backendFailures: [], reserves: 0 })
 
 /** One PgLease "process": a pool of its own, the backend on it (own connections, or the application's pool). */
 const leaseNode = (db: UsedTestDatabase, options: PgLease.Options = {}, watch: RenewWatch = renewWatch()) =>
   Effect.gen(function*() {
-    const env = yield* Layer.build(PgTest.layer(db, { applicationName: LEASE_APP }))
+    const built = yield* Layer.build(PgTest.layer(db, { applicationName: LEASE_APP }))
+    // Counts the application lane's reservations of a connection for its renewals.
+    const counting = new Proxy(Context.get(built, SqlClient.SqlClient), {
+      get: (target, key, receiver) => {
+        if (key === "reserve") watch.reserves++
+        return Reflect.get(target, key, receiver)
+      }
+    })
+    const env = Context.add(built, SqlClient.SqlClient, counting)
     const wrapLane = (lane: Lane.Lane): Lane.Lane => ({
       ...lane,
       renew: (text, params, bound) =>
@@ -221,12 +232,13 @@ for (const { db, level } of databases) {
         }), 30_000)
     }
 
-    it.scopedLive("lease: renewals of a 2 s lease and of 2 s permits racing concurrent updates of their rows, held ~3 s under contention: no LockLost", () =>
+    for (const pool of ["own", "application"] as const) {
+    it.scopedLive(`lease (${pool} connections): renewals of a 2 s lease and of 2 s permits racing concurrent updates of their rows, held ~3 s under contention: no LockLost`, () =>
       Effect.gen(function*() {
         const watch = renewWatch()
         // 2 s, as the contract's: renewals get 1.2 s (ttl/3 to ttl − ttl/5) on a loaded 2-core machine.
         const ttl = Duration.seconds(2)
-        const a = yield* leaseNode(db, { ttl }, watch)
+        const a = yield* leaseNode(db, { ttl, pool }, watch)
         const contenders = [yield* leaseNode(db, { ttl, pool: "application" }), yield* leaseNode(db, { ttl })]
         const lockName = freshName("iso-renew")
         const semName = freshName("iso-renew-sem")
@@ -291,7 +303,11 @@ for (const { db, level } of databases) {
         expect(watch.laneFailures.filter((code) => code === "40001").length).toBeGreaterThan(0)
         expect(watch.backendFailures).toEqual([])
         expect(exit).toStrictEqual(Exit.void)
+        // A refusal came from a healthy session: the renewal connection reserved from the
+        // application's pool is kept (a new reservation could queue behind the application).
+        if (pool === "application") expect(watch.reserves).toBe(1)
       }), 30_000)
+    }
 
     it.scopedLive("Fence.check outside a transaction and the lease operator functions: refused statements are sent again, no backend error", () =>
       Effect.gen(function*() {

@@ -17,6 +17,7 @@
 import type { SqlClient } from "@effect/sql/SqlClient"
 import type { Connection as SqlConnection } from "@effect/sql/SqlConnection"
 import type { PgClientConfig } from "@effect/sql-pg/PgClient"
+import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -37,6 +38,7 @@ import { identifier } from "../../pg/driver.js"
 import type { Lane, Sent } from "../lane.js"
 import { awaitWithin, type Owner } from "../../runtime/owner.js"
 import { withinOrFail } from "../../runtime/stallSafe.js"
+import { resendable } from "../../sql/resend.js"
 
 export type { Lane, Sent } from "../lane.js"
 
@@ -116,6 +118,10 @@ const listenOn = (driver: Driver.Driver, config: pg.ClientConfig, bound: Duratio
     )
     return yield* Deferred.await(lost)
   }))
+
+/** The statement failed with a SQLSTATE the server refuses a whole statement with (its session is fine). */
+const refusedAsWhole = (exit: Exit.Exit<unknown, unknown>): boolean =>
+  Exit.isFailure(exit) && Option.match(Cause.failureOption(exit.cause), { onNone: () => false, onSome: resendable })
 
 /** The lane of connections the backend owns. */
 export const own = (
@@ -231,7 +237,9 @@ export const application = (
           Effect.flatMap(monotonicMillis, (sentAt) =>
             Effect.disconnect(held.connection.execute(text, params, undefined)).pipe(
               Effect.map((rows): Sent<A> => ({ rows: rows as ReadonlyArray<A>, sentAt })),
-              Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : drop(held)))
+              // Kept when the server refused the statement as a whole (a healthy session answered):
+              // a new reservation could queue behind the application's own statements.
+              Effect.onExit((exit) => (Exit.isSuccess(exit) || refusedAsWhole(exit) ? Effect.void : drop(held)))
             ))).pipe(Effect.mapError(failed("renew", undefined))),
         bound,
         timedOut("renew", undefined, bound)
