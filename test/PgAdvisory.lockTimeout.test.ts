@@ -14,6 +14,7 @@ import pg from "pg"
 import * as engine from "../src/internal/advisory/engine.js"
 import * as optionsOf from "../src/internal/advisory/options.js"
 import { freshName } from "./support/contract.js"
+import { waitFor } from "./support/eventually.js"
 import { useTestDatabase, withClient } from "./support/pg.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
@@ -91,33 +92,29 @@ it.scopedLive("a granted wait whose fencing bump is blocked by a row lock ends i
       return lease.token
     })))
     // Queued at the server: the waiter's wait session is in a blocking wait slice.
-    const deadline = Date.now() + 10_000
-    while ((yield* waitingAtServer(name)) === 0) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage("the waiter never queued at the server")
-      yield* Effect.sleep(Duration.millis(10))
-    }
+    yield* waitFor("the waiter queues at the server", Effect.map(waitingAtServer(name), (n) => n > 0), Duration.seconds(10))
     const pidsBefore = yield* waiterPids
     const openedBefore = clientsOpened
 
     // Another transaction holds the fencing row while the lock is handed over: the waiter's slice
-    // is granted, and its bump waits for the row. Held past a whole slice plus the heartbeat
-    // timeout (2 s + 1 s): before the fix, the watchdog destroyed the session by then.
-    const rowHeld = yield* Deferred.make<void>()
-    let committedAt = 0
-    const blocker = yield* Effect.fork(Effect.promise(() =>
-      withClient(db.url, async (client) => {
+    // is granted, and its bump waits for the row. Held until that bump ended in 55P03, at most
+    // 6 s: past a whole slice plus the heartbeat timeout (2 s + 1 s), where before the fix the
+    // watchdog destroyed the session instead.
+    const blocker = yield* Effect.acquireRelease(
+      Effect.promise(async () => {
+        const client = new pg.Client({ connectionString: db.url })
+        await client.connect()
         await client.query("begin")
         await client.query("select 1 from effect_lock_fencing where key = $1 for update", [PgAdvisory.keyOf(name).toString()])
-        Effect.runSync(Deferred.succeed(rowHeld, undefined))
-        await new Promise((resolve) => setTimeout(resolve, 3_200))
-        committedAt = Date.now()
-        await client.query("commit")
-      })
-    ))
-    yield* Deferred.await(rowHeld)
+        return client
+      }),
+      (client) => Effect.promise(() => client.end())
+    )
     yield* Deferred.succeed(letGo, undefined)
     yield* Fiber.join(holding)
-    yield* Fiber.join(blocker)
+    yield* waitFor("the blocked bump ends in 55P03", Effect.sync(() => failures.includes("55P03")), Duration.seconds(6))
+    const committedAt = Date.now()
+    yield* Effect.promise(() => blocker.query("commit"))
     const token = yield* Fiber.join(waiting)
 
     // The bump ended at the server's lock_timeout, not at the client's bound: 55P03, retried.

@@ -26,6 +26,7 @@ import pg from "pg"
 import { freshName } from "./support/contract.js"
 import { defaultIsolation, PgTest, type UsedTestDatabase, useTestDatabase, withClient } from "./support/pg.js"
 import { occupancy } from "./support/occupancy.js"
+import { waitFor } from "./support/eventually.js"
 
 const LEVELS = [
   { level: "repeatable read", label: "isolation_rr" },
@@ -96,16 +97,6 @@ const advisoryNode = (db: UsedTestDatabase) =>
 
 const query = <R extends pg.QueryResultRow>(db: UsedTestDatabase, text: string, values: ReadonlyArray<unknown> = []) =>
   Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((result) => result.rows)))
-
-/** Polls `check` every 10 ms until it holds; dies naming `what` after 10 s. */
-const until = (what: string, check: Effect.Effect<boolean>) =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + 10_000
-    while (!(yield* check)) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`gave up waiting until ${what}`)
-      yield* Effect.sleep(Duration.millis(10))
-    }
-  })
 
 /** Requests of `name` waiting in the store: PgLease's live places, PgAdvisory's not-granted requests in pg_locks. */
 const waitingIn = (db: UsedTestDatabase, backend: "lease" | "advisory", name: string) =>
@@ -223,7 +214,7 @@ for (const { db, level } of databases) {
           const waiters: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
           for (const [i, label] of ["b", "c", "d"].entries()) {
             waiters.push(yield* Effect.fork(Effect.scoped(Effect.zipRight(others[i]!.lock.acquire(name), Effect.sync(() => order.push(label))))))
-            yield* until(`${i + 1} waiter(s) queued`, Effect.map(Effect.orDie(waitingIn(db, backend, name)), (n) => n >= i + 1))
+            yield* waitFor(`${i + 1} waiter(s) queued`, Effect.map(waitingIn(db, backend, name), (n) => n >= i + 1), Duration.seconds(10))
           }
           yield* Deferred.succeed(release, undefined)
           yield* Fiber.join(holding)
@@ -341,19 +332,20 @@ for (const { db, level } of databases) {
           (name) => Effect.either(Effect.provide(PgLease.revoke(name), env)),
           { concurrency: "unbounded" }
         ))
-        yield* Effect.promise(async () => {
-          const deadline = Date.now() + 10_000
-          // Every revoke waits for the updated rows, so each meets the commit below.
-          while (true) {
-            const { rows } = await blocker.query<{ n: number }>(
-              "select count(*)::int as n from pg_stat_activity where application_name = 'iso-fence' and wait_event_type = 'Lock'"
-            )
-            if (rows[0]!.n >= names.length) break
-            if (Date.now() > deadline) throw new Error("gave up waiting until the revokes wait for the rows")
-            await new Promise((resolve) => setTimeout(resolve, 10))
-          }
-          await blocker.query("commit")
-        })
+        // Every revoke waits for the updated rows, so each meets the commit below.
+        yield* waitFor(
+          "the revokes wait for the rows",
+          Effect.map(
+            Effect.promise(() =>
+              blocker.query<{ n: number }>(
+                "select count(*)::int as n from pg_stat_activity where application_name = 'iso-fence' and wait_event_type = 'Lock'"
+              )
+            ),
+            ({ rows }) => rows[0]!.n >= names.length
+          ),
+          Duration.seconds(10)
+        )
+        yield* Effect.promise(() => blocker.query("commit"))
         const revoked = yield* Fiber.join(revoking)
         expect(revoked.flatMap((r) => (r._tag === "Left" ? [String(r.left.cause)] : []))).toEqual([])
         expect(revoked.every((r) => r._tag === "Right" && r.right === true)).toBe(true)
