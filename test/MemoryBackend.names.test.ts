@@ -14,9 +14,9 @@ import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
-import type { AcquireRequest } from "effect-lock/LockBackend"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import * as Internal from "../src/internal/memory/store.js"
+import { onceRequest } from "./support/requests.js"
 
 const TTL = Duration.seconds(3)
 
@@ -54,16 +54,7 @@ const services = (store: MemoryBackend.Store) =>
   })
 
 /** A raw request of the backend SPI, granted once and never released: only its expiry ends it. */
-const rawRequest = (name: string): AcquireRequest => ({
-  name,
-  mode: "exclusive",
-  attempt: "once",
-  ttl: TTL,
-  deadline: Option.none(),
-  interruptible: (step) => step,
-  waitUntilDeadline: (step) => Effect.map(step, Option.some),
-  onLost: () => Effect.void
-})
+const rawRequest = (name: string) => onceRequest(name, TTL)
 
 describe("MemoryBackend: an idle name keeps nothing", () => {
   it.scoped("10,000 names locked once each every way leave no entry; tokens of a name increase across its entry being freed", () =>

@@ -24,6 +24,7 @@ import { fileURLToPath } from "node:url"
 import { openRaw, useSqliteFile } from "./fixtures/sqlite-db.js"
 import { contractSuite, freshName } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
+import { onceRequest } from "./support/requests.js"
 
 const file = useSqliteFile("sqlite-lease")
 const repoRoot = fileURLToPath(new URL("..", import.meta.url))
@@ -175,16 +176,7 @@ describe("SqliteLease", () => {
       yield* Scope.extend(a.acquire(name), holder)
       const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name)))
       yield* waitFor("the waiter's place", Effect.sync(() => file.livePlaces(name) === 1), Duration.seconds(5))
-      const once = yield* backend.acquire({
-        name,
-        mode: "exclusive",
-        attempt: "once",
-        ttl: TTL,
-        deadline: Option.none(),
-        interruptible: (step) => step,
-        waitUntilDeadline: Effect.asSome,
-        onLost: () => Effect.void
-      })
+      const once = yield* backend.acquire(onceRequest(name, TTL))
       expect(once._tag).toBe("Busy")
       yield* Scope.close(holder, Exit.void)
       yield* Fiber.join(waiter)

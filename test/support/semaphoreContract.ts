@@ -22,6 +22,7 @@ import type { PermitRequest, SemaphoreBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
 import { freshName, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
 import { yieldTimes } from "./faults.js"
+import { occupancy } from "./occupancy.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
 
 /** A semaphore as the store has it right now: live permits held, and the permits each live waiter asks for, in queue order. */
@@ -191,20 +192,9 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
           const random = seededRandom(seed)
           const name = freshName("limit")
           const services = yield* Effect.forEach(Array.from({ length: PROCESSES }), () => node())
-          let inside = 0
-          let most = 0
-          let violations = 0
-          const body = (permits: number) =>
-            Effect.acquireUseRelease(
-              Effect.sync(() => {
-                inside += permits
-                most = Math.max(most, inside)
-                if (inside > LIMIT) violations++
-              }),
-              // Steps inside, so other fibers (and on real time other grants) run while they are held.
-              () => Effect.zipRight(yieldTimes(3), live ? Effect.sleep(Duration.millis(2)) : Effect.void),
-              () => Effect.sync(() => (inside -= permits))
-            )
+          // Steps inside, so other fibers (and on real time other grants) run while they are held.
+          const probe = occupancy(LIMIT, Effect.zipRight(yieldTimes(3), live ? Effect.sleep(Duration.millis(2)) : Effect.void))
+          const body = probe.body
           const plans = Array.from(
             { length: PROCESSES * FIBERS_PER_PROCESS },
             () => Array.from({ length: target.rounds }, () => 1 + Math.floor(random() * LIMIT))
@@ -220,9 +210,9 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
             { concurrency: "unbounded", discard: true }
           )
           const context = `seed ${seed} (re-run with EFFECT_LOCK_TEST_SEED=${seed})`
-          expect(violations, context).toBe(0)
+          expect(probe.violations(), context).toBe(0)
           // The check could fail: every permit was in use at some moment.
-          expect(most, context).toBe(LIMIT)
+          expect(probe.most(), context).toBe(LIMIT)
           // No token was handed out twice (two grants decided on the same state would share some).
           const tokens = granted.get(name) ?? []
           expect(tokens.length, context).toBeGreaterThanOrEqual(plans.flat().reduce((n, permits) => n + permits, 0))

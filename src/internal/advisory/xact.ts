@@ -27,6 +27,7 @@ import { fiberMillis, monotonicMillis } from "../core/clock.js"
 import { checkoutOf, destroyIfStillBusy, isSqlPgClient, sqlPgClientOf } from "../pg/driver.js"
 import { sqlStateOf } from "../sql/state.js"
 import { detachedWithin, stallSafeTimer } from "../runtime/stallSafe.js"
+import { TransactionConnectionTag } from "../sql/tags.js"
 
 /** Default bound on each statement withXactLock sends itself, and on COMMIT/ROLLBACK. */
 export const DEFAULT_STATEMENT_TIMEOUT_MS = 5_000
@@ -117,7 +118,7 @@ const lockInTransaction = (
 ): Effect.Effect<void, LockTimeout | LockBackendError> =>
   Effect.withFiberRuntime((fiber) => {
     const start = fiberMillis(fiber)
-    progress.connection = Option.getOrUndefined(Context.getOption(fiber.currentContext, TransactionConnection))?.[0]
+    progress.connection = Option.getOrUndefined(Context.getOption(fiber.currentContext, TransactionConnectionTag))?.[0]
     advance(progress, "began")
     // The first statement is bounded by the watchdog of `run` (no race of its own: the
     // uncontended path stays one statement); the contended path's statements bound themselves.
@@ -134,13 +135,6 @@ const lockInTransaction = (
     )
   })
 
-/**
- * @effect/sql's transaction tag, by its key: importing it would load @effect/sql (an optional
- * peer) with PgAdvisory, whose session locks need none of it.
- */
-const TransactionConnection = Context.GenericTag<SqlClient.TransactionConnection, readonly [conn: unknown, depth: number]>(
-  "@effect/sql/SqlClient/TransactionConnection"
-)
 
 /** The try-lock statement of each mode, built once. */
 const TRY_TEXT: Record<LockMode, string> = {

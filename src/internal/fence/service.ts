@@ -18,6 +18,7 @@ import type pg from "pg"
 import { checkoutOf, isSqlPgClient, isStillBusy, sendCancel, sqlPgClientOf } from "../pg/driver.js"
 import { detachedWithin, within } from "../runtime/stallSafe.js"
 import { resending } from "../sql/resend.js"
+import { SqlClientTag, TransactionConnectionTag } from "../sql/tags.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, type TableRef } from "../sql/tables.js"
 
 /** A fence over one table (`Fence.Service`). */
@@ -38,15 +39,6 @@ export interface FenceService {
   readonly ensureTable: Effect.Effect<void, LockBackendError, SqlClient.SqlClient>
 }
 
-// --- the SqlClient tags, by key ------------------------------------------------------------------
-
-// By key, not by import: an import of @effect/sql here would load it for every user of the root
-// entry, memory-only apps included. Effect finds a service by its tag's key, so these are the same tags.
-const SqlClientTag = Context.GenericTag<SqlClient.SqlClient>("@effect/sql/SqlClient")
-const TransactionConnectionTag = Context.GenericTag<
-  SqlClient.TransactionConnection,
-  readonly [conn: unknown, depth: number]
->("@effect/sql/SqlClient/TransactionConnection")
 
 // --- SQL ----------------------------------------------------------------------------------------
 

@@ -6,19 +6,17 @@
  * the operation.
  */
 import type { SqlClient } from "@effect/sql/SqlClient"
-import * as Context from "effect/Context"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
 import { LockBackendError } from "../../LockError.js"
 import { resending } from "../sql/resend.js"
+import { SqlClientTag, TransactionConnectionTag } from "../sql/tags.js"
 import type { LeaseTables, OperatorStatements, Row, Statement } from "./dialect.js"
 import type { StoredLease } from "./stored.js"
 
 export type { StoredLease, StoredPermitHolder, StoredSemaphore } from "./stored.js"
 
-/** @effect/sql's tag, referenced by key: no driver is loaded by this module. */
-const SqlClientTag = Context.GenericTag<SqlClient>("@effect/sql/SqlClient")
 
 /** What the operator functions need of a store. */
 export interface Store<T extends LeaseTables> {
@@ -41,11 +39,6 @@ export interface RevokeOptions extends TableOptions {
   /** The NOTIFY channel (stores that notify); default the lease table's own name. */
   readonly channel?: string | undefined
 }
-
-/** @effect/sql's transaction tag, by its key (no driver loaded here). */
-const TransactionConnectionTag = Context.GenericTag<unknown, readonly [conn: unknown, depth: number]>(
-  "@effect/sql/SqlClient/TransactionConnection"
-)
 
 /** How long an operator statement outside a transaction is resent for while the server refuses it as a whole. */
 const OPERATOR_RESEND_BOUND = Duration.seconds(5)

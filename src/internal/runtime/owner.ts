@@ -22,12 +22,8 @@ import * as Option from "effect/Option"
 import * as Runtime from "effect/Runtime"
 import type * as Scope from "effect/Scope"
 import * as Supervisor from "effect/Supervisor"
+import { TransactionConnectionTag } from "../sql/tags.js"
 
-/**
- * sql's transaction tag, referenced by key: a statement sent where this tag is in the context
- * joins the caller's transaction.
- */
-const TransactionConnection = Context.GenericTag<unknown>("@effect/sql/SqlClient/TransactionConnection")
 
 /**
  * Runs `self` outside any transaction of the caller. @effect/sql sends a statement on the
@@ -38,9 +34,9 @@ const TransactionConnection = Context.GenericTag<unknown>("@effect/sql/SqlClient
  */
 export const outsideTransaction = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
   Effect.contextWithEffect((context: Context.Context<R>) =>
-    context.unsafeMap.has(TransactionConnection.key)
+    context.unsafeMap.has(TransactionConnectionTag.key)
       // Replaces the context (`Effect.provide` would merge it into the current one, tag included).
-      ? Effect.mapInputContext(self, (current: Context.Context<R>) => Context.omit(TransactionConnection)(current) as Context.Context<R>)
+      ? Effect.mapInputContext(self, (current: Context.Context<R>) => Context.omit(TransactionConnectionTag)(current) as Context.Context<R>)
       : self
   )
 
