@@ -67,7 +67,9 @@ const options: BackendOptions = {
   fencingTable: parseTable("effect_lock_fencing") as TableRef,
   createTables: true,
   heartbeatIntervalMillis: 60_000,
-  heartbeatTimeoutMillis: 60_000
+  heartbeatTimeoutMillis: 60_000,
+  // No sweep: the fake server answers no SQL of it.
+  sweepIntervalMillis: 0
 }
 
 const pgAdvisory = Layer.scoped(

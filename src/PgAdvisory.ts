@@ -56,14 +56,18 @@ import { decodeDuration, modeProblem, nameProblem } from "./internal/core/valida
  * - `applicationName`: shown in `pg_stat_activity` so an operator can see who holds what
  *   (default `"effect-lock"`; an `application_name` in the URL is used when this is not given).
  * - `namespace`: mixed into every key, so two applications can use the same names apart.
- * - `fencingTable`: table of per-name fencing counters, `name` or `schema.name` as for
- *   `PgLease`'s table (default `effect_lock_fencing`, in the session's search_path).
+ * - `fencingTable`: table of the fencing tokens of names in use, `name` or `schema.name` as for
+ *   `PgLease`'s table (default `effect_lock_fencing`, in the session's search_path); tokens are
+ *   drawn from the sequence `effect_lock_tokens` in the same schema.
  * - `createTables`: create the fencing table on first use (default `true`). With `false` the
  *   layer only checks it exists, for roles that may not run DDL: create it with `migration()`.
  * - `connectTimeout`: bound on opening one session (default 10 s).
  * - `heartbeatInterval` / `heartbeatTimeout`: idle sessions are checked this often and
  *   destroyed (their leases lost) when a check gets no answer in time (default 500 ms / 1 s), so a
  *   holder learns of a silent network drop or a frozen server within about 1.6 s.
+ * - `sweepInterval`: how often the fencing rows of lock names nobody holds or waits for are
+ *   deleted (default 5 s; zero: never). Tokens come from the database's one sequence, so a
+ *   name's next grant still gets a larger token.
  *
  * @since 0.1.0
  * @category models
@@ -168,7 +172,7 @@ export const layerFromPgClient = (
 export const migration = (settings?: { readonly fencingTable?: string | undefined }): string => {
   const table = parseTable(settings?.fencingTable ?? optionsOf.DEFAULT_FENCING_TABLE)
   if (typeof table === "string") throw new RangeError(`fencingTable: ${table}`)
-  return `${internal.fencingTableSql(table)};\n${internal.permitColumnsSql(table)};`
+  return `${internal.fencingTableSql(table)};\n${internal.permitColumnsSql(table)};\n${internal.fencingTokensSql(table)};`
 }
 
 /**

@@ -3,15 +3,16 @@
  * `pool_mode = transaction`), for long critical sections, for processes that hold many locks at
  * once, and for readers/writers (`shared` mode). Holding a lease costs no connection.
  *
- * **Tables.** One row per lock name in the lease table (default `effect_lock_leases`, created on
- * first use, or by your own migration from `migration()`): `name` (primary key), `owner` (a random
- * uuid per acquisition, null when free), `token` (the fencing counter), `expires_at`, who holds or
- * last held it (`acquired_at`, `holder_application`, `holder_host`, `holder_pid`), and for shared
- * holders their count and bound (`shared_count`, `shared_until`, `shared_since`). Its queue table
- * (`<table>_queue`, same schema) has a row per waiting request — its place in arrival order — and
- * per shared holder. Lease rows are never deleted — a released row keeps its token — so tokens
- * increase forever per name. Operators must not delete them either: a deleted row's name starts
- * again at token 1, below tokens a `Fence` has already seen.
+ * **Tables.** One row per lock name in use in the lease table (default `effect_lock_leases`,
+ * created on first use, or by your own migration from `migration()`): `name` (primary key),
+ * `owner` (a random uuid per acquisition, null when free), `token` (the last token granted),
+ * `expires_at`, who holds or last held it (`acquired_at`, `holder_application`, `holder_host`,
+ * `holder_pid`), and for shared holders their count and bound (`shared_count`, `shared_until`,
+ * `shared_since`). Its queue table (`<table>_queue`, same schema) has a row per waiting request —
+ * its place in arrival order — and per shared holder. Tokens are drawn from one sequence per
+ * schema, `effect_lock_tokens` (shared with PgAdvisory's fencing table there), so the rows of a
+ * name nobody holds or waits for are deleted by the sweep (`sweepInterval`) and its next grant
+ * still gets a larger token.
  *
  * **Statements.** Every operation is ONE autocommit statement, so it is correct behind a
  * transaction pooler: an acquire attempt takes the lock (bumping the token) or its place in the
@@ -36,8 +37,9 @@
  * **Semaphores.** The layer provides `DistributedSemaphore` too (N permits per name), on the same
  * connections, with the same statements' guarantees: one autocommit statement per operation,
  * the server's `now()`, every statement bounded. Its table (`<table>_sem`, same schema, created
- * with the others) has one row per semaphore name: its limit, its fencing counter (a token per
- * permit; rows are never deleted), and its live holders and waiters (jsonb arrays). Every grant,
+ * with the others) has one row per semaphore name in use: its limit, its last token (a grant
+ * takes one per permit, a block drawn from `effect_lock_tokens`; the row of a semaphore nobody
+ * holds or waits for is swept), and its live holders and waiters (jsonb arrays). Every grant,
  * renewal and release updates that one row, so they serialize on its row lock and each decides
  * on the newest row: never more than `limit` permits are held, whatever the concurrency. Waiters
  * are served in arrival order — a release wakes (NOTIFY, in its own statement) the waiters at the
@@ -153,6 +155,9 @@ import * as Make from "./internal/lease/pg/make.js"
  *   did not answer in time is destroyed.
  * - `createTable`: create the table on first use (default true); set false when your migrations
  *   run `migration()` and the application's role may not create tables.
+ * - `sweepInterval`: how often this layer deletes the rows of idle names (names nobody holds or
+ *   waits for, places and shared holders that ran out), in rounds of at most 1,000 rows per table
+ *   that skip rows in use; default 5 s (an idle name's rows go within about that), zero: never.
  * - `applicationName`: written to `holder_application` and used as the own connections'
  *   `application_name`; default the `PgClient`'s application name, else `effect-lock`.
  *
@@ -190,10 +195,14 @@ export const DEFAULT_TABLE = LeaseOptions.DEFAULT_TABLE
 /**
  * The SQL that creates the lease table, its queue table and the semaphore table, for
  * applications that run their own migrations (then pass `createTable: false`; re-run it after an
- * upgrade that adds a table). Idempotent. Throws on an invalid identifier (a programming error).
+ * upgrade that adds a table, as the token sequence's). Idempotent. Throws on an invalid
+ * identifier (a programming error). It also creates the token sequence `effect_lock_tokens` in
+ * the table's schema, raised above every token already in the tables, and a `before insert`
+ * trigger on each that makes a process of the previous version (which counts tokens per name)
+ * draw from it too.
  *
- * Never delete rows of this table (no cleanup job, no `truncate`): a row carries its name's
- * fencing counter, and a deleted name starts again at token 1 — a stale token to every `Fence`.
+ * Never drop or reset the sequence, nor lower it: it is every name's fencing counter. Rows of
+ * idle names may go (the sweep deletes them); a `truncate` of held rows frees their locks.
  *
  * @since 0.1.0
  * @category migrations

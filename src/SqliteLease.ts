@@ -37,8 +37,9 @@
  *
  * **Tables.** Those of `PgLease` (default `effect_lock_leases`, its queue `<table>_queue`, its
  * semaphores `<table>_sem`), plus `<table>_op` and its triggers; created when the layer is built (`createTable: false` when your
- * migrations run `migration()`). Times are integers, milliseconds since the epoch. Lease rows are
- * never deleted — a released row keeps its token — so tokens increase forever per name. The file
+ * migrations run `migration()`). Times are integers, milliseconds since the epoch. Tokens come
+ * from the file's one counter (`effect_lock_tokens`), so the rows of idle names are swept
+ * (`sweepInterval`) and tokens still increase forever per name. The file
  * is put in WAL mode (persistent for the file), so readers never block the writer.
  *
  * **Durability of tokens.** better-sqlite3 keeps SQLite's default `synchronous = FULL`: in WAL
@@ -114,7 +115,13 @@ import * as Make from "./internal/lease/sqlite/make.js"
  * - `busyTimeout`: longest one statement blocks the event loop waiting for SQLite's write lock
  *   before it retries asynchronously; default 50 ms.
  * - `statementTimeout`: bound on each operation, retries included; default 5 s.
- * - `createTable`: create the tables when the layer is built (default true).
+ * - `createTable`: create the tables when the layer is built (default true). With false, re-run
+ *   `migration()` after an upgrade: it also makes the file's one token counter
+ *   (`effect_lock_tokens`), raised above every token already in the tables.
+ * - `sweepInterval`: how often this layer deletes the rows of idle names (nobody holds or waits;
+ *   their tokens come from the file's one counter, so a name's next grant still gets a larger
+ *   one); default 5 s, zero: never. A process of the previous version on the same file gets an
+ *   error, never a smaller token, when it grants a name whose row was swept.
  * - `applicationName`: written to `holder_application`; default `effect-lock`.
  *
  * @since 0.1.0

@@ -619,7 +619,7 @@ describe("DistributedSemaphore on PgAdvisory", () => {
       const refused = yield* Effect.flip(Effect.scoped(semaphoreOf(kept).acquire("upgrade", { limit: 2 })))
       expect(refused).toMatchObject({ _tag: "LockBackendError" })
       expect(String((refused as { cause?: unknown }).cause)).toMatch(/permit_limit.*PgAdvisory\.migration\(\)/)
-      expect((yield* Effect.scoped(lockOf(kept).acquire("still-a-lock"))).token).toBe(1n)
+      expect((yield* Effect.scoped(lockOf(kept).acquire("still-a-lock"))).token > 0n).toBe(true)
       // migration() upgrades it in place (and is idempotent); a layer built afterwards serves permits.
       const migration = PgAdvisory.migration({ fencingTable: "fencing_kept" })
       yield* Effect.promise(() => withClient(db.url, async (client) => {

@@ -94,7 +94,9 @@ const options: BackendOptions = {
   fencingTable: parseTable("effect_lock_fencing") as TableRef,
   createTables: true,
   heartbeatIntervalMillis: 500,
-  heartbeatTimeoutMillis: 1_000
+  heartbeatTimeoutMillis: 1_000,
+  // No sweep: the fake server answers no SQL of it.
+  sweepIntervalMillis: 0
 }
 
 const request = (name: string, lost: Array<LostReason>): AcquireRequest => ({

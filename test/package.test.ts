@@ -353,7 +353,7 @@ interface Program {
 /** The programs a line's packages make runnable: memory always, each backend whose packages it names. */
 const programsFor = (line: InstallLine): ReadonlyArray<Program> => [
   { file: "memory.js", text: MEMORY_MAIN, expected: /^memory tokens 1 2$/m },
-  ...(names(line, "@effect/sql-pg") ? [{ file: "lease.js", text: LEASE_MAIN, expected: /^lease token 1$/m }] : []),
+  ...(names(line, "@effect/sql-pg") ? [{ file: "lease.js", text: LEASE_MAIN, expected: /^lease token [1-9][0-9]*$/m }] : []),
   ...(names(line, "pg") ? [{ file: "advisory.js", text: ADVISORY_MAIN, expected: /^advisory token \d+$/m }] : []),
   ...(names(line, "@effect/sql-sqlite-node")
     ? [{ file: "sqlite.js", text: SQLITE_MAIN, expected: /^sqlite tokens 1 2$/m }]

@@ -109,8 +109,10 @@ export interface Server {
   /**
    * Embedded servers only: a fast shutdown (every session is terminated, as in a real restart),
    * `downMillis` with no server listening, then a start on the same port and data. Data survive.
+   * `immediate`: an immediate-mode stop instead (SIGQUIT to the postmaster: no checkpoint, as in
+   * a crash), so the start replays the WAL; what was committed with a flush survives.
    */
-  readonly restart?: (options?: { readonly downMillis?: number }) => Promise<void>
+  readonly restart?: (options?: { readonly downMillis?: number; readonly immediate?: boolean }) => Promise<void>
 }
 
 const startOnce = async (attempt: number): Promise<Server> => {
@@ -175,7 +177,16 @@ const startOnce = async (attempt: number): Promise<Server> => {
     url: `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`,
     restart: (options) =>
       restarting = restarting.then(async () => {
-        await withTimeout(pg.stop(), STOP_TIMEOUT_MS, "stopping PostgreSQL for a restart")
+        const child = serverProcess(pg)
+        if (options?.immediate === true && child !== undefined && !hasExited(child)) {
+          const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()))
+          // SIGQUIT: PostgreSQL's immediate shutdown, which recovers from the WAL at the next start.
+          child.kill("SIGQUIT")
+          await withTimeout(exited, STOP_TIMEOUT_MS, "an immediate-mode stop of PostgreSQL")
+          forgetServerProcess(pg)
+        } else {
+          await withTimeout(pg.stop(), STOP_TIMEOUT_MS, "stopping PostgreSQL for a restart")
+        }
         const down = options?.downMillis ?? 0
         if (down > 0) await new Promise((resolve) => setTimeout(resolve, down))
         await withTimeout(pg.start(), 30_000, "PostgreSQL restart")

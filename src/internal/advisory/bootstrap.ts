@@ -9,6 +9,7 @@ import { LockBackendError, UnsafeConnectionPooling } from "../../LockError.js"
 import * as driver from "../pg/driver.js"
 import { advisoryKey } from "../core/lockKey.js"
 import { CATALOG_RACE, CREATE_ATTEMPTS, ensureTableSql, type TableRef } from "../sql/tables.js"
+import * as Tokens from "../sql/tokens.js"
 import { within, withinOrFail } from "../runtime/stallSafe.js"
 import type { Engine, Settled } from "./state.js"
 
@@ -103,13 +104,18 @@ export const probeAffinity = (
 }
 
 /**
- * The fencing-token table: one counter per key, bumped in each grant's statement. Semaphores keep
+ * The fencing-token table: one row per key in use, its last token (drawn from the database's token
+ * sequence in each grant's statement; the row of an idle lock name is swept). Semaphores keep
  * their limit and their waiter queue beside their counter (`permit_limit`, `permit_queue`; null on
  * lock rows, and `permit_queue` on a semaphore nobody waits for).
  */
 export const fencingTableSql = (table: TableRef): string =>
   `CREATE TABLE IF NOT EXISTS ${table.sql} (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL, ` +
   `permit_limit integer, permit_queue jsonb)`
+
+/** The token sequence the fencing table draws from, with the table's guard (`sql/tokens`). */
+export const fencingTokensSql = (table: TableRef): string =>
+  Tokens.ensureTokens(Tokens.tokenSequence(table), [{ table, kind: "fencing" }])
 
 /** Adds the semaphores' columns to a fencing table made before semaphores, or before their queue (idempotent). */
 export const permitColumnsSql = (table: TableRef): string =>
@@ -139,11 +145,16 @@ export const ensureFencingTable = (
     const table = engine.options.fencingTable
     const fail = (cause: unknown) => new LockBackendError({ operation: "create fencing table", cause })
     if (!engine.options.createTables) {
-      const found = yield* statement("select to_regclass($1) is not null as present, pg_backend_pid() as pid", [table.sql])
+      const found = yield* statement(
+        "select to_regclass($1) is not null and to_regclass($2) is not null as present, pg_backend_pid() as pid",
+        [table.sql, Tokens.tokenSequence(table).sql]
+      )
       if (found._tag !== "Ok" || found.rows[0]?.present !== true) {
         return yield* fail(
           found._tag === "Ok"
-            ? new Error(`the fencing table ${table.text} does not exist; create it with PgAdvisory.migration()`)
+            ? new Error(
+              `the fencing table ${table.text} or its token sequence does not exist; create them with PgAdvisory.migration()`
+            )
             : found
         )
       }
@@ -156,6 +167,11 @@ export const ensureFencingTable = (
         if (attempt >= CREATE_ATTEMPTS || code === undefined || !CATALOG_RACE.has(code)) {
           return yield* fail(settled._tag === "Failed" ? settled.failure.error : new Error(`fencing table: ${settled._tag}`))
         }
+      }
+      // The token sequence and the table's guard (`sql/tokens`): a catalog lookup once installed.
+      const tokens = yield* statement(fencingTokensSql(table))
+      if (tokens._tag !== "Ok") {
+        return yield* fail(tokens._tag === "Failed" ? tokens.failure.error : new Error(`token sequence: ${tokens._tag}`))
       }
     }
     return yield* ensurePermitColumns(engine, statement)

@@ -81,13 +81,13 @@ import {
   statement
 } from "./session.js"
 import { isPermitWake, makePermitBackend } from "./permits.js"
-import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, UNINTEREST_SQL } from "./sql.js"
+import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, sweepSql, UNINTEREST_SQL } from "./sql.js"
 import type { BackendOptions, Engine, Hint, Hints, Holder, Session } from "./state.js"
 import { blockingWait, nextHint } from "./wait.js"
 
 export { BACKEND } from "./session.js"
 export { CHANNEL } from "./sql.js"
-export { fencingTableSql, permitColumnsSql } from "./bootstrap.js"
+export { fencingTableSql, fencingTokensSql, permitColumnsSql } from "./bootstrap.js"
 export type { BackendOptions } from "./state.js"
 
 /** Bound on a statement that never waits for a lock (grant attempt, bump, unlock, cleanup). */
@@ -102,6 +102,11 @@ const fallbackPause = Effect.repeat(Effect.void, {
   schedule: Schedule.jittered(Schedule.spaced(Duration.millis(FALLBACK_RETRY_MS))),
   times: 1
 })
+
+/** Fencing rows one sweep statement deletes at most: it shares the home session with releases. */
+const SWEEP_LIMIT = 200
+/** Sweep statements in one pass at most; a larger backlog goes over the next passes. */
+const SWEEP_MAX_ROUNDS = 500
 
 /** Names whose advisory keys are remembered. */
 const KEY_CACHE_SIZE = 4_096
@@ -456,6 +461,26 @@ export const makeWith = (
       )
     )
     yield* Effect.forkScoped(Effect.repeat(heartbeat, Schedule.spaced(Duration.millis(options.heartbeatIntervalMillis))))
+
+    // Idle lock names' fencing rows, on the home session (never blocking: rows locked elsewhere are
+    // skipped), in small rounds so a release queued behind one waits little; failures wait for the next pass.
+    const sweepRound = Effect.suspend(() => {
+      const session = engine.sessions.find((s) => s.role === "home" && s.state === "open")
+      if (session === undefined) return Effect.succeed(0)
+      return Effect.map(
+        statement(engine, session, sweepSql(options.fencingTable), [SWEEP_LIMIT]),
+        (settled) => (settled._tag === "Ok" ? Number(settled.rows[0]?.["swept"] ?? 0) : 0)
+      )
+    })
+    const sweepPass = Effect.iterate(0, {
+      while: (round) => round >= 0 && round < SWEEP_MAX_ROUNDS,
+      body: (round) => Effect.map(sweepRound, (swept) => (swept >= SWEEP_LIMIT ? round + 1 : -1))
+    })
+    if (options.sweepIntervalMillis > 0) {
+      yield* owner.fork(
+        Effect.repeat(sweepPass, Schedule.jittered(Schedule.spaced(Duration.millis(options.sweepIntervalMillis * 0.9))))
+      )
+    }
 
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {

@@ -36,6 +36,7 @@ export interface ConnectionFields {
   readonly connectTimeout?: Duration.DurationInput | undefined
   readonly heartbeatInterval?: Duration.DurationInput | undefined
   readonly heartbeatTimeout?: Duration.DurationInput | undefined
+  readonly sweepInterval?: Duration.DurationInput | undefined
 }
 
 /** Sessions a layer opens when `maxSessions` is not given. */
@@ -45,6 +46,8 @@ export const DEFAULT_FENCING_TABLE = "effect_lock_fencing"
 const DEFAULT_CONNECT_TIMEOUT = Duration.seconds(10)
 const DEFAULT_HEARTBEAT_INTERVAL = Duration.millis(500)
 const DEFAULT_HEARTBEAT_TIMEOUT = Duration.millis(1_000)
+/** An idle lock name's fencing row goes within about this long (plus one round). */
+export const DEFAULT_SWEEP_INTERVAL = Duration.seconds(5)
 
 /**
  * A duration option in whole milliseconds; thrown (naming the option) when refused. Each of them
@@ -103,7 +106,16 @@ export const resolve = (options: ConnectionFields): Effect.Effect<BackendOptions
         namespace: options.namespace ?? "",
         fencingTable: table,
         heartbeatIntervalMillis: positiveMillis(options.heartbeatInterval, DEFAULT_HEARTBEAT_INTERVAL, "heartbeatInterval"),
-        heartbeatTimeoutMillis: positiveMillis(options.heartbeatTimeout, DEFAULT_HEARTBEAT_TIMEOUT, "heartbeatTimeout")
+        heartbeatTimeoutMillis: positiveMillis(options.heartbeatTimeout, DEFAULT_HEARTBEAT_TIMEOUT, "heartbeatTimeout"),
+        sweepIntervalMillis: Either.match(
+          durationOption("sweepInterval", options.sweepInterval, DEFAULT_SWEEP_INTERVAL, { max: MAX_TIMER, allowZero: true }),
+          {
+            onLeft: (reason) => {
+              throw new Error(reason)
+            },
+            onRight: (duration) => Math.ceil(Duration.toMillis(duration))
+          }
+        )
       }
     },
     catch: (cause) => new LockBackendError({ operation: "configure", cause })

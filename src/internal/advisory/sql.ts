@@ -7,6 +7,7 @@
 import type { LockMode } from "../../Lease.js"
 import { literal } from "../pg/driver.js"
 import type { TableRef } from "../sql/tables.js"
+import * as Tokens from "../sql/tokens.js"
 
 /** Channel of release notifications; the payload is the key in decimal. */
 export const CHANNEL = "effect_lock_released"
@@ -71,6 +72,33 @@ const perTable = (build: (table: TableRef) => string) => {
 }
 
 /**
+ * A bumped row's token: the one drawn from the database's token sequence (`sql/tokens`), or one
+ * above the row's when a previous version's per-name count ran ahead of the sequence.
+ */
+const NEXT = "greatest(f.token + 1, excluded.token)"
+
+/**
+ * One round of the idle-name sweep: deletes at most $1 lock rows of the fencing table whose key
+ * nobody holds or waits for in this database (`pg_locks`: session and transaction locks, shared
+ * or exclusive, granted or not) and whose token the sequence has already passed. Rows another
+ * statement has locked are skipped, not waited for. A grant bumps its row only while it holds the
+ * key, after its holder before it committed its own bump: a row deleted here meets a later grant
+ * whose token is drawn after every token of that row. Semaphore rows (a limit, a queue, or the
+ * counter at 0 while their first grant makes them) are kept.
+ */
+export const sweepSql = perTable((table) =>
+  `with held as materialized (select ((l.classid::bigint << 32) | l.objid::bigint) as key from pg_locks l ` +
+  `where l.locktype = 'advisory' and l.objsubid = 1 and l.database = (select oid from pg_database where datname = current_database())), ` +
+  `candidates as materialized (select f.key from ${table.sql} f where f.permit_limit is null and f.permit_queue is null ` +
+  `and f.token > 0 and f.token < ${Tokens.nextUp(Tokens.tokenSequence(table))} and not exists (select 1 from held h where h.key = f.key) ` +
+  `limit $1::integer for update of f skip locked), ` +
+  `gone as (delete from ${table.sql} f using candidates c where f.key = c.key returning 1) ` +
+  // Deletes only what nobody holds: its commit need not wait for the disk.
+  `select (select count(*) from gone)::integer as swept, set_config('synchronous_commit', 'off', true) as unflushed, ` +
+  `pg_backend_pid() as pid`
+)
+
+/**
  * Try-locks a batch of keys and bumps the fencing counter of each key granted, in one statement
  * and one commit: concurrent grants on a session share a WAL flush. Rows: one per granted key
  * (`key`, `token`), plus one row carrying only `pid`.
@@ -81,8 +109,9 @@ export const tryBatchSql = perTable((table) =>
   `with request as (select * from unnest($1::bigint[], $2::text[], $3::boolean[]) as r(key, name, shared)), ` +
   `attempt as (select key, name, case when shared then pg_try_advisory_lock_shared(key) ` +
   `else pg_try_advisory_lock(key) end as granted from request), ` +
-  `bumped as (insert into ${table.sql} as f (key, name, token) select key, name, 1 from attempt where granted ` +
-  `on conflict (key) do update set token = f.token + 1, name = excluded.name returning f.key, f.token) ` +
+  // Drawn only for granted keys, after their lock: a key's draws follow each other in its holders' order.
+  `bumped as (insert into ${table.sql} as f (key, name, token) select key, name, ${Tokens.draw(Tokens.tokenSequence(table))} ` +
+  `from attempt where granted on conflict (key) do update set token = ${NEXT}, name = excluded.name returning f.key, f.token) ` +
   `select key::text as key, token::text as token, null::int as pid from bumped ` +
   `union all select null, null, pg_backend_pid()`
 )
@@ -95,11 +124,11 @@ export const tryBatchSql = perTable((table) =>
  * Parameters: $1 key, $2 name, $3 classid, $4 objid (the key's `pg_locks` halves).
  */
 export const joinBumpSql = perTable((table) =>
-  `with bumped as (insert into ${table.sql} as f (key, name, token) select $1::bigint, $2::text, 1 ` +
+  `with bumped as (insert into ${table.sql} as f (key, name, token) select $1::bigint, $2::text, ${Tokens.draw(Tokens.tokenSequence(table))} ` +
   `where not exists (select 1 from pg_locks l where l.locktype = 'advisory' and l.objsubid = 1 ` +
   `and l.classid = $3::int8::oid and l.objid = $4::int8::oid and not l.granted and l.mode = 'ExclusiveLock' ` +
   `and l.database = (select oid from pg_database where datname = current_database())) ` +
-  `on conflict (key) do update set token = f.token + 1, name = excluded.name returning f.token) ` +
+  `on conflict (key) do update set token = ${NEXT}, name = excluded.name returning f.token) ` +
   `select (select token::text from bumped) as token, pg_backend_pid() as pid`
 )
 
@@ -123,8 +152,8 @@ export const waitSql = (
     `SET LOCAL lock_timeout = ${lockTimeoutMillis}`,
     `SELECT pg_advisory_lock${suffix(mode)}('${key}'::bigint)`,
     `SET LOCAL lock_timeout = ${Math.max(1, Math.min(FENCING_LOCK_TIMEOUT_MS, Math.floor(bumpLockTimeoutMillis)))}`,
-    `INSERT INTO ${table.sql} AS f (key, name, token) VALUES ('${key}'::bigint, ${literal(name)}, 1) ` +
-    `ON CONFLICT (key) DO UPDATE SET token = f.token + 1, name = excluded.name ` +
+    `INSERT INTO ${table.sql} AS f (key, name, token) VALUES ('${key}'::bigint, ${literal(name)}, ${Tokens.draw(Tokens.tokenSequence(table))}) ` +
+    `ON CONFLICT (key) DO UPDATE SET token = ${NEXT}, name = excluded.name ` +
     `RETURNING f.token::text AS token, pg_backend_pid() AS pid`
   ].join("; ")
 

@@ -26,6 +26,8 @@ export interface BackendOptions {
   readonly createTables: boolean
   readonly heartbeatIntervalMillis: number
   readonly heartbeatTimeoutMillis: number
+  /** How often idle lock names' fencing rows are swept (0: never). */
+  readonly sweepIntervalMillis: number
   /**
    * Interval of a permit waiter's fallback re-try (jittered ±20%), for releases that send no
    * notification (a crashed holder). Not a public option: tests stretch it to prove that

@@ -19,11 +19,11 @@ import { storedLease, storedSemaphore } from "./stored.js"
 
 /** The tables of one lease table name, on every database (a dialect may add its own). */
 export interface LeaseTables {
-  /** One row per lock name: its holder, its fencing counter, its shared holders' count and bound. */
+  /** One row per lock name in use: its holder, its last token, its shared holders' count and bound. */
   readonly leases: TableRef
   /** A row per waiting request (its place, in arrival order) and per shared holder. */
   readonly queue: TableRef
-  /** One row per semaphore name: its limit, token counter, holders and waiters. */
+  /** One row per semaphore name in use: its limit, last token, holders and waiters. */
   readonly sem: TableRef
 }
 
@@ -117,6 +117,17 @@ export interface GrantStatements<I, A> {
   readonly renew: Statement<ReadonlyArray<RenewInput>, ReadonlyArray<RenewAnswer>>
   /** Creates the tables if needed: idempotent statements, run in order on first use. */
   readonly ensureTable: ReadonlyArray<Statement<void, void>>
+  /**
+   * Deletes up to `limit` rows of names nobody holds or waits for (and rows of places and shared
+   * holders that ran out), only where the store's token source is already past the row's token,
+   * so the name's next grant still gets a larger one; answers how many rows went.
+   */
+  readonly sweep: Statement<SweepInput, number>
+}
+
+/** One round of the idle-name sweep: at most `limit` rows of each table. */
+export interface SweepInput {
+  readonly limit: number
 }
 
 /** The operator and inspection statements, run on the caller's `SqlClient`. */
@@ -167,6 +178,8 @@ export const params = {
     grants.map((g) => g.ttlMillis),
     grants.map((g) => g.mode ?? null)
   ],
+  /** $1 the most rows to delete per table. */
+  sweep: (i: SweepInput): ReadonlyArray<unknown> => [i.limit],
   /** $1 name, or null for every name. */
   named: (i: { readonly name: string | null }): ReadonlyArray<unknown> => [i.name],
   none: (): ReadonlyArray<unknown> => []
@@ -206,6 +219,8 @@ export const decode = {
   present: flag("present"),
   revoked: flag("revoked"),
   now: (rows: ReadonlyArray<Row>): number => Number(first(rows)?.["now"]),
+  /** The rows a sweep deleted (`swept`). */
+  swept: (rows: ReadonlyArray<Row>): number => Number(first(rows)?.["swept"] ?? 0),
   nothing: (): void => undefined
 } as const
 

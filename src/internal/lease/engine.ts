@@ -24,6 +24,7 @@ import * as Lane from "./lane.js"
 import type { Owner } from "../runtime/owner.js"
 import * as Permits from "./permits.js"
 import * as Renew from "./renew.js"
+import * as Sweep from "./sweep.js"
 import type { Subscription, WakeHub } from "./waiters.js"
 import { CREATE_ATTEMPTS } from "../sql/tables.js"
 
@@ -48,6 +49,8 @@ export interface Settings extends Attempt.AttemptSettings {
   readonly checkInterval: Duration.Duration
   /** Create the table on first use. */
   readonly createTable: boolean
+  /** How often idle names' rows are swept (zero: never). */
+  readonly sweepInterval: Duration.Duration
 }
 
 /**
@@ -73,6 +76,12 @@ export const make = (
     // Created apart from the lock tables: locks never wait for (or need the privilege to create) it.
     const permitReady = yield* tableReadiness(lane, settings, permits.ensureTable, dialect.retryCreate)
     const permitAttempt = Permits.attempts(settings, { lane, giveBack: permitGiveBack, ...permitReady, owner }, permits.acquire)
+
+    // Idle names' rows, of the tables this layer has made sure of.
+    yield* Sweep.start(lane, [
+      { statement: locks.sweep, ready: isReady },
+      { statement: permits.sweep, ready: permitReady.isReady }
+    ], settings.sweepInterval, settings.statementTimeout, owner)
 
     // The clock every replica shares: schedules compare occurrence times on it.
     const now = Effect.map(owner.run(Lane.send(lane, undefined, dialect.now, undefined, settings.statementTimeout)), ({ value }) => value)

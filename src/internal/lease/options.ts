@@ -10,6 +10,7 @@ import { LockBackendError } from "../../LockError.js"
 import { durationOption, type DurationRules, TIMER } from "../core/validate.js"
 import { MAX_NAME_BYTES, MIN_TTL } from "./engine.js"
 import { RENEW_BATCH_SIZE } from "./renew.js"
+import { DEFAULT_SWEEP_INTERVAL } from "./sweep.js"
 
 /** The options of both lease stores (documented on `PgLease.Options` and `SqliteLease.Options`). */
 export interface CommonOptions {
@@ -19,6 +20,7 @@ export interface CommonOptions {
   readonly statementTimeout?: Duration.DurationInput | undefined
   readonly createTable?: boolean | undefined
   readonly applicationName?: string | undefined
+  readonly sweepInterval?: Duration.DurationInput | undefined
 }
 
 export const DEFAULT_TABLE = "effect_lock_leases"
@@ -41,6 +43,8 @@ export interface Resolver<T> {
   ) => Effect.Effect<Duration.Duration, LockBackendError>
   /** `statementTimeout`, a bound on timers like every interval option. */
   readonly statementTimeout: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
+  /** `sweepInterval`: how often idle names' rows are deleted; zero turns the sweep off. */
+  readonly sweepInterval: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
   /** `ttl`: a positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here. */
   readonly ttl: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
 }
@@ -58,7 +62,9 @@ export const resolver = <T>(backend: string, parseTables: (input: string) => T |
     },
     duration,
     statementTimeout: (options) => duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER),
-    ttl: (options) => duration("ttl", options?.ttl, DEFAULT_TTL)
+    ttl: (options) => duration("ttl", options?.ttl, DEFAULT_TTL),
+    sweepInterval: (options) =>
+      duration("sweepInterval", options?.sweepInterval, DEFAULT_SWEEP_INTERVAL, { ...TIMER, allowZero: true })
   }
 }
 
@@ -79,6 +85,7 @@ export const defaults = <const Own extends object>(own: Own) => ({
   minTtl: MIN_TTL,
   ...own,
   statementTimeout: DEFAULT_STATEMENT_TIMEOUT,
+  sweepInterval: DEFAULT_SWEEP_INTERVAL,
   renewBatchSize: RENEW_BATCH_SIZE,
   maxNameBytes: MAX_NAME_BYTES
 } as const)

@@ -43,13 +43,15 @@ export const dialect = (tables: Sql.Tables, channel: string): Dialect => {
       acquire: { operation: "acquire", text: Sql.acquire(tables), encode: params.lockAcquire, decode: decode.lockAcquire },
       release: release(Sql.release(tables)),
       renew: { operation: "renew", text: Sql.renew(tables), encode: params.renew, decode: decode.renew },
-      ensureTable: ddl([Sql.ensureTable(tables)], asIs)
+      ensureTable: ddl([Sql.ensureTable(tables), Sql.ensureLockTokens(tables)], asIs),
+      sweep: { operation: "sweep", text: Sql.sweep(tables), encode: params.sweep, decode: decode.swept }
     },
     permits: {
       acquire: { operation: "acquire", text: PermitSql.acquire(tables), encode: params.permitAcquire, decode: decode.permitAcquire },
       release: release(PermitSql.release(tables)),
       renew: { operation: "renew", text: PermitSql.renew(tables), encode: params.renew, decode: decode.renew },
-      ensureTable: ddl([Sql.ensureSemTable(tables)], asIs)
+      ensureTable: ddl([Sql.ensureSemTable(tables), Sql.ensureSemTokens(tables)], asIs),
+      sweep: { operation: "sweep", text: PermitSql.sweep(tables), encode: params.sweep, decode: decode.swept }
     },
     operator: operator(tables, channel),
     // clock_timestamp(), not now(): the time of the read, not of a transaction's start.

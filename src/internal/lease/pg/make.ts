@@ -71,6 +71,7 @@ export const makeBackend = (
     const defaultTtl = yield* options.ttl(input)
     const pollInterval = yield* options.duration("pollInterval", input?.pollInterval, DEFAULT_POLL, TIMER)
     const checkInterval = yield* options.duration("listenCheckInterval", input?.listenCheckInterval, DEFAULT_CHECK, TIMER)
+    const sweepInterval = yield* options.sweepInterval(input)
     const sql = yield* SqlClientTag
     const pg = yield* Effect.serviceOption(PgClientTag)
     const pool = input?.pool ?? (Option.isSome(pg) ? "own" : "application")
@@ -106,6 +107,7 @@ export const makeBackend = (
       defaultTtl,
       pollInterval,
       checkInterval,
-      createTable: input?.createTable !== false
+      createTable: input?.createTable !== false,
+      sweepInterval
     }, Dialect.dialect(tables, channel), hub, owner)
   })

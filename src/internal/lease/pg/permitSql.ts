@@ -3,8 +3,9 @@
  * operation, the server's `now()` only, like the lock statements beside them (`pg/sql`).
  *
  * **One row per semaphore name** in the semaphore table (`<table>_sem`, created with the lease
- * table): `permit_limit`, the fencing counter `token` (last token handed out; rows are never
- * deleted, so tokens never go backwards), `holders` — a jsonb array of
+ * table): `permit_limit`, `token` (the last token handed out, drawn from the database's token
+ * sequence as a block of `permits` consecutive values, `sql/tokens`: the row of a semaphore
+ * nobody holds or waits for is swept, and its next grant still gets larger tokens), `holders` — a jsonb array of
  * `{ owner, permits, token (the first of its permits'), expires, acquired, application, host, pid }`
  * — and `waiters`, the queue, a jsonb array in arrival order of
  * `{ place, permits, expires, since, application, host, pid }`; times are the server's, in
@@ -28,6 +29,7 @@
  *
  * Columns of results are single lowercase words so client-side name transforms cannot rename them.
  */
+import * as Tokens from "../../sql/tokens.js"
 import type { Tables } from "./sql.js"
 import { commitsUnflushed, WAITER_PREFIX } from "./sql.js"
 
@@ -109,21 +111,31 @@ const writes = (d: string) =>
  * $4 limit, $5 permits, $6 ttl ms, $7 place ttl ms, $8 application, $9 host, $10 pid,
  * $11 take a place.
  */
-export const acquire = ({ sem }: Tables): string =>
-  `with s as (
+export const acquire = ({ leases, sem }: Tables): string => {
+  const last = "(select last from drawn)"
+  // The last of this grant's permits' tokens: above the row's counter (a previous version's
+  // per-name count may run ahead of the sequence), else the block drawn.
+  const upTo = `greatest(p.token + $5::integer, ${last})`
+  return `with s as (
   select * from ${sem.sql} where name = $1::text
+), guard as materialized (
+  -- Taken before the draw: the sweep cannot delete the name's row between the draw and the insert
+  -- that meets it (a block drawn before the row's last grant would then become the name's next).
+  select ${Tokens.holdGuard(Tokens.sweepGuardNamespace(leases), "$1::text")}
+), drawn as materialized (
+  select ${Tokens.drawBlock(Tokens.tokenSequence(leases), "$5::integer")} as last from guard
 ), u as (
   insert into ${sem.sql} as p (name, permit_limit, token, holders, waiters)
-  select $1::text, $4::integer, $5::integer, jsonb_build_array(${holder("1")}), '[]'::jsonb
+  select $1::text, $4::integer, ${last}, jsonb_build_array(${holder(`${last} - $5::integer + 1`)}), '[]'::jsonb
   -- The snapshot only says whether to write: a stale one skips a write, and what made it stale notifies or is seen by the retry.
   where not exists (select 1 from s) or (select ${writes("d")} from s, lateral ${decide("s")} d)
   on conflict (name) do update set (permit_limit, token, holders, waiters) = (
     -- Decided on p, the newest row version (locked): never on the snapshot.
     select
       case when d.mismatch then p.permit_limit else $4::integer end,
-      case when d.fits then p.token + $5::integer else p.token end,
+      case when d.fits then ${upTo} else p.token end,
       case when d.mismatch then p.holders
-        when d.fits then d.liveholders || jsonb_build_array(${holder("p.token + 1")})
+        when d.fits then d.liveholders || jsonb_build_array(${holder(`${upTo} - $5::integer + 1`)})
         else d.liveholders end,
       case when d.mismatch then p.waiters
         when d.fits then d.others
@@ -152,6 +164,7 @@ select (select token from granted) as token,
       (select min((x.e->>'expires')::numeric) from jsonb_array_elements(c.waiters) as x(e)
         where ${live("x.e")} and x.e->>'place' <> $3::text)
     ) - ${NOW})::float8 from cur c where not exists (select 1 from granted)) as wait`
+}
 
 /**
  * The live places at the head of the queue of the row `r` whose permits fit into what is free,
@@ -237,6 +250,28 @@ select i.idx::integer as idx,
 from input i
 left join ${sem.sql} s on s.name = i.name
 order by i.idx`
+
+/**
+ * One round of the idle-name sweep (`lease/sweep`): deletes at most $1 rows of semaphores with no
+ * live holder and no live waiter whose tokens the sequence has already passed, skipping rows
+ * another statement has locked and names whose grant is drawing right now (`Tokens.tryGuard`, on
+ * the candidates only). Parameters: $1 the most rows to delete.
+ */
+export const sweep = ({ leases, sem }: Tables): string =>
+  `with candidates as materialized (
+  select s.name from ${sem.sql} s
+  where not ${inUse("s")} and s.token < ${Tokens.nextUp(Tokens.tokenSequence(leases))}
+  limit $1::integer
+  for update of s skip locked
+), idle as (
+  select name from candidates where ${Tokens.tryGuard(Tokens.sweepGuardNamespace(leases), "name")}
+), gone as (
+  delete from ${sem.sql} s using idle i where s.name = i.name
+  returning 1
+)
+select (select count(*) from gone)::integer as swept,
+  -- Deletes only what nobody holds: its commit need not wait for the disk.
+  ${commitsUnflushed("true")}`
 
 /**
  * Takes every permit of `name` away (an operator's tool): holders learn at their next renewal

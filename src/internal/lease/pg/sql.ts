@@ -4,8 +4,9 @@
  * never inside the caller's), so it is correct behind PgBouncer in `pool_mode = transaction`.
  * Every time comparison uses the server's `now()`; the client's clock never reaches the tables.
  *
- * Two tables. The lease table has one row per lock name: the exclusive holder (`owner`,
- * `expires_at`), the fencing counter `token`, and for shared holders a count and a bound
+ * Two tables. The lease table has one row per lock name in use: the exclusive holder (`owner`,
+ * `expires_at`), the last token granted `token` (drawn from the database's token sequence,
+ * `sql/tokens`: the row of an idle name is swept, and its next grant still gets a larger token), and for shared holders a count and a bound
  * (`shared_count`, `shared_until`: no shared holder's lease runs past it; `shared_since`: the
  * token that started the current group of shared holders). The queue table
  * (`<table>_queue`) has one row per waiting request — its place (`seq`, in arrival order) held
@@ -20,6 +21,7 @@
  * queue behind a waiting exclusive one.
  */
 import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from "../../sql/tables.js"
+import * as Tokens from "../../sql/tokens.js"
 import type { LeaseTables } from "../dialect.js"
 import { notRenewed, takeOver } from "../leaseSql.js"
 
@@ -73,14 +75,26 @@ const ms = (param: string) => `${param}::bigint * interval '1 millisecond'`
 
 /**
  * The tables, idempotently (also upgrading a lease table made before shared mode and the queue),
- * the semaphore table included. Rows of the lease and semaphore tables are never deleted — a
- * released row keeps its token — so tokens increase forever per name; deleting one would restart
- * its name at token 1, below tokens a `Fence` has seen.
+ * the semaphore table included, then the token sequence and its guards (`sql/tokens`). Tokens
+ * come from the sequence, not from a row, so the rows of idle names are swept (`sweep`).
  */
 export const createTable = (table: Tables | TableRef): string => {
   const tables = tablesOf(table)
   return `${createTableSql(tables)};
-${createSemTableSql(tables)}`
+${createSemTableSql(tables)};
+${Tokens.ensureTokens(Tokens.tokenSequence(tables.leases), [{ table: tables.leases, kind: "lease" }, { table: tables.sem, kind: "sem" }])}`
+}
+
+/** The sequence and the lease table's guard, once the lock tables exist (first use). */
+export const ensureLockTokens = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return Tokens.ensureTokens(Tokens.tokenSequence(tables.leases), [{ table: tables.leases, kind: "lease" }])
+}
+
+/** The sequence and the semaphore table's guard, once it exists (first use). */
+export const ensureSemTokens = (table: Tables | TableRef): string => {
+  const tables = tablesOf(table)
+  return Tokens.ensureTokens(Tokens.tokenSequence(tables.leases), [{ table: tables.sem, kind: "sem" }])
 }
 
 /** The lock tables: the lease table and its queue. */
@@ -203,8 +217,10 @@ const heads = (queue: TableRef, when: string) =>
  */
 export const acquire = (table: Tables | TableRef): string => acquireSql(tablesOf(table))
 
-const acquireSql = ({ leases, queue }: Tables): string =>
-  `with me as (
+const acquireSql = ({ leases, queue }: Tables): string => {
+  const seq = Tokens.tokenSequence(leases)
+  const ns = Tokens.sweepGuardNamespace(leases)
+  return `with me as (
   select seq from ${queue.sql} where owner = $3::uuid and token is null and expires_at > now()
 ), ahead as (
   select min(w.expires_at) as until from ${queue.sql} w
@@ -215,25 +231,32 @@ const acquireSql = ({ leases, queue }: Tables): string =>
   select 1 as free where (select until from ahead) is null and not exists (
     select 1 from ${leases.sql} h
     where h.name = $1::text and ((h.owner is not null and h.expires_at > now()) or ($4::text = 'exclusive' and h.shared_until > now())))
+), guard as materialized (
+  -- Taken before the draw: the sweep cannot delete the name's row between the draw and the insert
+  -- that meets it (a token drawn before the row's last grant would then become the name's next).
+  select ${Tokens.holdGuard(ns, "$1::text")} from free
+), drawn as materialized (
+  select ${Tokens.draw(seq)} as token from guard
 ), exclusive as (
   insert into ${leases.sql} as l (name, owner, token, expires_at, acquired_at, holder_application, holder_host, holder_pid)
-  select $1::text, $2::uuid, 1, now() + ${ms("$5")}, now(), $7::text, $8::text, $9::integer
-  from free where $4::text = 'exclusive'
-  ${takeOver("l.token + 1")}
+  select $1::text, $2::uuid, d.token, now() + ${ms("$5")}, now(), $7::text, $8::text, $9::integer
+  from drawn d where $4::text = 'exclusive'
+  -- Above the row's last token even when a previous version's per-name count ran ahead of the sequence.
+  ${takeOver("greatest(l.token + 1, excluded.token)")}
     where (l.owner is null or l.expires_at <= now()) and (l.shared_until is null or l.shared_until <= now())
   returning l.token
 ), shared as (
   insert into ${leases.sql} as l (name, token, shared_count, shared_until, shared_since)
-  select $1::text, 1, 1, now() + ${ms("$5")}, 1
-  from free where $4::text = 'shared'
+  select $1::text, d.token, 1, now() + ${ms("$5")}, d.token
+  from drawn d where $4::text = 'shared'
   on conflict (name) do update
     set owner = null,
         expires_at = null,
-        token = l.token + 1,
+        token = greatest(l.token + 1, excluded.token),
         shared_count = case when l.shared_until > now() then l.shared_count + 1 else 1 end,
         shared_until = greatest(l.shared_until, excluded.shared_until),
         -- A new group of shared holders starts at this grant's token once the last one's bound passed.
-        shared_since = case when l.shared_until > now() then l.shared_since else l.token + 1 end
+        shared_since = case when l.shared_until > now() then l.shared_since else greatest(l.token + 1, excluded.token) end
     where l.owner is null or l.expires_at <= now()
   returning l.token
 ), granted as (
@@ -261,6 +284,7 @@ select (select token::text from granted) as token,
     (select case when $4::text = 'exclusive' and h.shared_until > now() then h.shared_until end from ${leases.sql} h where h.name = $1::text),
     (select until from ahead)
   ) - now()) * 1000)::float8 end as wait`
+}
 
 /**
  * Renews a whole batch in one statement: every exclusive lease still ours and unexpired gets
@@ -360,6 +384,43 @@ select (select count(*) from exclusive) + (select count(*) from shared) as relea
   -- A give-back grants nothing: its commit need not wait for the disk.
   ${commitsUnflushed("true")},
   (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from heads) as woken`
+
+/**
+ * One round of the idle-name sweep (`lease/sweep`): deletes at most $1 queue rows whose time ran
+ * out (crashed waiters and shared holders), and at most $1 lease rows of names nobody holds or
+ * waits for — no live exclusive lease, no live shared bound, no live queue row — whose token the
+ * sequence has already passed. Rows another statement has locked are skipped, not waited for; so
+ * is a name whose grant is drawing its token right now (`Tokens.tryGuard`, taken only on the few
+ * candidates: never on a whole table). A place or holder that commits after this snapshot and
+ * finds its lease row gone inserts a new one with a drawn token, larger than the deleted one.
+ *
+ * Parameters: $1 the most rows to delete per table.
+ */
+export const sweep = (table: Tables | TableRef): string => sweepSql(tablesOf(table))
+
+const sweepSql = ({ leases, queue }: Tables): string => {
+  const ns = Tokens.sweepGuardNamespace(leases)
+  return `with dead as (
+  delete from ${queue.sql} where owner in (
+    select owner from ${queue.sql} where expires_at <= now() limit $1::integer for update skip locked)
+  returning 1
+), candidates as materialized (
+  select l.name from ${leases.sql} l
+  where (l.owner is null or l.expires_at <= now()) and (l.shared_until is null or l.shared_until <= now())
+    and l.token < ${Tokens.nextUp(Tokens.tokenSequence(leases))}
+    and not exists (select 1 from ${queue.sql} q where q.name = l.name and q.expires_at > now())
+  limit $1::integer
+  for update of l skip locked
+), idle as (
+  select name from candidates where ${Tokens.tryGuard(ns, "name")}
+), gone as (
+  delete from ${leases.sql} l using idle i where l.name = i.name
+  returning 1
+)
+select ((select count(*) from gone) + (select count(*) from dead))::integer as swept,
+  -- Deletes only what nobody holds: its commit need not wait for the disk.
+  ${commitsUnflushed("true")}`
+}
 
 /**
  * Frees a lock whoever holds it, exclusive or shared (an operator's tool), and wakes every waiter

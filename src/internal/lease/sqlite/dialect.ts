@@ -48,20 +48,23 @@ export const dialect = (tables: Sql.Tables): Dialect => {
   // The release answers the waiters now at the head; this process wakes its own.
   const release = (text: string) => ({ operation: "release", text, encode: numbered(params.release), decode: decode.release(headsOf) })
   const renew = (text: string) => ({ operation: "renew", text, encode: numbered(params.renew), decode: decode.renew })
+  const sweep = (text: string) => ({ operation: "sweep", text, encode: numbered(params.sweep), decode: decode.swept })
   return {
     backend: "sqlite-lease",
     locks: {
       acquire: { operation: "acquire", text: Sql.acquire(tables), encode: numbered(params.lockAcquire), decode: decode.lockAcquire },
       release: release(Sql.release(tables)),
       renew: renew(Sql.renew(tables)),
-      ensureTable: ddl(Sql.createTable(tables), encode)
+      ensureTable: ddl(Sql.createTable(tables), encode),
+      sweep: sweep(Sql.sweep(tables))
     },
     permits: {
       acquire: { operation: "acquire", text: PermitSql.acquire(tables), encode: numbered(params.permitAcquire), decode: decode.permitAcquire },
       release: release(PermitSql.release(tables)),
       renew: renew(PermitSql.renew(tables)),
       // Created with the lock tables (`Sql.createTable`).
-      ensureTable: []
+      ensureTable: [],
+      sweep: sweep(PermitSql.sweep(tables))
     },
     operator: operator(tables),
     now: { operation: "now", text: "select unixepoch('subsec') * 1000.0 as now", encode: params.none, decode: decode.now },

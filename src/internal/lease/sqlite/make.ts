@@ -80,6 +80,7 @@ export const makeBackend = (
     const busyTimeout = yield* options.duration("busyTimeout", input?.busyTimeout, DEFAULT_BUSY_TIMEOUT, { ...TIMER, allowZero: true })
     const pollInterval = yield* options.duration("pollInterval", input?.pollInterval, DEFAULT_POLL, TIMER)
     const ttl = yield* options.ttl(input)
+    const sweepInterval = yield* options.sweepInterval(input)
     if (Duration.greaterThanOrEqualTo(busyTimeout, statementTimeout)) {
       return yield* options.configError(
         `busyTimeout (${Duration.format(busyTimeout)}) must be shorter than statementTimeout (${Duration.format(statementTimeout)})`
@@ -106,6 +107,7 @@ export const makeBackend = (
       pollInterval,
       checkInterval: CHECK_INTERVAL,
       // Created above (or by the application's migrations).
-      createTable: false
+      createTable: false,
+      sweepInterval
     }, sqlite, Wake.make(), owner)
   })

@@ -1,15 +1,18 @@
 /**
  * The SQL of SqliteLease's semaphores (`DistributedSemaphore`): PgLease's semaphore table and
- * statements (`pg/permitSql`) in SQLite's dialect — one row per semaphore name in
- * `<table>_sem` with its `permit_limit`, fencing counter `token`, `revoked` bound, and `holders`
- * and `waiters` as JSON arrays (the same entries as on PostgreSQL; times are the database's, in
- * whole milliseconds since the epoch).
+ * statements (`pg/permitSql`) in SQLite's dialect — one row per semaphore name in use in
+ * `<table>_sem` with its `permit_limit`, last token handed out `token`, `revoked` bound, and
+ * `holders` and `waiters` as JSON arrays (the same entries as on PostgreSQL; times are the
+ * database's, in whole milliseconds since the epoch). Tokens come from the file's one counter
+ * (`effect_lock_tokens`, see `schema`), so the row of a semaphore nobody holds or waits for is
+ * deleted by the sweep (`sweep`).
  *
  * **Why it is exact.** A write statement takes SQLite's write lock before it reads, so each
  * statement below decides on the newest row and nobody writes until it commits: the decision is
  * still true when it is written. Acquire, release and revoke are one `insert … on conflict` or
- * `update … returning` of the row; renew, which answers one outcome per lease of a batch, is one
- * `insert … returning` into the operations table, whose trigger renews the entries.
+ * `update … returning` of the row (the row's triggers, `counterTriggers`, move the file's
+ * counter); renew, which answers one outcome per lease of a batch, and the sweep, which answers
+ * a count, are one `insert … returning` into the operations table, whose triggers carry them out.
  *
  * **Fairness** as on PostgreSQL: a request takes its permits when they fit into what is free
  * after every live waiter ahead of it has taken its own; a newcomer is behind every waiter.
@@ -17,9 +20,12 @@
  * Parameters are numbered (`?1` …) in the engine's order; arrays arrive as JSON text and booleans
  * as 0/1 (the dialect, `sqlite/dialect`, encodes them).
  */
-import { NEVER, NOW, RENEW_INPUT, type Tables, trigger } from "./schema.js"
+import { COUNTER, NEVER, NOW, raiseCounter, RENEW_INPUT, type Tables, trigger } from "./schema.js"
 
-/** Bumped when the trigger's text changes: a new version's trigger is created beside the old. */
+/**
+ * The version in the triggers' names; the text of a released trigger is frozen (see `schema`'s
+ * `trigger`): the v1 renewal trigger is unchanged, this version's are of new kinds.
+ */
 const TRIGGER_VERSION = "v1"
 
 /** Integer parameters of `acquire`, cast: better-sqlite3 binds a JS number as a REAL. */
@@ -42,8 +48,11 @@ const heads = `(select json_group_array(x.place) from (
 /**
  * One attempt at `permits` of the semaphore `name`, decided on the row as it is (see the module
  * doc): a mismatch writes the row unchanged and returns its limit; permits that fit are granted
- * (the counter moves by `permits`, this request's holder entry is appended, its place leaves the
- * queue, expired entries are dropped); a waiting request takes its place at the back or keeps it.
+ * the tokens `first .. first + permits - 1`, `first` one above both the file's counter and the
+ * row's token (the row's token becomes the last of them, and its trigger sets the counter to it),
+ * this request's holder entry is appended, its place leaves the queue, expired entries are
+ * dropped; a waiting request takes its place at the back or keeps it (a new row starts at the
+ * counter: at or above every token its name had).
  * Only a grant, a mismatch, a new place or one past half its time writes; an attempt that changes
  * nothing writes nothing and returns no row (busy, wait unknown).
  *
@@ -65,7 +74,8 @@ export const acquire = ({ sem }: Tables): string =>
 ), me as (
   select min(i) as at, max(expires) as expires from wl where place = ?3
 ), d0 as (
-  select n.now, r.permit_limit as lim, coalesce(r.token, 0) as counter, coalesce(r.revoked, 0) as revoked,
+  select n.now, r.permit_limit as lim, r.token as rowtoken, max(coalesce(r.token, 0), ${COUNTER}) as counter,
+    coalesce(r.revoked, 0) as revoked,
     r.holders as holders, r.waiters as waiters,
     coalesce((select sum(permits) from hl), 0) as held,
     exists (select 1 from hl) or exists (select 1 from wl) as inuse,
@@ -85,7 +95,7 @@ export const acquire = ({ sem }: Tables): string =>
 insert into ${sem.sql} (name, permit_limit, token, holders, waiters, revoked)
 select ?1,
   case when mismatch then lim else ${LIMIT} end,
-  case when fits then counter + ${PERMITS} else counter end,
+  case when fits then counter + ${PERMITS} else coalesce(rowtoken, counter) end,
   case when mismatch then holders
     when fits then json_insert(liveholders, '$[#]', json_object('owner', ?2, 'permits', ${PERMITS}, 'token', counter + 1,
       'expires', now + ${TTL}, 'acquired', now, 'application', ?8, 'host', ?9, 'pid', ${PID}))
@@ -177,6 +187,75 @@ begin
       then json(json_set(j.value, '$.expires', new.now + new.ttl)) else json(j.value) end order by j.key)
     from json_each(${sem.sql}.holders) j where ${field("j.value", "expires")} > new.now)
   where new.outcome = 'renewed' and name = new.name;
+  delete from ${op.sql} where rowid = new.rowid;
+end`
+}
+
+/**
+ * The semaphore table's triggers of the file's counter (semaphore grants write the row directly,
+ * not through the operations table):
+ * - `sem_guard`: refuses a new row granting a token not above the counter. This version never
+ *   writes one; the version before the counter does, for a name the sweep deleted (its first
+ *   token `coalesce(row token, 0) + 1` is 1 again, and its RETURNING reports that value, so no
+ *   trigger can correct it): that process's acquire fails with an error instead.
+ * - `sem_counter`: after a new row, raises the counter to its token; a row that starts below the
+ *   counter (an older version's waiting request on a swept name: token 0) is raised to it first,
+ *   so its later grants (row token + permits) are above every token its name had.
+ * - `sem_counter_update`: raises the counter to a row's new token (a grant on an existing row, by
+ *   any version; an older version's is above its row's token, its name's last).
+ */
+export const counterTriggers = (tables: Tables): ReadonlyArray<string> => {
+  const { sem } = tables
+  return [
+    `create trigger if not exists ${trigger(tables, "sem_guard", TRIGGER_VERSION)} before insert on ${sem.sql}
+when not exists (select 1 from ${sem.sql} where name = new.name)
+  and exists (select 1 from json_each(new.holders) h where ${field("h.value", "token")} <= ${COUNTER})
+begin
+  select raise(abort, 'effect-lock: a grant below the token counter of the file (effect_lock_tokens), refused: an older effect-lock version runs on this SQLite file; upgrade it');
+end`,
+    `create trigger if not exists ${trigger(tables, "sem_counter", TRIGGER_VERSION)} after insert on ${sem.sql}
+begin
+  update ${sem.sql} set token = ${COUNTER} where name = new.name and token < ${COUNTER};
+  ${raiseCounter("new.token")};
+end`,
+    `create trigger if not exists ${trigger(tables, "sem_counter_update", TRIGGER_VERSION)} after update of token on ${sem.sql}
+begin
+  ${raiseCounter("new.token")};
+end`
+  ]
+}
+
+/**
+ * Deletes up to ?1 rows of semaphores nobody holds or waits for (no live holder entry, no live
+ * place, by the database's clock) whose token the counter has reached, so the name's next grant
+ * still gets larger tokens. The statement decides, the trigger deletes exactly those, and it
+ * answers one row: how many went (`swept`) — a plain `delete … returning` answers a row per
+ * deleted row instead.
+ *
+ * Parameters: ?1 the most rows to delete.
+ */
+export const sweep = ({ sem, op }: Tables): string =>
+  `with n as (
+  select ${NOW} as now, ${COUNTER} as counter
+), idle as (
+  select s.name from ${sem.sql} s, n
+  where s.token <= n.counter
+    and not exists (select 1 from json_each(s.holders) j where ${field("j.value", "expires")} > n.now)
+    and not exists (select 1 from json_each(s.waiters) j where ${field("j.value", "expires")} > n.now)
+  limit ?1
+)
+insert into ${op.sql} (kind, now, heads, released)
+select 'sem-sweep', n.now, (select json_group_array(name) from idle), (select count(*) from idle)
+from n
+returning released as swept`
+
+/** The trigger deleting what a sweep decided (see `sweep`). */
+export const sweepTrigger = (tables: Tables): string => {
+  const { sem, op } = tables
+  return `create trigger if not exists ${trigger(tables, "sem_sweep", TRIGGER_VERSION)} after insert on ${op.sql}
+when new.kind = 'sem-sweep'
+begin
+  delete from ${sem.sql} where name in (select value from json_each(new.heads));
   delete from ${op.sql} where rowid = new.rowid;
 end`
 }

@@ -1,8 +1,11 @@
 /**
  * The SQL of the SqliteLease backend: the lease engine's statements (see `lease/dialect`) in
  * SQLite's dialect, over the same two tables as PgLease — the lease table, one row per lock name
- * (holder, fencing counter, shared count and bound), and its queue table (a row per waiting
- * request, its place in arrival order, and a row per shared holder).
+ * in use (holder, last token, shared count and bound), and its queue table (a row per waiting
+ * request, its place in arrival order, and a row per shared holder). Tokens come from the file's
+ * one counter (`effect_lock_tokens`, see `schema`), so the rows of a name nobody holds or waits
+ * for are deleted by the sweep (`sweep`), and a service locking millions of names keeps only
+ * those in use.
  *
  * **One statement per operation.** SQLite has no data-modifying CTEs, so an operation that
  * writes several rows (a grant also leaves the queue; a release may count a shared holder out,
@@ -26,19 +29,48 @@
  */
 import { notRenewed, takeOver } from "../leaseSql.js"
 import * as Permits from "./permitSql.js"
-import { NEVER, NOW, quote, RENEW_INPUT, type Tables, trigger as triggerOf } from "./schema.js"
+import {
+  COUNTER,
+  createTokens,
+  NEVER,
+  NOW,
+  quote,
+  raiseCounter,
+  raiseToTables,
+  RENEW_INPUT,
+  type Tables,
+  trigger as triggerOf
+} from "./schema.js"
 
 export { parseTables, type Tables } from "./schema.js"
 
-/** Bumped when a trigger's text changes: a new version's triggers are created beside, the old dropped. */
+/**
+ * The version in the triggers' names. Nothing ever drops a trigger, and `create trigger if not
+ * exists` keeps the text the file has: bumping this would leave the old triggers firing beside the
+ * new ones (a process of the older version re-creates them at start anyway). So the v1 triggers'
+ * text is frozen — this version's changes are in the statements (which compute the tokens) and in
+ * triggers of new kinds (`counter`, `guard`, `sweep`), which an older process neither knows nor
+ * touches.
+ */
 const TRIGGER_VERSION = "v1"
 const trigger = (tables: Tables, kind: string) => triggerOf(tables, kind, TRIGGER_VERSION)
 
 /**
- * The tables, the queue's index, the operations table and its triggers: idempotent statements,
- * run in order. Rows of the lease table are never deleted — a released row keeps its token — so
- * tokens increase forever per name; deleting one would restart its name at token 1, below
- * tokens a `Fence` has seen.
+ * The tables, the queue's index, the operations table and its triggers, the file's token counter
+ * and its triggers: idempotent statements, run in order. Tokens come from the counter, never from
+ * a name's row alone, so a row can go once its name is idle (`sweep`): the name's next grant is
+ * still above every token it had, since the sweep only deletes rows whose token the counter has
+ * reached. The last statement raises the counter to the tables' tokens (a file of an older
+ * version has per-name tokens up to anything).
+ *
+ * **Beside an older version.** A process of the version before the counter (per-name tokens,
+ * `coalesce(row token, 0) + 1`) may run on the same file: its statements run with the triggers
+ * the file has, this version's included (it never drops them, and re-creates only its own v1
+ * triggers, which are unchanged here). Its grant of a name whose row is there is right (above
+ * that name's last token) and goes on; the counter trigger raises the counter to it. Its grant of
+ * a name without a row may be of a swept name — it would hand out token 1 again — so the guard
+ * refuses it with an error when its token is not above the counter (see `guardTrigger`); that
+ * process's acquire then fails rather than hand out a token a `Fence` may have seen.
  */
 export const createTable = (tables: Tables): ReadonlyArray<string> => {
   const { leases, queue, op, sem } = tables
@@ -101,14 +133,23 @@ export const createTable = (tables: Tables): ReadonlyArray<string> => {
   waiters text not null default '[]',
   revoked integer not null default 0
 )`,
-    Permits.renewTrigger(tables)
+    Permits.renewTrigger(tables),
+    createTokens,
+    guardTrigger(tables),
+    counterTrigger(tables),
+    sweepTrigger(tables),
+    ...Permits.counterTriggers(tables),
+    Permits.sweepTrigger(tables),
+    // Last: the triggers above raise it for every grant from now on, this version's or not.
+    raiseToTables(tables)
   ]
 }
 
 /**
  * A grant attempt. The statement decides: a request with no live waiter ahead of it (for a shared
  * request, no exclusive waiter) takes the lock when no exclusive lease is live (and, for an
- * exclusive request, no shared one), with the next token. Otherwise it reports how long until
+ * exclusive request, no shared one), with the next token: one above both the file's counter and
+ * the name's row (`counterTrigger` sets the counter to it). Otherwise it reports how long until
  * something could change unannounced (the holder's lease or the place of a waiter ahead running
  * out). A row is written — and the trigger grants, or takes or refreshes this request's place —
  * only when something changes: a grant, or a waiting request whose place is missing or past half
@@ -131,7 +172,7 @@ export const acquire = ({ leases, queue, op }: Tables): string =>
         and (not exists (select 1 from me where me.expires_at > n.now) or w.seq < (select seq from me))
         and (?4 = 'exclusive' or w.mode = 'exclusive')) as ahead,
     (select expires_at from me) as mine,
-    coalesce((select h.token from ${leases.sql} h where h.name = ?1), 0) + 1 as next
+    max(${COUNTER}, coalesce((select h.token from ${leases.sql} h where h.name = ?1), 0)) + 1 as next
   from n
 ), decided as (
   select now, mine,
@@ -178,6 +219,81 @@ begin
     set seq = case when expires_at <= new.now then excluded.seq else seq end,
         enqueued_at = case when expires_at <= new.now then excluded.enqueued_at else enqueued_at end,
         expires_at = excluded.expires_at;
+  delete from ${op.sql} where rowid = new.rowid;
+end`
+}
+
+/**
+ * Sets the file's counter to the token a lock grant hands out (never lowers it): in the granting
+ * statement, after the v1 acquire trigger wrote the lease — of this version's grants (one above
+ * the counter) and an older version's (its row's token plus one) alike.
+ */
+const counterTrigger = (tables: Tables): string => {
+  const { op } = tables
+  return `create trigger if not exists ${trigger(tables, "counter")} after insert on ${op.sql}
+when new.kind = 'acquire' and new.token is not null
+begin
+  ${raiseCounter("new.token")};
+end`
+}
+
+/**
+ * Refuses a lock grant of a name without a row whose token is not above the counter. This
+ * version never makes one (its tokens are above the counter); a process of the version before
+ * the counter does, for a name the sweep deleted (or never had): it computes `coalesce(row
+ * token, 0) + 1`, i.e. token 1, and its statement returns that value, so no trigger can correct
+ * it — refusing the statement is the only safe answer, and that process's acquire fails with the
+ * message below. Its grants of a name whose row is there pass (that row has the name's last
+ * token). A name's row only ever holds its name's last token, so the rule holds for every name:
+ * each grant is above the last token the name got.
+ */
+const guardTrigger = (tables: Tables): string => {
+  const { leases, op } = tables
+  return `create trigger if not exists ${trigger(tables, "guard")} before insert on ${op.sql}
+when new.kind = 'acquire' and new.token is not null and new.token <= ${COUNTER}
+  and not exists (select 1 from ${leases.sql} where name = new.name)
+begin
+  select raise(abort, 'effect-lock: a grant below the token counter of the file (effect_lock_tokens), refused: an older effect-lock version runs on this SQLite file; upgrade it');
+end`
+}
+
+/**
+ * Deletes up to ?1 rows of each table: places and shared holders' rows (queue) whose time ran
+ * out, and lease rows of names nobody holds or waits for — no live exclusive lease, no live
+ * shared bound, no live row in the queue — whose token the counter has reached, so the name's
+ * next grant still gets a larger one. Times are the database's. The statement decides (the rows,
+ * read under the write lock it took first), the trigger deletes exactly those, and it answers
+ * one row: how many went (`swept`). Not a plain `delete … returning`: that writes one table and
+ * answers a row per deleted row, and this deletes from two and answers a count.
+ *
+ * Parameters: ?1 the most rows to delete per table.
+ */
+export const sweep = ({ leases, queue, op }: Tables): string =>
+  `with n as (
+  select ${NOW} as now, ${COUNTER} as counter
+), dead as (
+  select q.owner from ${queue.sql} q, n where q.expires_at <= n.now limit ?1
+), idle as (
+  select h.name from ${leases.sql} h, n
+  where (h.owner is null or h.expires_at <= n.now) and (h.shared_until is null or h.shared_until <= n.now)
+    and h.token <= n.counter
+    and not exists (select 1 from ${queue.sql} q where q.name = h.name and q.expires_at > n.now)
+  limit ?1
+)
+insert into ${op.sql} (kind, now, heads, released)
+select 'sweep', n.now,
+  json_object('queue', (select json_group_array(owner) from dead), 'leases', (select json_group_array(name) from idle)),
+  (select count(*) from dead) + (select count(*) from idle)
+from n
+returning released as swept`
+
+const sweepTrigger = (tables: Tables): string => {
+  const { leases, queue, op } = tables
+  return `create trigger if not exists ${trigger(tables, "sweep")} after insert on ${op.sql}
+when new.kind = 'sweep'
+begin
+  delete from ${queue.sql} where owner in (select value from json_each(new.heads, '$.queue'));
+  delete from ${leases.sql} where name in (select value from json_each(new.heads, '$.leases'));
   delete from ${op.sql} where rowid = new.rowid;
 end`
 }
