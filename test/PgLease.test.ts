@@ -318,8 +318,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
   it.scoped("renewal tells stolen, expired and revoked apart, in batch order; a stale holder changes nothing", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      const a = yield* backendOn(env)
-      const b = yield* backendOn(env)
+      // No sweep: the expired rows are what the renewals are told about.
+      const a = yield* backendOn(env, { sweepInterval: 0 })
+      const b = yield* backendOn(env, { sweepInterval: 0 })
       const [x, y, z] = [freshName("x"), freshName("y"), freshName("z")]
       const ax = yield* grantOf(a, x)
       const ay = yield* grantOf(a, y)

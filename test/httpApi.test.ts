@@ -157,10 +157,8 @@ describe("lock errors over HttpApi", () => {
       expect(timeout.status).toBe(503)
       expect(timeout.contentType).toMatch(/^application\/json/)
       expect(timeout.body).toEqual({ _tag: "LockTimeout", name: "http/busy", waited: expect.any(Number), retryAfter: 1 })
-      // `waited` is in milliseconds, and the wait lasted the timeout the handler gave: the timer
-      // that ends it runs on libuv's whole-millisecond loop clock, which can be up to 1 ms ahead
-      // of the `performance.now()` that measures `waited` (seen: 99.94).
-      expect(timeout.body["waited"]).toBeGreaterThanOrEqual(99)
+      // `waited` is in milliseconds, and the wait lasted at least the timeout the handler gave.
+      expect(timeout.body["waited"]).toBeGreaterThanOrEqual(100)
 
       const lost = yield* post(base, "/lost")
       expect(lost.status).toBe(503)

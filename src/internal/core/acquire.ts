@@ -252,7 +252,19 @@ const waitEnd = (
   if (!liveClock) return Effect.raceFirst(Effect.as(sleepThenReadIO(Duration.millis(millis.value)), Option.none()), closing)
   return Effect.async<Option.Option<never>>((resume) => {
     const end = () => resume(Effect.succeedNone)
-    const cancelTimer = stallSafeTimer(millis.value, end)
+    const until = performance.now() + millis.value
+    let cancelTimer = () => {}
+    // libuv fires a timer on its cached whole-millisecond loop clock, up to 1 ms before the
+    // monotonic clock reaches the deadline: re-armed for what is left, so that a wait never ends
+    // (and `LockTimeout.waited` never reads) short of its timeout.
+    const arm = (ms: number) => {
+      cancelTimer = stallSafeTimer(ms, () => {
+        const left = until - performance.now()
+        if (left > 0) arm(wholeMillis(left))
+        else end()
+      })
+    }
+    arm(millis.value)
     const unsubscribe = registry.whenClosing(end)
     return Effect.sync(() => {
       cancelTimer()
