@@ -2,7 +2,7 @@
  * SqliteLease keeps only the rows of names in use (issue 35): tokens come from the file's one
  * counter (`effect_lock_tokens`), so the sweep deletes the rows of idle names, and a name locked
  * again still gets a larger token. Then the rolling upgrade: the previous version's statements
- * (test/fixtures/sqlite-previous, frozen at a6666d2: per-name tokens, rows never deleted) run
+ * (test/fixtures/sqlite-previous.ts, frozen at a6666d2: per-name tokens, rows never deleted) run
  * beside this version on the same file, and no name is ever granted a token not above its last.
  */
 import { describe, expect, it } from "@effect/vitest"
@@ -14,8 +14,7 @@ import * as Make from "effect-lock/internal/lease/sqlite/make"
 import type { AcquireRequest } from "effect-lock/LockBackend"
 import * as SqliteLease from "effect-lock/SqliteLease"
 import * as Path from "node:path"
-import * as OldPermitSql from "./fixtures/sqlite-previous/permitSql.js"
-import * as OldSql from "./fixtures/sqlite-previous/sql.js"
+import * as Previous from "./fixtures/sqlite-previous.js"
 import { openRaw, useSqliteFile } from "./fixtures/sqlite-db.js"
 import { freshName } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
@@ -223,8 +222,7 @@ describe("SqliteLease beside the previous version on one file (rolling upgrade)"
         const bound = params.length === 0 ? [] : [Object.fromEntries(params.map((p, i) => [String(i + 1), p]))]
         return (statement.reader ? statement.all(...bound) : (statement.run(...bound), [])) as ReadonlyArray<A>
       }
-      const tables = OldSql.parseTables("effect_lock_leases") as OldSql.Tables
-      for (const statement of OldSql.createTable(tables)) raw.exec(statement)
+      for (const statement of Previous.createTable) raw.exec(statement)
       // A file the previous version wrote: per-name tokens up to 10^6.
       const names = Array.from({ length: 20 }, (_, i) => `up-${i}`)
       const locks = tokenLog()
@@ -245,11 +243,11 @@ describe("SqliteLease beside the previous version on one file (rolling upgrade)"
         const owner = `old-${ids++}`
         const hadRow = lockRow(name)
         try {
-          const [row] = query<{ token: string | null }>(OldSql.acquire(tables), name, owner, `w-${owner}`, "exclusive", 2_000, 5_000, "old", "host", 1, 0)
+          const [row] = query<{ token: string | null }>(Previous.acquire, name, owner, `w-${owner}`, "exclusive", 2_000, 5_000, "old", "host", 1, 0)
           expect(row?.token, `old grant of ${name}`).toEqual(expect.any(String))
           locks.grant(name, [BigInt(row!.token!)])
           outcomes.granted++
-          query(OldSql.release(tables), name, owner, `w-${owner}`)
+          query(Previous.release, name, owner, `w-${owner}`)
           expect(hadRow, `old grant of ${name} without a row`).toBe(true)
         } catch (error) {
           expect(String(error)).toMatch(/older effect-lock version/)
@@ -262,12 +260,12 @@ describe("SqliteLease beside the previous version on one file (rolling upgrade)"
         const hadRow = semRow(name)
         try {
           const [row] = query<{ token: string | null }>(
-            OldPermitSql.acquire(tables), name, owner, `w-${owner}`, 2, permits_, 2_000, 5_000, "old", "host", 1, 0)
+            Previous.permitAcquire, name, owner, `w-${owner}`, 2, permits_, 2_000, 5_000, "old", "host", 1, 0)
           expect(row?.token, `old permits of ${name}`).toEqual(expect.any(String))
           const first = BigInt(row!.token!)
           permits.grant(name, Array.from({ length: permits_ }, (_, k) => first + BigInt(k)))
           outcomes.granted++
-          query(OldPermitSql.release(tables), name, owner, null)
+          query(Previous.permitRelease, name, owner, null)
           expect(hadRow, `old permits of ${name} without a row`).toBe(true)
         } catch (error) {
           expect(String(error)).toMatch(/older effect-lock version/)
@@ -301,7 +299,7 @@ describe("SqliteLease beside the previous version on one file (rolling upgrade)"
           yield* newLock(name, "exclusive")
           if (round === 1 && i === 0) {
             // An old process restarting: its creation statements change nothing of this version's.
-            for (const statement of OldSql.createTable(tables)) raw.exec(statement)
+            for (const statement of Previous.createTable) raw.exec(statement)
           }
         }
         // Sweeps in between: every row of these names goes.
@@ -310,10 +308,10 @@ describe("SqliteLease beside the previous version on one file (rolling upgrade)"
           // An old waiting request makes a row of a swept name (its token would be 0): it starts at the counter,
           // so its later old grants are above every token the name had.
           const waiter = `old-${ids++}`
-          query(OldPermitSql.acquire(tables), names[3]!, waiter, waiter, 2, 3, 2_000, 5_000, "old", "host", 1, 1)
+          query(Previous.permitAcquire, names[3]!, waiter, waiter, 2, 3, 2_000, 5_000, "old", "host", 1, 1)
           expect(Number(query<{ token: number }>(`select token from effect_lock_leases_sem where name = ?1`, names[3]!)[0]?.token))
             .toBeGreaterThanOrEqual(Number(permits.last.get(names[3]!)))
-          query(OldPermitSql.release(tables), names[3]!, null, waiter)
+          query(Previous.permitRelease, names[3]!, null, waiter)
           oldPermits(names[3]!, 2)
           yield* newPermits(names[3]!, 1)
         }

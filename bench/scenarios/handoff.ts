@@ -29,7 +29,7 @@ import * as Report from "../lib/report.js"
 import type { Target } from "../lib/report.js"
 import { lengthOf, type Subject } from "../lib/rounds.js"
 import { openRuntime, type OpenRuntime } from "../lib/runtime.js"
-import { RAW_FENCING_TABLE } from "./uncontended.js"
+import { fencingDdl, RAW_FENCING_TABLE } from "./uncontended.js"
 
 const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => i)
 
@@ -41,14 +41,14 @@ export const rawHandoff = (database: Database, durationMs: number, fenced: boole
   // The fenced variant bumps the counter in the same round trip as the grant, as PgAdvisory's waits do.
   const lock = fenced
     ? `SELECT pg_advisory_lock('${key}'::bigint); ` +
-      `INSERT INTO "${RAW_FENCING_TABLE}" AS f (key, name, token) VALUES ('${key}'::bigint, '${name}', 1) ` +
-      "ON CONFLICT (key) DO UPDATE SET token = f.token + 1, name = excluded.name RETURNING f.token::text AS token"
+      `INSERT INTO "${RAW_FENCING_TABLE}" AS f (key, name, token) VALUES ('${key}'::bigint, '${name}', nextval('effect_lock_tokens')) ` +
+      "ON CONFLICT (key) DO UPDATE SET token = greatest(f.token + 1, excluded.token), name = excluded.name RETURNING f.token::text AS token"
     : `SELECT pg_advisory_lock('${key}'::bigint)`
   return {
     id,
     open: async () => {
       const clients = await connectMany(database.url, CONTENDERS, `bench-${id}`)
-      await clients[0]!.query(`CREATE TABLE IF NOT EXISTS "${RAW_FENCING_TABLE}" (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`)
+      await clients[0]!.query(fencingDdl)
       return {
         run: async (round) => {
           const recorder = new Recorder(CONTENDERS, lengthOf(round, durationMs))

@@ -18,6 +18,7 @@ import * as Os from "node:os"
 import * as DistributedLock from "../../src/DistributedLock.js"
 import { advisoryKey } from "../../src/internal/core/lockKey.js"
 import * as AdvisorySql from "../../src/internal/advisory/sql.js"
+import { fencingTokensSql } from "../../src/internal/advisory/bootstrap.js"
 import * as LeaseSql from "../../src/internal/lease/pg/sql.js"
 import * as MemoryBackend from "../../src/MemoryBackend.js"
 import * as PgAdvisory from "../../src/PgAdvisory.js"
@@ -49,7 +50,9 @@ const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => 
  */
 export const RAW_FENCING_TABLE = "bench_raw_fencing"
 const RAW_FENCING = { text: RAW_FENCING_TABLE, sql: `"${RAW_FENCING_TABLE}"`, relname: RAW_FENCING_TABLE }
-const fencingDdl = `CREATE TABLE IF NOT EXISTS "${RAW_FENCING_TABLE}" (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL)`
+/** The raw fencing table, and the token sequence its upserts draw from (as PgAdvisory's). */
+export const fencingDdl = `CREATE TABLE IF NOT EXISTS "${RAW_FENCING_TABLE}" (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL);\n` +
+  fencingTokensSql(RAW_FENCING)
 const tryGrantSql = AdvisorySql.tryBatchSql(RAW_FENCING)
 const releaseSql = AdvisorySql.releaseSql("exclusive")
 const interestKeyOf = (key: string) => advisoryKey(key, AdvisorySql.INTEREST_NAMESPACE).toString()
