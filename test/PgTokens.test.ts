@@ -134,7 +134,7 @@ describe("PostgreSQL: one token sequence, no row for an idle name", () => {
       expect(held.token > 0n).toBe(true)
     }), { timeout: 60_000 })
 
-  it.scopedLive("PgAdvisory: idle lock names leave no fencing row; a held and a waited name keep theirs; next grants get larger tokens", () =>
+  it.scopedLive("PgAdvisory: idle lock and semaphore names leave no fencing row; held and waited ones keep theirs; next grants get larger tokens", () =>
     Effect.gen(function*() {
       const fencingTable = "pg_tokens_fencing"
       const services = yield* advisoryOn({ fencingTable, maxSessions: 2 })
@@ -154,14 +154,56 @@ describe("PostgreSQL: one token sequence, no row for an idle name", () => {
         (n) => n >= 1,
         Duration.seconds(5)
       )
-      yield* until("every idle name's fencing row swept", count(fencingTable, "name like 'idle-%'"), (n) => n === 0, SWEPT_WITHIN)
-      expect(yield* count(fencingTable, "name = 'kept-held'")).toBe(1)
+      // Semaphores: 100 names taken once (2 of 3 permits), one held, one with a waiter.
+      const semaphore = semaphoreOf(services)
+      const firstPermits = new Map<string, ReadonlyArray<bigint>>()
+      yield* Effect.forEach(names.slice(0, 100), (name) =>
+        Effect.scoped(Effect.map(semaphore.acquire(`sem-${name}`, { limit: 3, permits: 2 }), (p) => firstPermits.set(name, p.tokens))), {
+        concurrency: 16,
+        discard: true
+      })
+      yield* Scope.extend(semaphore.acquire("sem-kept-held", { limit: 3, permits: 2 }), holder)
+      yield* Scope.extend(semaphore.acquire("sem-kept-waited", { limit: 1 }), holder)
+      const semWaiter = yield* Effect.fork(Effect.scoped(semaphoreOf(other).acquire("sem-kept-waited", { limit: 1, timeout: Duration.seconds(20) })))
+      yield* until("the semaphore waiter queued", count(fencingTable, "name = 'sem-kept-waited' and permit_queue is not null"), (n) => n === 1, Duration.seconds(5))
+
+      yield* until("every idle name's fencing row swept", count(fencingTable, "name like 'idle-%' or name like 'sem-idle-%'"), (n) => n === 0, SWEPT_WITHIN)
+      // Another sweep later (a probe name's row seen going): the held and waited names keep their rows.
+      yield* Effect.scoped(lock.acquire("probe"))
+      yield* until("a sweep deleting the probe's row", count(fencingTable, "name = 'probe'"), (n) => n === 0, SWEPT_WITHIN)
+      expect(yield* count(fencingTable, "name in ('kept-held', 'sem-kept-held', 'sem-kept-waited')")).toBe(3)
       for (const name of names) {
         const token = yield* Effect.scoped(Effect.map(lock.acquire(name), (lease) => lease.token))
         expect(token > first.get(name)!).toBe(true)
       }
+      for (const [name, tokens] of firstPermits) {
+        const next = yield* Effect.scoped(Effect.map(semaphore.acquire(`sem-${name}`, { limit: 3, permits: 2 }), (p) => p.tokens))
+        expect(next[0]! > tokens[1]!).toBe(true)
+        expect(next[1]).toBe(next[0]! + 1n)
+      }
       yield* Scope.close(holder, Exit.void)
       expect(Exit.isSuccess(yield* Fiber.await(waiter))).toBe(true)
+      expect(Exit.isSuccess(yield* Fiber.await(semWaiter))).toBe(true)
+    }), { timeout: 60_000 })
+
+  it.scopedLive("first use by 8 layers at once, while the first ones already grant: the token sequence's install neither deadlocks nor fails a grant", () =>
+    Effect.gen(function*() {
+      // Each round a fresh table: the layers that finish their install first grant (lease table,
+      // then sequence) while the others install (the same two locks): before the install took the
+      // table's lock first, they deadlocked and the create-table statement ran out of its bound.
+      for (let round = 0; round < 3; round++) {
+        const table = `pg_tokens_first_use_${round}`
+        const locks = yield* Effect.forEach(Array.from({ length: 8 }), () => Effect.map(leaseOn({ table, sweepInterval: 0 }), lockOf), {
+          concurrency: "unbounded"
+        })
+        const failures: Array<unknown> = []
+        yield* Effect.forEach(locks, (lock, i) =>
+          Effect.forEach(Array.from({ length: 10 }), () =>
+            Effect.scoped(lock.acquire(`first-use-${i % 2}`, { timeout: Duration.seconds(10) })).pipe(
+              Effect.catchAll((error) => Effect.sync(() => failures.push(error)))
+            ), { discard: true }), { concurrency: "unbounded", discard: true })
+        expect(failures).toEqual([])
+      }
     }), { timeout: 60_000 })
 
   it.scopedLive("the sweep skips a name whose grant is between its token's draw and its insert (the guard), and deletes it after", () =>
@@ -237,8 +279,8 @@ describe("PostgreSQL: one token sequence, no row for an idle name", () => {
         })
 
       let oldGrants = 0
-      const deadline = Date.now() + 4_000
-      // Past several sweeps (every 200 ms): names go idle, are swept, and are granted again by either version.
+      const deadline = Date.now() + 2_500
+      // Past about a dozen sweeps (every 200 ms): names go idle, are swept, and are granted again by either version.
       while (Date.now() < deadline) {
         const name = names[Math.floor(random() * names.length)]!
         const useOld = random() < 0.5

@@ -107,11 +107,13 @@ export const probeAffinity = (
  * The fencing-token table: one row per key in use, its last token (drawn from the database's token
  * sequence in each grant's statement; the row of an idle lock name is swept). Semaphores keep
  * their limit and their waiter queue beside their counter (`permit_limit`, `permit_queue`; null on
- * lock rows, and `permit_queue` on a semaphore nobody waits for).
+ * lock rows, and `permit_queue` on a semaphore nobody waits for), and the base of their limit
+ * markers' keys (`marker_base`: null on lock rows), which tells the sweep whether anyone holds or
+ * waits for the semaphore.
  */
 export const fencingTableSql = (table: TableRef): string =>
   `CREATE TABLE IF NOT EXISTS ${table.sql} (key bigint PRIMARY KEY, name text NOT NULL, token bigint NOT NULL, ` +
-  `permit_limit integer, permit_queue jsonb)`
+  `permit_limit integer, permit_queue jsonb, marker_base bigint)`
 
 /** The token sequence the fencing table draws from, with the table's guard (`sql/tokens`). */
 export const fencingTokensSql = (table: TableRef): string =>
@@ -119,11 +121,12 @@ export const fencingTokensSql = (table: TableRef): string =>
 
 /** Adds the semaphores' columns to a fencing table made before semaphores, or before their queue (idempotent). */
 export const permitColumnsSql = (table: TableRef): string =>
-  `ALTER TABLE ${table.sql} ADD COLUMN IF NOT EXISTS permit_limit integer, ADD COLUMN IF NOT EXISTS permit_queue jsonb`
+  `ALTER TABLE ${table.sql} ADD COLUMN IF NOT EXISTS permit_limit integer, ADD COLUMN IF NOT EXISTS permit_queue jsonb, ` +
+  `ADD COLUMN IF NOT EXISTS marker_base bigint`
 
-/** Whether the fencing table has both semaphore columns. Parameters: $1 the table's quoted name. */
+/** Whether the fencing table has the three semaphore columns. Parameters: $1 the table's quoted name. */
 const PERMIT_COLUMN_SQL = "select (select count(*) from pg_attribute where attrelid = to_regclass($1) " +
-  "and attname in ('permit_limit', 'permit_queue') and not attisdropped) = 2 as present, pg_backend_pid() as pid"
+  "and attname in ('permit_limit', 'permit_queue', 'marker_base') and not attisdropped) = 3 as present, pg_backend_pid() as pid"
 
 type Run = (text: string, values?: ReadonlyArray<unknown>) => Effect.Effect<Settled>
 
@@ -182,7 +185,7 @@ const ensurePermitColumns = (engine: Engine, statement: Run): Effect.Effect<stri
     const table = engine.options.fencingTable
     const found = yield* statement(PERMIT_COLUMN_SQL, [table.sql])
     if (found._tag === "Ok" && found.rows[0]?.present === true) return undefined
-    const missing = `the fencing table ${table.text} lacks the permit_limit or permit_queue column (it was made before ` +
+    const missing = `the fencing table ${table.text} lacks the permit_limit, permit_queue or marker_base column (it was made before ` +
       `semaphores or their queue); add them with the statements of PgAdvisory.migration()`
     if (!engine.options.createTables) return missing
     // ADD COLUMN IF NOT EXISTS is idempotent; the DDL lock keeps concurrent layers from racing on the catalog.

@@ -60,6 +60,7 @@ import * as FiberId from "effect/FiberId"
 import * as Option from "effect/Option"
 import * as PubSub from "effect/PubSub"
 import * as Queue from "effect/Queue"
+import * as Random from "effect/Random"
 import * as Schedule from "effect/Schedule"
 import * as Scope from "effect/Scope"
 import type { AcquireRequest, AcquireResult, Grant, LockAndSemaphoreBackend } from "../../LockBackend.js"
@@ -81,7 +82,7 @@ import {
   statement
 } from "./session.js"
 import { isPermitWake, makePermitBackend } from "./permits.js"
-import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, sweepSql, UNINTEREST_SQL } from "./sql.js"
+import { HEARTBEAT_SQL, INTEREST_SQL, NOW_SQL, permitSweepSql, sweepSql, UNINTEREST_SQL } from "./sql.js"
 import type { BackendOptions, Engine, Hint, Hints, Holder, Session } from "./state.js"
 import { blockingWait, nextHint } from "./wait.js"
 
@@ -464,23 +465,20 @@ export const makeWith = (
 
     // Idle lock names' fencing rows, on the home session (never blocking: rows locked elsewhere are
     // skipped), in small rounds so a release queued behind one waits little; failures wait for the next pass.
-    const sweepRound = Effect.suspend(() => {
-      const session = engine.sessions.find((s) => s.role === "home" && s.state === "open")
-      if (session === undefined) return Effect.succeed(0)
-      return Effect.map(
-        statement(engine, session, sweepSql(options.fencingTable), [SWEEP_LIMIT]),
-        (settled) => (settled._tag === "Ok" ? Number(settled.rows[0]?.["swept"] ?? 0) : 0)
-      )
-    })
-    const sweepPass = Effect.iterate(0, {
-      while: (round) => round >= 0 && round < SWEEP_MAX_ROUNDS,
-      body: (round) => Effect.map(sweepRound, (swept) => (swept >= SWEEP_LIMIT ? round + 1 : -1))
-    })
-    if (options.sweepIntervalMillis > 0) {
-      yield* owner.fork(
-        Effect.repeat(sweepPass, Schedule.jittered(Schedule.spaced(Duration.millis(options.sweepIntervalMillis * 0.9))))
-      )
-    }
+    const sweepRound = (text: string) =>
+      Effect.suspend(() => {
+        const session = engine.sessions.find((s) => s.role === "home" && s.state === "open")
+        if (session === undefined) return Effect.succeed(0)
+        return Effect.map(
+          statement(engine, session, text, [SWEEP_LIMIT]),
+          (settled) => (settled._tag === "Ok" ? Number(settled.rows[0]?.["swept"] ?? 0) : 0)
+        )
+      })
+    const sweepPass = (text: string) =>
+      Effect.iterate(0, {
+        while: (round) => round >= 0 && round < SWEEP_MAX_ROUNDS,
+        body: (round) => Effect.map(sweepRound(text), (swept) => (swept >= SWEEP_LIMIT ? round + 1 : -1))
+      })
 
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {
@@ -505,6 +503,16 @@ export const makeWith = (
     const home = yield* open(engine, "home")
     yield* adopt(engine, home)
     const permitsUnavailable = yield* ensureFencingTable(engine, (text, values) => statement(engine, home, text, values))
+    // Both sweeps read the semaphore columns: a table without them (createTables: false, an old
+    // migration) is not swept until migration() has been re-run.
+    if (options.sweepIntervalMillis > 0 && permitsUnavailable === undefined) {
+      const pass = Effect.zipRight(sweepPass(sweepSql(options.fencingTable)), sweepPass(permitSweepSql(options.fencingTable)))
+      // Each pass after a (jittered) interval, the first too: a sweep in flight makes the home
+      // session busy, and a busy session's loss is noticed by its statement bound, not the heartbeat.
+      // Jittered (0.75–1× the interval): replicas started together do not sweep in step.
+      const pause = Effect.flatMap(Random.next, (r) => Effect.sleep(Duration.millis(options.sweepIntervalMillis * (0.75 + r / 4))))
+      yield* owner.fork(Effect.forever(Effect.zipRight(pause, pass)))
+    }
 
     // Hashing a name (SHA-256) costs more than the rest of an uncontended acquire's CPU work:
     // names are few and reused, so their keys are remembered (up to a bound).

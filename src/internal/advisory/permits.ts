@@ -450,7 +450,7 @@ const leave = (store: PermitStore, wait: WaitState, keys: PermitKeys): Effect.Ef
 /** Creates the fencing row of a semaphore on its first use by this process. */
 const ensureRow = (store: PermitStore, session: Session, keys: PermitKeys, name: string): Effect.Effect<Attempt, LockBackendError> =>
   Effect.flatMap(
-    submitStatement(session, store.rowSql, [keys.keyText, name], store.engine.statementTimeoutMillis).outcome,
+    submitStatement(session, store.rowSql, [keys.keyText, name, keys.markerBase.toString()], store.engine.statementTimeoutMillis).outcome,
     (settled): Effect.Effect<Attempt, LockBackendError> => {
       if (settled._tag === "Ok") {
         if (store.rows.size >= CACHE_SIZE) store.rows.clear()

@@ -83,17 +83,37 @@ const NEXT = "greatest(f.token + 1, excluded.token)"
  * or exclusive, granted or not) and whose token the sequence has already passed. Rows another
  * statement has locked are skipped, not waited for. A grant bumps its row only while it holds the
  * key, after its holder before it committed its own bump: a row deleted here meets a later grant
- * whose token is drawn after every token of that row. Semaphore rows (a limit, a queue, or the
- * counter at 0 while their first grant makes them) are kept.
+ * whose token is drawn after every token of that row. Semaphore rows (`marker_base`, a limit or
+ * a queue) are `permitSweepSql`'s.
  */
 export const sweepSql = perTable((table) =>
   `with held as materialized (select ((l.classid::bigint << 32) | l.objid::bigint) as key from pg_locks l ` +
   `where l.locktype = 'advisory' and l.objsubid = 1 and l.database = (select oid from pg_database where datname = current_database())), ` +
-  `candidates as materialized (select f.key from ${table.sql} f where f.permit_limit is null and f.permit_queue is null ` +
-  `and f.token > 0 and f.token < ${Tokens.nextUp(Tokens.tokenSequence(table))} and not exists (select 1 from held h where h.key = f.key) ` +
+  `candidates as materialized (select f.key from ${table.sql} f where f.marker_base is null and f.permit_limit is null ` +
+  `and f.permit_queue is null and f.token < ${Tokens.nextUp(Tokens.tokenSequence(table))} and not exists (select 1 from held h where h.key = f.key) ` +
   `limit $1::integer for update of f skip locked), ` +
   `gone as (delete from ${table.sql} f using candidates c where f.key = c.key returning 1) ` +
   // Deletes only what nobody holds: its commit need not wait for the disk.
+  `select (select count(*) from gone)::integer as swept, set_config('synchronous_commit', 'off', true) as unflushed, ` +
+  `pg_backend_pid() as pid`
+)
+
+/**
+ * One round of the sweep of semaphore rows: deletes at most $1 rows of semaphores nobody holds or
+ * waits for — no session holds the marker of the stored limit (`marker_base # permit_limit`, held
+ * shared by every holder and waiter of that limit), and the queue is empty — whose tokens the
+ * sequence has passed. An attempt locks its row before it takes the marker, so one that comes
+ * after this read either waits for the delete (then finds no row: `missing`, and makes it anew) or
+ * has the row locked (skipped here). Rows of the previous version (no `marker_base`) are kept.
+ */
+export const permitSweepSql = perTable((table) =>
+  `with held as materialized (select ((l.classid::bigint << 32) | l.objid::bigint) as key from pg_locks l ` +
+  `where l.locktype = 'advisory' and l.objsubid = 1 and l.database = (select oid from pg_database where datname = current_database())), ` +
+  `candidates as materialized (select f.key from ${table.sql} f where f.marker_base is not null and f.permit_limit is not null ` +
+  `and f.permit_queue is null and f.token < ${Tokens.nextUp(Tokens.tokenSequence(table))} ` +
+  `and not exists (select 1 from held h where h.key = (f.marker_base # f.permit_limit::bigint)) ` +
+  `limit $1::integer for update of f skip locked), ` +
+  `gone as (delete from ${table.sql} f using candidates c where f.key = c.key returning 1) ` +
   `select (select count(*) from gone)::integer as swept, set_config('synchronous_commit', 'off', true) as unflushed, ` +
   `pg_backend_pid() as pid`
 )
@@ -276,11 +296,14 @@ const wakeColumnsSql =
   `(select n from told) as notified`
 
 /**
- * Makes sure a semaphore's fencing row exists (token 0, no limit yet): an attempt locks the row
- * with `FOR UPDATE`, which finds nothing to lock on a name's first use. Parameters: $1 key, $2 name.
+ * Makes sure a semaphore's fencing row exists (no limit yet; its token drawn from the sequence by
+ * the table's guard, `sql/tokens`, so a row made anew after the sweep starts above the old one's):
+ * an attempt locks the row with `FOR UPDATE`, which finds nothing to lock on a name's first use.
+ * `marker_base` marks it a semaphore's row from birth (the lock sweep leaves it alone) and lets the
+ * semaphore sweep tell whether anyone holds or waits. Parameters: $1 key, $2 name, $3 marker base.
  */
 export const permitRowSql = (table: TableRef): string =>
-  `with created as (insert into ${table.sql} (key, name, token) values ($1::bigint, $2::text, 0) ` +
+  `with created as (insert into ${table.sql} (key, name, token, marker_base) values ($1::bigint, $2::text, 0, $3::bigint) ` +
   `on conflict (key) do nothing returning 1) ` +
   `select (select count(*) from created)::int as created, pg_backend_pid() as pid`
 
@@ -322,7 +345,7 @@ export const permitRowSql = (table: TableRef): string =>
  *    destroyed session. `failed` when an unlock was refused (the caller then destroys the session).
  * 7. `queue` / `bumped`: the queue without its dead entries, without this request once granted,
  *    with it appended once it registers; on a grant the counter goes up by `permits` (tokens
- *    counter-permits+1 .. counter). The row is written only when the grant, the queue or the limit
+ *    counter-permits+1 .. counter, a block drawn from the token sequence). The row is written only when the grant, the queue or the limit
  *    in use changes.
  * 8. `wake` / `told`: the head waiters that fit in the free slots this statement counted (an
  *    attempt that finds permits freed by a crashed holder, which notified nobody, or that drops a
@@ -398,8 +421,10 @@ export const permitAttemptSql = (table: TableRef): string =>
   `then jsonb_build_array(jsonb_build_object('k', ($10::bigint)::text, 'p', $3::int, 's', pg_backend_pid())) ` +
   `else '[]'::jsonb end end as next from fin f` +
   `), bumped as (` +
-  `update ${table.sql} f set token = f.token + case when q.outcome = 'granted' then $3::int else 0 end, ` +
-  `permit_limit = $2::int, permit_queue = case when q.next = '[]'::jsonb then null else q.next end ` +
+  // A grant's block of \`permits\` tokens: drawn from the sequence (\`sql/tokens\`), above the row's counter.
+  `update ${table.sql} f set token = case when q.outcome = 'granted' ` +
+  `then greatest(f.token + $3::int, ${Tokens.drawBlock(Tokens.tokenSequence(table), "$3::int")}) else f.token end, ` +
+  `permit_limit = $2::int, permit_queue = case when q.next = '[]'::jsonb then null else q.next end, marker_base = $5::bigint ` +
   `from queue q, fin x where f.key = $1::bigint and q.next is not null and (q.outcome = 'granted' ` +
   `or q.next is distinct from x.queue or (q.outcome = 'waiting' and x.stored is distinct from $2::int)) ` +
   `returning f.token` +

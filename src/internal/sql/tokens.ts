@@ -23,7 +23,7 @@
  * A new row it inserts for a name the sweep deleted would restart that name below its last token,
  * so each table gets a `before insert` trigger that draws from the sequence for such a row (`when
  * token = 1`, which the current version writes only for the very first token of an empty
- * database). The sequence is installed above every token already in the table, once, while
+ * database; on the fencing table also 0, where a semaphore's row starts). The sequence is installed above every token already in the table, once, while
  * `alter sequence` holds the lock that `nextval` waits for.
  */
 import { advisoryKey } from "../core/lockKey.js"
@@ -81,7 +81,12 @@ const triggerName = (kind: Guarded["kind"]) => `effect_lock_${kind}_first_token`
 
 /** When the previous version's new row needs the guard: its per-name counting starts at 1. */
 const guardWhen = (kind: Guarded["kind"]) =>
-  kind === "sem" ? `((new.holders -> 0 ->> 'token') = '1')` : `(new.token = 1)`
+  kind === "sem"
+    ? `((new.holders -> 0 ->> 'token') = '1')`
+    // The fencing table's semaphore rows are made at 0, and their grants add to the row's counter.
+    : kind === "fencing"
+    ? `(new.token <= 1)`
+    : `(new.token = 1)`
 
 /**
  * The sequence, the guard and its triggers for `tables`, as ONE statement (a `do` block, so it also
@@ -92,20 +97,27 @@ export const ensureTokens = (seq: TableRef, tables: ReadonlyArray<Guarded>): str
   const missing = tables.map(({ table, kind }) =>
     `not exists (select 1 from pg_trigger where tgrelid = to_regclass('${table.sql}') and tgname = '${triggerName(kind)}')`
   )
-  const install = tables.map(({ table, kind }) =>
-    `drop trigger if exists "${triggerName(kind)}" on ${table.sql};
-    create trigger "${triggerName(kind)}" before insert on ${table.sql}
-      for each row when ${guardWhen(kind)} execute function ${fn}('${seq.sql}', '${kind}');
-    -- Above every token the table already has (a previous version's per-name counters).
-    perform setval(${regclass(seq)}, greatest((select last_value from ${seq.sql}), (select coalesce(max(token), 0) from ${table.sql})), true);`
+  const install = tables.map(({ table, kind }, i) =>
+    `if ${missing[i]} then
+      -- The table's lock first (its grants in flight end, new ones wait), then the sequence's: the
+      -- order every grant takes them in, so no grant holds one while it waits for the other.
+      begin
+        create trigger "${triggerName(kind)}" before insert on ${table.sql}
+          for each row when ${guardWhen(kind)} execute function ${fn}('${seq.sql}', '${kind}');
+      exception when duplicate_object then
+        null; -- made meanwhile by an installer this transaction's snapshot does not see
+      end;
+      -- Holds the lock nextval waits for until commit: no value is drawn while the start is raised.
+      alter sequence ${seq.sql} owned by none;
+      -- Above every token the table already has (a previous version's per-name counters).
+      perform setval(${regclass(seq)}, greatest((select last_value from ${seq.sql}), (select coalesce(max(token), 0) from ${table.sql})), true);
+    end if;`
   ).join("\n    ")
   return `do $effect_lock_tokens$
 begin
   if to_regclass('${seq.sql}') is null or ${missing.join(" or ")} then
     perform pg_advisory_xact_lock(${advisoryKey(seq.text, DDL_NAMESPACE)});
     create sequence if not exists ${seq.sql};
-    -- Holds the lock nextval waits for until commit: no value is drawn while the start is raised.
-    alter sequence ${seq.sql} owned by none;
     create or replace function ${fn}() returns trigger language plpgsql as $guard$
     declare
       n bigint;
@@ -128,6 +140,7 @@ begin
       return new;
     end
     $guard$;
+    -- Each table's trigger, re-checked under the lock: a concurrent installer may have made it.
     ${install}
   end if;
 end
