@@ -5,17 +5,19 @@
  *
  * | key | meaning |
  * |---|---|
- * | `EFFECT_LOCK_BACKEND` | `memory`, `pg-advisory`, `pg-lease` or `sqlite` (required) |
+ * | `EFFECT_LOCK_BACKEND` | `memory`, `pg-advisory`, `pg-lease`, `sqlite` or `redis` (required) |
  * | `EFFECT_LOCK_DATABASE_URL`, else `DATABASE_URL` | the server, for the PostgreSQL backends |
  * | `EFFECT_LOCK_SQLITE_FILE` | the database file the processes share, for `sqlite` |
+ * | `EFFECT_LOCK_REDIS_URL`, else `REDIS_URL` | the server, for `redis` |
  * | `EFFECT_LOCK_TTL` | default lease length (`30 seconds`, …), lease backends |
+ * | `EFFECT_LOCK_REDIS_PREFIX` | RedisLease's key prefix |
  * | `EFFECT_LOCK_TABLE` | PgLease's or SqliteLease's table |
  * | `EFFECT_LOCK_MAX_SESSIONS` | PgAdvisory's `maxSessions` |
  * | `EFFECT_LOCK_NAMESPACE` | PgAdvisory's key namespace |
  * | `EFFECT_LOCK_APPLICATION_NAME` | shown in `pg_stat_activity` |
  *
- * A missing or unknown backend, a PostgreSQL backend without a URL, or `sqlite` without a file,
- * is a `ConfigError` naming the key. Drivers are loaded only for the backend chosen.
+ * A missing or unknown backend, a PostgreSQL backend without a URL, `sqlite` without a file, or
+ * `redis` without a URL, is a `ConfigError` naming the key. Drivers are loaded only for the backend chosen.
  *
  * @since 0.1.0
  */
@@ -25,13 +27,14 @@ import type * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
-import type * as Redacted from "effect/Redacted"
+import * as Redacted from "effect/Redacted"
 import type * as DistributedLock from "./DistributedLock.js"
 import type * as DistributedSemaphore from "./DistributedSemaphore.js"
 import { LockBackendError, type UnsafeConnectionPooling } from "./LockError.js"
 import * as MemoryBackend from "./MemoryBackend.js"
 import * as PgAdvisory from "./PgAdvisory.js"
 import * as PgLease from "./PgLease.js"
+import * as RedisLease from "./RedisLease.js"
 import * as SqliteLease from "./SqliteLease.js"
 
 /**
@@ -40,7 +43,7 @@ import * as SqliteLease from "./SqliteLease.js"
  * @since 0.1.0
  * @category models
  */
-export type BackendKind = "memory" | "pg-advisory" | "pg-lease" | "sqlite"
+export type BackendKind = "memory" | "pg-advisory" | "pg-lease" | "sqlite" | "redis"
 
 /**
  * What `layer` reads, before it builds anything.
@@ -52,6 +55,8 @@ export interface Settings {
   readonly backend: BackendKind
   readonly url: Option.Option<Redacted.Redacted<string>>
   readonly sqliteFile: Option.Option<string>
+  readonly redisUrl: Option.Option<Redacted.Redacted<string>>
+  readonly redisPrefix: Option.Option<string>
   readonly ttl: Option.Option<Duration.Duration>
   readonly table: Option.Option<string>
   readonly maxSessions: Option.Option<number>
@@ -69,11 +74,13 @@ const optional = <A>(config: Config.Config<A>) => Config.option(config)
  * @category config
  */
 export const settings: Config.Config<Settings> = Config.all({
-  backend: Config.literal("memory", "pg-advisory", "pg-lease", "sqlite")("EFFECT_LOCK_BACKEND"),
+  backend: Config.literal("memory", "pg-advisory", "pg-lease", "sqlite", "redis")("EFFECT_LOCK_BACKEND"),
   url: optional(
     Config.orElse(Config.redacted("EFFECT_LOCK_DATABASE_URL"), () => Config.redacted("DATABASE_URL"))
   ),
   sqliteFile: optional(Config.nonEmptyString("EFFECT_LOCK_SQLITE_FILE")),
+  redisUrl: optional(Config.orElse(Config.redacted("EFFECT_LOCK_REDIS_URL"), () => Config.redacted("REDIS_URL"))),
+  redisPrefix: optional(Config.nonEmptyString("EFFECT_LOCK_REDIS_PREFIX")),
   ttl: optional(Config.duration("EFFECT_LOCK_TTL")),
   table: optional(Config.nonEmptyString("EFFECT_LOCK_TABLE")),
   maxSessions: optional(Config.integer("EFFECT_LOCK_MAX_SESSIONS")),
@@ -93,6 +100,13 @@ const sqliteFileOf = (read: Settings): Effect.Effect<string, ConfigError.ConfigE
   Option.match(read.sqliteFile, {
     onSome: Effect.succeed,
     onNone: () => Config.nonEmptyString("EFFECT_LOCK_SQLITE_FILE")
+  })
+
+/** The server `redis` needs; when absent, read again to fail with Effect's error naming the key. */
+const redisUrlOf = (read: Settings): Effect.Effect<Redacted.Redacted<string>, ConfigError.ConfigError> =>
+  Option.match(read.redisUrl, {
+    onSome: Effect.succeed,
+    onNone: () => Config.redacted("EFFECT_LOCK_REDIS_URL")
   })
 
 const defined = <A>(option: Option.Option<A>): A | undefined => Option.getOrUndefined(option)
@@ -143,6 +157,10 @@ export const fromSettings = (
       // SqliteLease loads its driver only when the layer is built: nothing to load here.
       return Layer.unwrapEffect(Effect.map(sqliteFileOf(read), (filename) =>
         SqliteLease.layer({ filename, ...lease, applicationName })))
+    case "redis":
+      // RedisLease loads ioredis only when the layer is built: nothing to load here.
+      return Layer.unwrapEffect(Effect.map(redisUrlOf(read), (url) =>
+        RedisLease.layer({ url: Redacted.value(url), ttl: defined(read.ttl), prefix: defined(read.redisPrefix), applicationName })))
   }
 }
 

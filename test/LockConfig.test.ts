@@ -3,10 +3,12 @@ import { ConfigError, ConfigProvider, Effect, Exit, Layer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as LockConfig from "effect-lock/LockConfig"
 import Sqlite from "better-sqlite3"
+import { Redis } from "ioredis"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import { useTestDatabase } from "./support/pg.js"
+import { describeWithRedis, useRedis } from "./support/redis.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("lock_config")
@@ -83,9 +85,9 @@ describe("LockConfig.layer", () => {
 
   it.live("an unknown backend is a ConfigError naming the value and the choices", () =>
     Effect.gen(function*() {
-      const text = String(yield* failureOf({ EFFECT_LOCK_BACKEND: "redis" }))
+      const text = String(yield* failureOf({ EFFECT_LOCK_BACKEND: "etcd" }))
       expect(text).toContain("EFFECT_LOCK_BACKEND")
-      expect(text).toContain("redis")
+      expect(text).toContain("etcd")
       expect(text).toContain("pg-lease")
       expect(text).toContain("sqlite")
     }))
@@ -115,5 +117,32 @@ describe("LockConfig.layer", () => {
         yield* failureOf({ EFFECT_LOCK_BACKEND: "pg-advisory", DATABASE_URL: db.url, EFFECT_LOCK_MAX_SESSIONS: "many" })
       )
       expect(sessions).toContain("EFFECT_LOCK_MAX_SESSIONS")
+    }))
+})
+
+describeWithRedis("LockConfig.layer on Redis", () => {
+  const redis = useRedis()
+
+  it.live("EFFECT_LOCK_BACKEND=redis builds RedisLease on EFFECT_LOCK_REDIS_URL, which wins over REDIS_URL, with EFFECT_LOCK_REDIS_PREFIX", () =>
+    Effect.gen(function*() {
+      const used = yield* lockWith({
+        EFFECT_LOCK_BACKEND: "redis",
+        EFFECT_LOCK_REDIS_URL: redis.url(),
+        REDIS_URL: "redis://127.0.0.1:1",
+        EFFECT_LOCK_REDIS_PREFIX: "config-test:"
+      })
+      expect(used.backend).toBe("redis-lease")
+      expect(used.token > 0n).toBe(true)
+      // The lease's keys carry the configured prefix (its hash outlives the release by a ttl: the token's home).
+      const client = new Redis(redis.url())
+      const keys = yield* Effect.promise(() => client.keys("config-test:*").finally(() => client.quit()))
+      expect(keys.length).toBeGreaterThan(0)
+    }))
+
+  it.live("EFFECT_LOCK_BACKEND=redis without a URL is a ConfigError naming EFFECT_LOCK_REDIS_URL", () =>
+    Effect.gen(function*() {
+      const error = yield* failureOf({ EFFECT_LOCK_BACKEND: "redis" })
+      expect(ConfigError.isConfigError(error)).toBe(true)
+      expect(String(error)).toContain("EFFECT_LOCK_REDIS_URL")
     }))
 })

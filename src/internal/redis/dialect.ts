@@ -1,0 +1,130 @@
+/**
+ * RedisLease's dialect of the lease engine: each operation's Lua script (`scripts.ts`) as a
+ * typed statement. A statement's parameters are one script call, `[numKeys, ...keys, ...argv]`
+ * (a renewal batch: a list of such calls, one per lease, sent in one pipeline by the lane); the
+ * lane answers one row `{ reply }` holding the script's reply, and the decoders here turn it
+ * into the rows (`token`, `wait`, `released`, `idx`/`outcome`, `now`) that the engine's shared
+ * decoders (`lease/dialect`) read.
+ *
+ * Releases and revokes publish their wake-ups themselves (on `channel`), so the releasing
+ * process hears them through its subscriber like every other. Semaphores are not built yet
+ * (phase 2): their statements answer an error, and the layer refuses permit requests before
+ * sending anything (`make.ts`).
+ */
+import { decode, type Dialect, type LockAcquireInput, type RenewInput, type Row, type Statement } from "../lease/dialect.js"
+import * as Keys from "./keys.js"
+import * as Scripts from "./scripts.js"
+
+/** One script call's parameters: the number of keys, the keys, the arguments. */
+export type Call = ReadonlyArray<string | number>
+
+const reply = (rows: ReadonlyArray<Row>): unknown => rows[0]?.["reply"]
+const list = (value: unknown): ReadonlyArray<unknown> => (Array.isArray(value) ? value : [])
+
+const call = (keys: ReadonlyArray<string>, argv: ReadonlyArray<string | number>): Call => [keys.length, ...keys, ...argv]
+
+/** Lock acquire's arguments, in the order `Scripts.acquire` reads them. */
+const acquireArgs = (i: LockAcquireInput) => [
+  i.name,
+  i.owner,
+  i.waiter,
+  i.mode,
+  Math.max(1, Math.round(i.ttlMillis)),
+  Math.max(1, Math.round(i.placeMillis)),
+  i.application,
+  i.host,
+  i.pid,
+  i.takePlace ? "1" : "0"
+]
+
+const notBuilt = <I, O>(operation: string, decoded: O): Statement<I, O> => ({
+  operation,
+  text: Scripts.notBuilt,
+  encode: () => [0],
+  decode: () => decoded
+})
+
+/** The operator statements (tests now; `RedisLease.revoke`/`holders` in phase 2). */
+export const operator = (prefix: string, channel: string) => ({
+  revoke: {
+    operation: "revoke",
+    text: Scripts.revoke,
+    encode: ({ name }: { readonly name: string }) => {
+      const keys = Keys.lockKeys(prefix, name)
+      return call([keys.lease, keys.shared], [name, channel])
+    },
+    decode: (rows: ReadonlyArray<Row>) => Number(reply(rows)) === 1
+  } satisfies Statement<{ readonly name: string }, boolean>,
+  holders: {
+    operation: "holders",
+    text: Scripts.holders,
+    encode: ({ name }: { readonly name: string }) => call(Keys.keyList(Keys.lockKeys(prefix, name)), [name]),
+    decode: (rows: ReadonlyArray<Row>) => decode.holders(list(reply(rows)).map((text) => JSON.parse(String(text)) as Row))
+  }
+})
+
+/** The statements under `prefix`, waking on `channel`. */
+export const dialect = (prefix: string, channel: string): Dialect => {
+  const keysOf = (name: string) => Keys.keyList(Keys.lockKeys(prefix, name))
+  return {
+    backend: "redis-lease",
+    locks: {
+      acquire: {
+        operation: "acquire",
+        text: Scripts.acquire,
+        encode: (i) => call(keysOf(i.name), acquireArgs(i)),
+        decode: (rows) => {
+          const [token, wait] = list(reply(rows))
+          return decode.lockAcquire([{ token: token ?? null, wait: wait ?? null }])
+        }
+      },
+      release: {
+        operation: "release",
+        text: Scripts.release,
+        encode: (i) => call(keysOf(i.name), [i.name, i.owner ?? "", i.waiter ?? "", channel]),
+        // The script publishes the wake-ups itself: nothing to wake from the answer.
+        decode: (rows) => decode.release(() => [])([{ released: list(reply(rows))[0] ?? 0 }])
+      },
+      renew: {
+        operation: "renew",
+        text: Scripts.renew,
+        // One call per lease, in batch order (the lane pipelines them).
+        encode: (grants: ReadonlyArray<RenewInput>) =>
+          grants.map((g) => {
+            const keys = Keys.lockKeys(prefix, g.name)
+            return call([keys.lease, keys.shared], [g.owner, g.token.toString(), Math.max(1, Math.round(g.ttlMillis)), g.mode ?? "exclusive"])
+          }),
+        decode: (rows) => decode.renew(list(reply(rows)).map((outcome, idx) => ({ idx, outcome })))
+      },
+      // Nothing to create: keys come into being with their first write.
+      ensureTable: [],
+      // Nothing to sweep: keys expire by themselves (the sweep is off unless asked for).
+      sweep: { operation: "sweep", text: Scripts.sweep, encode: () => [0], decode: (rows) => Number(reply(rows) ?? 0) }
+    },
+    permits: {
+      acquire: notBuilt("acquire", { token: null, current: null, wait: null }),
+      release: notBuilt("release", { released: false, wake: [] }),
+      renew: notBuilt("renew", []),
+      ensureTable: [],
+      sweep: { operation: "sweep", text: Scripts.sweep, encode: () => [0], decode: () => 0 }
+    },
+    // Not through the SqlClient: RedisLease's operator functions run these on a client (phase 2).
+    operator: {
+      holders: notBuilt("holders", []),
+      present: notBuilt("inspect", true),
+      revoke: notBuilt("revoke", false),
+      semaphores: notBuilt("semaphores", []),
+      revokePermits: notBuilt("revoke", false)
+    },
+    now: { operation: "now", text: Scripts.now, encode: () => [0], decode: (rows) => decode.now([{ now: reply(rows) }]) },
+    retryCreate: () => false
+  }
+}
+
+/** A wake-up through the lock connection, to check that the subscriber still hears. */
+export const ping: Statement<{ readonly channel: string; readonly payload: string }, void> = {
+  operation: "notify",
+  text: Scripts.publish,
+  encode: ({ channel, payload }) => [0, channel, payload],
+  decode: decode.nothing
+}

@@ -1,0 +1,126 @@
+/**
+ * From `RedisLease.Options` to a running backend: options validated and defaulted, ioredis
+ * loaded, the lane's connections opened (lazily), wake-ups through pub/sub (`wake.ts`), and the
+ * lease engine assembled with Redis's dialect — attempts, give-backs, renewals, interruption,
+ * shutdown and stall handling are the engine's, unchanged. Semaphores are not built yet: the
+ * layer answers every permit request with a `LockBackendError` saying so. `wrapLane` lets tests
+ * observe or delay the lane's commands.
+ */
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import { identity } from "effect/Function"
+import type * as Scope from "effect/Scope"
+import type { Redis, RedisOptions } from "ioredis"
+import * as Os from "node:os"
+import type { LockAndSemaphoreBackend } from "../../LockBackend.js"
+import { LockBackendError } from "../../LockError.js"
+import { TIMER } from "../core/validate.js"
+import type { LeaseGrant } from "../lease/attempt.js"
+import * as Engine from "../lease/engine.js"
+import * as Lanes from "../lease/lane.js"
+import * as LeaseOptions from "../lease/options.js"
+import type { PermitLeaseGrant } from "../lease/permits.js"
+import * as Owner from "../runtime/owner.js"
+import * as Dialect from "./dialect.js"
+import * as Keys from "./keys.js"
+import * as Lane from "./lane.js"
+import * as Wake from "./wake.js"
+
+/** The options of `RedisLease.layer`; documented there. */
+export interface Options {
+  readonly url?: string | undefined
+  readonly redis?: RedisOptions | undefined
+  readonly client?: Redis | undefined
+  readonly ttl?: Duration.DurationInput | undefined
+  readonly prefix?: string | undefined
+  readonly pollInterval?: Duration.DurationInput | undefined
+  readonly statementTimeout?: Duration.DurationInput | undefined
+  readonly sweepInterval?: Duration.DurationInput | undefined
+  readonly applicationName?: string | undefined
+  readonly listenCheckInterval?: Duration.DurationInput | undefined
+}
+
+export const DEFAULT_POLL = Duration.millis(500)
+export const DEFAULT_CHECK = Duration.seconds(5)
+/** Keys expire by themselves: nothing to sweep unless asked for. */
+export const DEFAULT_SWEEP_INTERVAL = Duration.zero
+
+export const NOT_BUILT = "semaphores on RedisLease are not built yet"
+
+/** Option errors name RedisLease; there are no tables (the prefix is checked on its own). */
+export const options = LeaseOptions.resolver("RedisLease", (input: string) => input)
+
+export const makeBackend = (
+  input?: Options,
+  wrapLane: (lane: Lanes.Lane) => Lanes.Lane = identity,
+  importer?: () => Promise<unknown>
+): Effect.Effect<LockAndSemaphoreBackend<LeaseGrant, PermitLeaseGrant>, LockBackendError, Scope.Scope> =>
+  Effect.gen(function*() {
+    const prefix = input?.prefix ?? Keys.DEFAULT_PREFIX
+    const badPrefix = Keys.prefixProblem(prefix)
+    if (badPrefix !== undefined) return yield* options.configError(badPrefix)
+    if (input?.url !== undefined && (typeof input.url !== "string" || input.url.length === 0)) {
+      return yield* options.configError("url must be a non-empty string")
+    }
+    if (input?.client !== undefined && (input.url !== undefined || input.redis !== undefined)) {
+      return yield* options.configError("give either client or url/redis options: the layer's own connections copy the client's settings")
+    }
+    // The keys are the library's: a client that rewrites them would put them where no other process looks.
+    const clientPrefix = (input?.client as { readonly options?: { readonly keyPrefix?: string } } | undefined)?.options?.keyPrefix
+    if (clientPrefix !== undefined && clientPrefix !== "") {
+      return yield* options.configError(`the client has keyPrefix "${clientPrefix}": pass a client without it and use the prefix option`)
+    }
+    if ((input?.redis as { readonly keyPrefix?: string } | undefined)?.keyPrefix) {
+      return yield* options.configError("redis.keyPrefix is not supported: use the prefix option")
+    }
+    // All before any connection is opened: a bad option fails the build at once.
+    const statementTimeout = yield* options.statementTimeout(input)
+    const defaultTtl = yield* options.ttl(input)
+    const pollInterval = yield* options.duration("pollInterval", input?.pollInterval, DEFAULT_POLL, TIMER)
+    const checkInterval = yield* options.duration("listenCheckInterval", input?.listenCheckInterval, DEFAULT_CHECK, TIMER)
+    const sweepInterval = yield* options.duration("sweepInterval", input?.sweepInterval, DEFAULT_SWEEP_INTERVAL, { ...TIMER, allowZero: true })
+    const application = input?.applicationName ?? LeaseOptions.DEFAULT_APPLICATION
+    const Ctor = yield* (importer === undefined ? Lane.load : Lane.loadWith(importer))
+    const channel = Keys.channelOf(prefix)
+    // Before the lane: the layer's own fibers are stopped only after everything else has closed.
+    const owner = yield* Owner.make
+    const redisLane = yield* Lane.open(Ctor, {
+      url: input?.url,
+      redis: input?.redis,
+      client: input?.client,
+      channel,
+      connectTimeout: statementTimeout,
+      connectionName: connectionName(application)
+    })
+    const lane = wrapLane(redisLane)
+    const hub = yield* Wake.make({
+      listen: redisLane.listen!,
+      notify: (channel, payload) => Lanes.send(lane, undefined, Dialect.ping, { channel, payload }, statementTimeout),
+      channel,
+      checkInterval,
+      ensureSubscribed: redisLane.ensureSubscribed,
+      subscribeBound: statementTimeout
+    }, owner)
+    const backend = yield* Engine.make(lane, {
+      application,
+      host: Os.hostname(),
+      statementTimeout,
+      defaultTtl,
+      pollInterval,
+      checkInterval,
+      // Nothing to create: keys come into being with their first write.
+      createTable: false,
+      sweepInterval
+    }, Dialect.dialect(prefix, channel), hub, owner)
+    return {
+      ...backend,
+      semaphore: {
+        ...backend.semaphore,
+        acquire: (request) =>
+          Effect.fail(new LockBackendError({ operation: "acquire", name: request.name, cause: new Error(NOT_BUILT) }))
+      }
+    }
+  })
+
+/** CLIENT SETNAME allows no spaces or newlines: the application name with those replaced. */
+const connectionName = (application: string): string => application.replace(/[^\x21-\x7e]/g, "_").slice(0, 64) || "effect-lock"

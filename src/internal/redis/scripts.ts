@@ -1,0 +1,351 @@
+/**
+ * The Lua scripts of RedisLease: one script per operation, each over the keys of ONE name (one
+ * hash slot, `keys.ts`), run with EVALSHA (EVAL when the server answers NOSCRIPT, `lane.ts`).
+ *
+ * **Time.** Every script reads the server's clock (`TIME`) and nothing else: the client's clock
+ * never reaches the keys. A script that reads `TIME` and then writes needs script effects
+ * replication (Redis ≥ 5 can, Redis 7 only does that): `redis.replicate_commands()` is called
+ * where it exists, so Redis 3.2–6 replicate the effects too.
+ *
+ * **Fencing tokens.** `token = max(last + 1, serverMicros)`, where `last` is the name's last
+ * token (a field of its lease hash, while the name's keys exist) and `serverMicros` is `TIME` in
+ * microseconds (about 1.8e15 today: below 2^53, so exact in Lua's doubles and in the JSON/string
+ * forms below, always formatted with `%.0f`). Why it strictly increases, even after the name's
+ * keys expired while idle and after a restart that lost every key (no persistence):
+ * - While the keys exist, `last + 1` alone makes it increase.
+ * - Every grant is a script execution, and two scripts never run within the same microsecond on
+ *   one server (each takes microseconds): so a token is at most its grant's `serverMicros` (plus
+ *   the grants crowded into one microsecond, in practice none).
+ * - The lease hash holding `last` lives at least the lease's ttl (≥ 1 s, the floor) past the
+ *   latest grant or renewal: by the time it is gone, `serverMicros` has moved ≥ 1,000,000 past
+ *   every token ever granted for the name.
+ * - A restart without persistence loses `last` too, but not the clock: the same argument holds.
+ * What breaks it is the server's clock stepping back by more than the time since the last grant
+ * (an NTP step; a failover to a replica whose clock is behind): a replica promoted with a clock
+ * behind by D can grant a token already granted within the last D (if its copy of `last` was
+ * lost or never replicated: asynchronous replication can lose the last writes). README material:
+ * keep the servers' clocks synchronised (slewed, not stepped), and see `WAIT` (phase 2) for
+ * replication before a grant is answered.
+ *
+ * **Waiting order** (as PgLease's `acquire`, `lease/pg/sql`): a request with no live waiter ahead
+ * of it — for an exclusive request any waiter, for a shared one an exclusive waiter — takes the
+ * lock if the lease allows; otherwise a request that waits takes (or keeps, refreshing it once
+ * less than half its time is left) its place at the back of the queue, and learns how long until
+ * something could change without a wake-up. Places are scored `max(lastScore + 1, serverMicros)`:
+ * arrival order, and never below a place still queued even if the queue's keys had expired. A
+ * place that ran out (its waiter died) is dropped when a script walks past it; its waiter, if
+ * alive after all, queues again at the back.
+ *
+ * **Answers.** Lua `false` is a nil reply; numbers are integer replies; tokens are strings.
+ */
+
+/** Helpers every script starts with: the server's time, and keeping a key alive until a moment. */
+const prelude = `
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local clock = redis.call('TIME')
+local nowMs = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local nowUs = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local function fmt(x) return string.format('%.0f', x) end
+-- Extends the key's life to at least the moment at (ms since the epoch); never shortens it.
+local function keepUntil(key, at)
+  local left = redis.call('PTTL', key)
+  if left == -2 then return end
+  if left < 0 or nowMs + left < at then redis.call('PEXPIREAT', key, fmt(at)) end
+end
+local function num(x) if x then return tonumber(x) or 0 end return 0 end
+`
+
+/** Reading the shared holders and the queue of one name (KEYS: lease, queue, places, shared). */
+const lockHelpers = `
+local leaseKey, queueKey, placesKey, sharedKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- The live shared holders: how many, and when the last of them runs out. Only read when the
+-- bound of their leases (suntil) is still ahead: otherwise none can be live.
+local function liveShared()
+  if num(redis.call('HGET', leaseKey, 'suntil')) <= nowMs then return 0, 0 end
+  local all = redis.call('HGETALL', sharedKey)
+  local n, last = 0, 0
+  for i = 2, #all, 2 do
+    local e = cjson.decode(all[i])
+    if e.expires > nowMs then
+      n = n + 1
+      if e.expires > last then last = e.expires end
+    end
+  end
+  return n, last
+end
+local function placeOf(id)
+  local raw = redis.call('HGET', placesKey, id)
+  if raw then return cjson.decode(raw) end
+  return nil
+end
+local function dropPlace(id)
+  redis.call('ZREM', queueKey, id)
+  redis.call('HDEL', placesKey, id)
+end
+`
+
+/** How many live places ahead an attempt looks at for the earliest that runs out. */
+const AHEAD_SCAN = 100
+/** How many live places at the head a release looks at to find whom to wake. */
+const HEAD_CANDIDATES = 16
+
+/**
+ * One grant attempt.
+ * KEYS: lease, queue, places, shared.
+ * ARGV: 1 name, 2 owner, 3 waiter, 4 mode, 5 ttl ms, 6 place ms, 7 application, 8 host, 9 pid, 10 take a place ("1"/"0").
+ * Answer: { token (string) | nil, wait (ms) | nil }.
+ */
+export const acquire = `${prelude}${lockHelpers}
+local name, owner, waiter, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local ttl, placeMs = tonumber(ARGV[5]), tonumber(ARGV[6])
+local application, host, pid, takePlace = ARGV[7], ARGV[8], ARGV[9], ARGV[10] == '1'
+
+local h = redis.call('HMGET', leaseKey, 'owner', 'expires', 'last')
+local holderExpires = num(h[2])
+local exclusiveLive = h[1] and holderExpires > nowMs
+local last = num(h[3])
+
+-- This request's place, if it is still live (a place that ran out lost its position).
+local mine = placeOf(waiter)
+local myScore = nil
+if mine and mine.expires > nowMs then
+  myScore = redis.call('ZSCORE', queueKey, waiter)
+  if myScore then myScore = tonumber(myScore) else mine = nil end
+else
+  mine = nil
+end
+
+-- Live places ahead that this request must not overtake: any for an exclusive request, the
+-- exclusive ones for a shared request. Places that ran out are dropped on the way.
+local aheadUntil = nil
+local members
+if myScore then
+  members = redis.call('ZRANGEBYSCORE', queueKey, '-inf', '(' .. fmt(myScore))
+else
+  members = redis.call('ZRANGE', queueKey, 0, -1)
+end
+local seen = 0
+for _, id in ipairs(members) do
+  if id ~= waiter then
+    local p = placeOf(id)
+    if not p or p.expires <= nowMs then
+      dropPlace(id)
+    elseif mode == 'exclusive' or p.mode == 'exclusive' then
+      if not aheadUntil or p.expires < aheadUntil then aheadUntil = p.expires end
+      seen = seen + 1
+      if seen >= ${AHEAD_SCAN} then break end
+    end
+  end
+end
+
+local sharedCount, sharedUntil = 0, 0
+if mode == 'exclusive' and not exclusiveLive then sharedCount, sharedUntil = liveShared() end
+
+if not aheadUntil and not exclusiveLive and (mode == 'shared' or sharedCount == 0) then
+  local token = math.max(last + 1, nowUs)
+  local expires = nowMs + ttl
+  if mode == 'exclusive' then
+    redis.call('HSET', leaseKey, 'name', name, 'owner', owner, 'token', fmt(token), 'last', fmt(token),
+      'expires', fmt(expires), 'acquired', fmt(nowMs), 'application', application, 'host', host, 'pid', pid)
+    -- No shared holder is live (checked above): their entries and bound go.
+    redis.call('HDEL', leaseKey, 'suntil')
+    redis.call('DEL', sharedKey)
+  else
+    redis.call('HDEL', leaseKey, 'owner', 'token', 'expires', 'acquired', 'application', 'host', 'pid')
+    local bound = math.max(num(redis.call('HGET', leaseKey, 'suntil')), expires)
+    redis.call('HSET', leaseKey, 'name', name, 'last', fmt(token), 'suntil', fmt(bound))
+    redis.call('HSET', sharedKey, owner, cjson.encode({ token = fmt(token), expires = expires, acquired = nowMs,
+      application = application, host = host, pid = pid }))
+    keepUntil(sharedKey, expires)
+  end
+  keepUntil(leaseKey, expires)
+  dropPlace(waiter)
+  return { fmt(token), false }
+end
+
+if takePlace then
+  local placeUntil = nowMs + placeMs
+  if mine then
+    -- Kept: refreshed only once less than half its time is left (most retries write nothing).
+    if mine.expires <= nowMs + placeMs / 2 then
+      mine.expires = placeUntil
+      redis.call('HSET', placesKey, waiter, cjson.encode(mine))
+      keepUntil(placesKey, placeUntil)
+      keepUntil(queueKey, placeUntil)
+    end
+  else
+    local tail = redis.call('ZRANGE', queueKey, -1, -1, 'WITHSCORES')
+    local score = nowUs
+    if tail[2] then score = math.max(score, tonumber(tail[2]) + 1) end
+    redis.call('ZADD', queueKey, fmt(score), waiter)
+    redis.call('HSET', placesKey, waiter, cjson.encode({ mode = mode, expires = placeUntil, since = nowMs,
+      application = application, host = host, pid = pid }))
+    keepUntil(placesKey, placeUntil)
+    keepUntil(queueKey, placeUntil)
+  end
+end
+
+-- Until something could change without a wake-up: the holder's lease, the shared holders' (for
+-- an exclusive request), or a place ahead running out.
+local changeAt = nil
+if exclusiveLive then changeAt = holderExpires end
+if sharedCount > 0 and (not changeAt or sharedUntil < changeAt) then changeAt = sharedUntil end
+if aheadUntil and (not changeAt or aheadUntil < changeAt) then changeAt = aheadUntil end
+if changeAt then return { false, math.max(0, changeAt - nowMs) } end
+return { false, false }
+`
+
+/**
+ * Gives back what one request holds of a name: the exclusive lease of `owner`, its shared lease,
+ * and the place of `waiter` — all owner-scoped. When this frees the lock (or leaves a place while
+ * no exclusive lease is live), the waiters now at the head are woken on the channel: the oldest,
+ * and every shared waiter ahead of the oldest exclusive one.
+ * KEYS: lease, queue, places, shared. ARGV: 1 name, 2 owner ('' for none), 3 waiter ('' for none), 4 channel.
+ * Answer: { released (0/1), woken (count) }.
+ */
+export const release = `${prelude}${lockHelpers}
+local owner, waiter, channel = ARGV[2], ARGV[3], ARGV[4]
+local released, freed = 0, false
+if owner ~= '' then
+  if redis.call('HGET', leaseKey, 'owner') == owner then
+    redis.call('HDEL', leaseKey, 'owner', 'token', 'expires', 'acquired', 'application', 'host', 'pid')
+    released, freed = 1, true
+  end
+  if redis.call('HDEL', sharedKey, owner) == 1 then
+    released = 1
+    local n = liveShared()
+    if n == 0 then
+      redis.call('HDEL', leaseKey, 'suntil')
+      freed = true
+    end
+  end
+end
+if waiter ~= '' and redis.call('ZREM', queueKey, waiter) == 1 then
+  redis.call('HDEL', placesKey, waiter)
+  local h = redis.call('HMGET', leaseKey, 'owner', 'expires')
+  if not (h[1] and num(h[2]) > nowMs) then freed = true end
+elseif waiter ~= '' then
+  redis.call('HDEL', placesKey, waiter)
+end
+local woken = 0
+if freed then
+  local live = 0
+  for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, ${HEAD_CANDIDATES * 4 - 1})) do
+    local p = placeOf(id)
+    if not p or p.expires <= nowMs then
+      dropPlace(id)
+    else
+      -- The oldest live place, and the shared ones right behind it until the first exclusive.
+      if live > 0 and p.mode == 'exclusive' then break end
+      redis.call('PUBLISH', channel, 'w' .. id)
+      woken = woken + 1
+      live = live + 1
+      if p.mode == 'exclusive' or live >= ${HEAD_CANDIDATES} then break end
+    end
+  end
+end
+return { released, woken }
+`
+
+/**
+ * Renews ONE lease (a batch is one call per lease in one pipeline: a script over several names'
+ * keys would cross hash slots). KEYS: lease, shared. ARGV: 1 owner, 2 token, 3 ttl ms, 4 mode.
+ * Answer: `renewed`, or why not: `stolen` (a newer holder), `expired` (ran out, its keys too),
+ * `revoked` (freed without a newer grant, e.g. by an operator).
+ */
+export const renew = `${prelude}
+local leaseKey, sharedKey = KEYS[1], KEYS[2]
+local owner, token, ttl, mode = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local h = redis.call('HMGET', leaseKey, 'owner', 'expires', 'last')
+local exists = redis.call('EXISTS', leaseKey) == 1
+local expires = nowMs + ttl
+if mode == 'exclusive' then
+  if h[1] == owner and num(h[2]) > nowMs then
+    redis.call('HSET', leaseKey, 'expires', fmt(expires))
+    keepUntil(leaseKey, expires)
+    return 'renewed'
+  end
+  if not exists or h[1] == owner then return 'expired' end
+  if num(h[3]) > token then return 'stolen' end
+  return 'revoked'
+end
+local raw = redis.call('HGET', sharedKey, owner)
+if raw then
+  local e = cjson.decode(raw)
+  if e.expires > nowMs and not h[1] then
+    e.expires = expires
+    redis.call('HSET', sharedKey, owner, cjson.encode(e))
+    local bound = math.max(num(redis.call('HGET', leaseKey, 'suntil')), expires)
+    redis.call('HSET', leaseKey, 'suntil', fmt(bound))
+    keepUntil(sharedKey, expires)
+    keepUntil(leaseKey, expires)
+    return 'renewed'
+  end
+  return 'expired'
+end
+if not exists then return 'expired' end
+if h[1] and num(h[3]) > token then return 'stolen' end
+return 'revoked'
+`
+
+/**
+ * Frees a lock whoever holds it, exclusive or shared (an operator's tool), and wakes every waiter
+ * of it (`r` + name). KEYS: lease, shared. ARGV: 1 name, 2 channel. Answer: 1 when a lease was held.
+ */
+export const revoke = `${prelude}
+local leaseKey, sharedKey = KEYS[1], KEYS[2]
+local had = 0
+if redis.call('HGET', leaseKey, 'owner') then
+  redis.call('HDEL', leaseKey, 'owner', 'token', 'expires', 'acquired', 'application', 'host', 'pid')
+  had = 1
+end
+if redis.call('EXISTS', sharedKey) == 1 then
+  redis.call('DEL', sharedKey)
+  had = 1
+end
+redis.call('HDEL', leaseKey, 'suntil')
+if had == 1 then redis.call('PUBLISH', ARGV[2], 'r' .. ARGV[1]) end
+return had
+`
+
+/**
+ * The live leases of one name, exclusive and shared, as JSON texts
+ * ({ name, mode, token, expires, acquired, application, host, pid, waiting }).
+ * KEYS: lease, queue, places, shared. ARGV: 1 name.
+ */
+export const holders = `${prelude}${lockHelpers}
+local out = {}
+local waiting = nil
+for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, -1)) do
+  local p = placeOf(id)
+  if p and p.expires > nowMs and (not waiting or p.since < waiting) then waiting = p.since end
+end
+local h = redis.call('HMGET', leaseKey, 'owner', 'token', 'expires', 'acquired', 'application', 'host', 'pid')
+if h[1] and num(h[3]) > nowMs then
+  table.insert(out, cjson.encode({ name = ARGV[1], mode = 'exclusive', token = h[2], expires = num(h[3]), acquired = num(h[4]),
+    application = h[5] or cjson.null, host = h[6] or cjson.null, pid = num(h[7]), waiting = waiting or cjson.null }))
+end
+local all = redis.call('HGETALL', sharedKey)
+for i = 2, #all, 2 do
+  local e = cjson.decode(all[i])
+  if e.expires > nowMs then
+    table.insert(out, cjson.encode({ name = ARGV[1], mode = 'shared', token = e.token, expires = e.expires, acquired = e.acquired,
+      application = e.application, host = e.host, pid = tonumber(e.pid) or 0, waiting = waiting or cjson.null }))
+  end
+end
+return out
+`
+
+/** The server's wall clock, ms since the epoch. */
+export const now = `${prelude}
+return nowMs
+`
+
+/** A wake-up through the lock connection (the hub's health check). ARGV: 1 channel, 2 payload. */
+export const publish = `return redis.call('PUBLISH', ARGV[1], ARGV[2])`
+
+/** Nothing to sweep: every key expires by itself (the engine's sweep is off by default). */
+export const sweep = `return 0`
+
+/** The permit scripts until semaphores are built (phase 2): never sent by the layer. */
+export const notBuilt = `return redis.error_reply('semaphores on RedisLease are not built yet')`

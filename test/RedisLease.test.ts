@@ -1,0 +1,250 @@
+/**
+ * RedisLease beyond the contract suite, on a real redis-server (started on a free loopback port,
+ * or REDIS_URL): fencing tokens across layers, after the name's keys expired while idle and
+ * across a restart without persistence; no key left for an idle name; a try never overtakes a
+ * waiter and a dead waiter's place runs out; NOSCRIPT after SCRIPT FLUSH; a missing ioredis;
+ * semaphores refused until built. Without a server the file skips and says why.
+ */
+import { describe, expect, it } from "@effect/vitest"
+import { Duration, Effect, Fiber, Option, Schedule } from "effect"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
+import * as RedisLease from "effect-lock/RedisLease"
+import * as Keys from "effect-lock/internal/redis/keys"
+import * as Make from "effect-lock/internal/redis/make"
+import * as Scripts from "effect-lock/internal/redis/scripts"
+import { shaOf } from "effect-lock/internal/redis/lane"
+import { Redis } from "ioredis"
+import * as Crypto from "node:crypto"
+import { afterAll } from "vitest"
+import { freshName } from "./support/contract.js"
+import { waitFor } from "./support/eventually.js"
+import { describeWithRedis, useRedis } from "./support/redis.js"
+
+// First, so that its afterAll (stopping the server) runs after every layer and client is closed.
+const redis = useRedis()
+
+let client: Redis | undefined
+/** The file's own client, for reading keys and poking the server. */
+const inspector = (): Redis => (client ??= new Redis(redis.url(), { lazyConnect: true, maxRetriesPerRequest: 1 }))
+afterAll(async () => {
+  await client?.quit().catch(() => client?.disconnect())
+})
+
+const TTL = Duration.seconds(1)
+
+/** A process: a lock service on its own RedisLease backend, closed with the test's scope. */
+const node = (options?: RedisLease.Options) =>
+  Effect.flatMap(Effect.suspend(() => RedisLease.makeBackend({ url: redis.url(), ttl: TTL, ...options })), (backend) =>
+    DistributedLock.make(backend))
+
+/** A command on the inspector client, as an Effect. */
+const command = <A = unknown>(name: string, ...args: Array<string | number>): Effect.Effect<A> =>
+  Effect.promise(() => inspector().call(name, args) as Promise<A>)
+
+/** Every key of the lock `name` (default prefix), by SCAN. */
+const keysOf = (name: string): Effect.Effect<ReadonlyArray<string>> =>
+  Effect.promise(async () => {
+    const found: Array<string> = []
+    let cursor = "0"
+    do {
+      const [next, batch] = await inspector().scan(cursor, "MATCH", Keys.namePattern(Keys.DEFAULT_PREFIX, name), "COUNT", 1000)
+      found.push(...batch)
+      cursor = next
+    } while (cursor !== "0")
+    return found
+  })
+
+const tokenOf = (service: DistributedLock.Service, name: string) =>
+  Effect.scoped(Effect.map(service.acquire(name, { ttl: TTL, timeout: Duration.seconds(5) }), (lease) => lease.token))
+
+describeWithRedis("RedisLease", () => {
+  describe("fencing tokens", () => {
+    it.scopedLive("strictly increase per name across layers", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const name = freshName("redis-tokens")
+        const tokens: Array<bigint> = []
+        for (let i = 0; i < 8; i++) tokens.push(yield* tokenOf(i % 2 === 0 ? a : b, name))
+        for (let i = 1; i < tokens.length; i++) expect(tokens[i]! > tokens[i - 1]!).toBe(true)
+      }))
+
+    it.scopedLive("keep increasing after the name's keys expired while idle, and no key is left for an idle name", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("redis-idle")
+        const first = yield* tokenOf(a, name)
+        expect((yield* keysOf(name)).length).toBeGreaterThan(0)
+        // The lease hash lives a ttl (1 s) past the last grant, then goes: nothing of the name is left.
+        yield* waitFor("every key of the idle name expired", Effect.map(keysOf(name), (keys) => keys.length === 0), Duration.seconds(10))
+        const second = yield* tokenOf(a, name)
+        expect(second > first).toBe(true)
+      }))
+
+    it.scopedLive("keep increasing across a restart of redis-server without persistence", () =>
+      Effect.gen(function*() {
+        const restart = redis.restart()
+        if (restart === undefined) {
+          console.warn("REDIS_URL is set: skipping the restart test (it restarts the test's own redis-server)")
+          return
+        }
+        const a = yield* node()
+        const name = freshName("redis-restart")
+        const before = yield* tokenOf(a, name)
+        yield* Effect.promise(() => restart())
+        // The layer's connections reconnect; commands that met the closed connection fail meanwhile.
+        const after = yield* tokenOf(a, name).pipe(Effect.retry(Schedule.intersect(Schedule.spaced(Duration.millis(100)), Schedule.recurs(50))))
+        expect(after > before).toBe(true)
+      }), 30_000)
+  })
+
+  describe("waiting order", () => {
+    it.scopedLive("a try never overtakes a live waiter's place, and a dead waiter's place runs out", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("redis-place")
+        const keys = Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
+        const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
+        const attempt = (owner: string, waiter: string, ttlMs: number, placeMs: number) =>
+          command<[string | null, number | null]>(
+            "eval", Scripts.acquire, 4, ...Keys.keyList(keys), name, owner, waiter, "exclusive", ttlMs, placeMs, "test", "test", 1, "1"
+          )
+        // A process that then died: it held the name (2 s lease), and a waiter of it queued behind (2 s place).
+        const holder = Crypto.randomUUID()
+        const granted = yield* attempt(holder, Crypto.randomUUID(), 2000, 2000)
+        expect(granted[0]).not.toBeNull()
+        const queued = yield* attempt(Crypto.randomUUID(), Crypto.randomUUID(), 2000, 2000)
+        expect(queued[0]).toBeNull()
+        expect(queued[1]).toBeGreaterThan(0)
+        expect(yield* command<number>("zcard", keys.queue)).toBe(1)
+        // The holder lets go; the waiter's place is still live: a try finds the lock busy.
+        yield* command("eval", Scripts.release, 4, ...Keys.keyList(keys), name, holder, "", channel)
+        const tried = yield* Effect.scoped(a.tryAcquire(name))
+        expect(Option.isNone(tried)).toBe(true)
+        // Once the place ran out, the next try gets the lock (and drops the dead place).
+        yield* waitFor("a try gets the lock once the dead place ran out", Effect.scoped(Effect.map(a.tryAcquire(name), Option.isSome)), Duration.seconds(5))
+        expect(yield* command<number>("zcard", keys.queue)).toBe(0)
+      }))
+
+    it.scopedLive("waiters of several layers are served first in, first out, woken through pub/sub", () =>
+      Effect.gen(function*() {
+        const a = yield* node({ ttl: Duration.seconds(5) })
+        const name = freshName("redis-fifo")
+        const keys = Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
+        const held = yield* Effect.forkScoped(Effect.scoped(Effect.zipRight(a.acquire(name), Effect.never)))
+        yield* waitFor("the holder holds", Effect.map(command<number>("exists", keys.lease), (n) => n === 1), Duration.seconds(5))
+        const order: Array<string> = []
+        const fibers: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
+        for (const label of ["b", "c", "d"]) {
+          const service = yield* node({ ttl: Duration.seconds(5), pollInterval: Duration.seconds(10) })
+          fibers.push(yield* Effect.fork(Effect.scoped(Effect.zipRight(service.acquire(name), Effect.sync(() => order.push(label))))))
+          const count = fibers.length
+          yield* waitFor(`${count} waiters queued`, Effect.map(command<number>("zcard", keys.queue), (n) => n >= count), Duration.seconds(5))
+        }
+        const started = performance.now()
+        yield* Fiber.interrupt(held)
+        yield* Effect.forEach(fibers, Fiber.join, { discard: true })
+        expect(order).toEqual(["b", "c", "d"])
+        // Woken by the releases' wake-ups, not by a 10 s poll.
+        expect(performance.now() - started).toBeLessThan(1_500)
+      }))
+  })
+
+  describe("bounds", () => {
+    it.scopedLive("a frozen server (SIGSTOP) fails a command within its bound; the lane recovers once it runs again", () =>
+      Effect.gen(function*() {
+        const signal = redis.signal()
+        if (signal === undefined) {
+          console.warn("REDIS_URL is set: skipping the frozen-server test (it stops the test's own redis-server)")
+          return
+        }
+        const a = yield* node({ statementTimeout: Duration.millis(500) })
+        // Connected and the scripts cached before the freeze.
+        yield* tokenOf(a, freshName("redis-frozen-before"))
+        yield* Effect.acquireRelease(Effect.sync(() => signal("SIGSTOP")), () => Effect.sync(() => signal("SIGCONT")))
+        const started = performance.now()
+        const error = yield* Effect.flip(Effect.scoped(a.tryAcquire(freshName("redis-frozen"))))
+        expect(error._tag).toBe("LockBackendError")
+        expect(performance.now() - started).toBeLessThan(2_000)
+        signal("SIGCONT")
+        // The stuck connection was dropped and reconnects: the next tries get through.
+        yield* waitFor(
+          "a try gets through after the server runs again",
+          Effect.scoped(Effect.map(Effect.either(a.tryAcquire(freshName("redis-frozen-after"))), (got) => got._tag === "Right")),
+          Duration.seconds(10)
+        )
+      }), 30_000)
+  })
+
+  describe("scripts", () => {
+    it.scopedLive("NOSCRIPT after SCRIPT FLUSH: the script is sent again with EVAL", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("redis-noscript")
+        const first = yield* tokenOf(a, name)
+        expect(yield* command<Array<number>>("script", "exists", shaOf(Scripts.acquire))).toEqual([1])
+        yield* command("script", "flush")
+        expect(yield* command<Array<number>>("script", "exists", shaOf(Scripts.acquire))).toEqual([0])
+        const second = yield* tokenOf(a, name)
+        expect(second > first).toBe(true)
+        // EVAL cached it again.
+        expect(yield* command<Array<number>>("script", "exists", shaOf(Scripts.acquire))).toEqual([1])
+      }))
+  })
+
+  describe("the layer", () => {
+    it.scopedLive("a missing ioredis fails the build with the install command", () =>
+      Effect.gen(function*() {
+        const error = yield* Effect.flip(
+          Make.makeBackend({}, undefined, () => Promise.reject(new Error("Cannot find package 'ioredis'")))
+        )
+        expect(error._tag).toBe("LockBackendError")
+        expect(error.message).toContain("npm install ioredis")
+      }))
+
+    it.scopedLive("a prefix with a brace is refused", () =>
+      Effect.gen(function*() {
+        const error = yield* Effect.flip(RedisLease.makeBackend({ url: redis.url(), prefix: "a{b}:" }))
+        expect(error.message).toContain("prefix")
+      }))
+
+    it.scopedLive("names with braces and other characters lock apart, each with its keys in one slot", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const b = yield* node()
+        const base = freshName("redis-braces")
+        const names = [`${base}{x}`, `${base}{y}`, `{${base}}`, `${base} ✓`]
+        const leases = yield* Effect.forEach(names, (name) => a.acquire(name))
+        expect(leases.length).toBe(names.length)
+        for (const name of names) {
+          expect(Option.isNone(yield* Effect.scoped(b.tryAcquire(name)))).toBe(true)
+          const keys = yield* keysOf(name)
+          expect(keys.length).toBeGreaterThan(0)
+          const tags = new Set(keys.map((key) => key.slice(key.indexOf("{"), key.indexOf("}") + 1)))
+          expect(tags.size).toBe(1)
+        }
+      }))
+
+    it.scopedLive("the application's client carries the lock commands and is not closed with the layer", () =>
+      Effect.gen(function*() {
+        const app = new Redis(redis.url(), { lazyConnect: true, maxRetriesPerRequest: 1 })
+        yield* Effect.addFinalizer(() => Effect.promise(() => app.quit().catch(() => app.disconnect())))
+        const name = freshName("redis-app-client")
+        yield* Effect.scoped(Effect.gen(function*() {
+          const service = yield* DistributedLock.make(yield* RedisLease.makeBackend({ client: app, ttl: TTL }))
+          yield* tokenOf(service, name)
+        }))
+        expect(yield* Effect.promise(() => app.ping())).toBe("PONG")
+      }))
+
+    it.scopedLive("semaphores are refused until they are built", () =>
+      Effect.gen(function*() {
+        const backend = yield* RedisLease.makeBackend({ url: redis.url() })
+        const semaphore = yield* DistributedSemaphore.make(backend.semaphore)
+        const error = yield* Effect.flip(Effect.scoped(semaphore.acquire(freshName("redis-sem"), { limit: 2 })))
+        expect(error._tag).toBe("LockBackendError")
+        expect(String(error.message)).toContain("not built yet")
+      }))
+  })
+})
