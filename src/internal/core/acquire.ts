@@ -323,10 +323,17 @@ const annotated = <A, E>(take: Pick<Take<Grant, object>, "traced" | "start">, no
     ? Effect.zipRight(Effect.annotateCurrentSpan({ "lock.wait_ms": now - take.start, "lock.outcome": outcome }), self)
     : self
 
-const timedOut = (take: Pick<Take<Grant, object>, "fiber" | "name" | "start"> & { readonly backend: { readonly backend: string } }, now: number): Effect.Effect<never, LockTimeout> =>
+const timedOut = (
+  take: Pick<Take<Grant, object>, "fiber" | "name" | "start" | "deadline"> & { readonly backend: { readonly backend: string } },
+  now: number
+): Effect.Effect<never, LockTimeout> =>
   Effect.suspend(() => {
     metrics.unsafe.timedOut(metrics.labelsOn(take.fiber, metrics.backendLabels(take.backend.backend)))
-    return Effect.fail(new LockTimeout({ name: take.name, waited: Duration.millis(Math.max(0, now - take.start)) }))
+    // Timed out means the deadline was reached on the clock that decided it; a reading of this
+    // clock a fraction of a millisecond short of it (timers and clocks round differently) still
+    // reports the whole timeout.
+    const end = Option.match(take.deadline, { onNone: () => now, onSome: (at) => Math.max(now, at) })
+    return Effect.fail(new LockTimeout({ name: take.name, waited: Duration.millis(Math.max(0, end - take.start)) }))
   })
 
 const plan = (kind: "acquire" | "try", timeout: Duration.Duration | undefined, now: number) => {
