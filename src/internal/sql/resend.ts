@@ -18,13 +18,18 @@ import { sqlStateOf } from "./state.js"
 
 /** SQLSTATEs of a statement the server refused as a whole: serialization failure, deadlock, lock_timeout. */
 export const RESENDABLE: ReadonlySet<string> = new Set(["40001", "40P01", "55P03"])
-/** Sends of one statement in all, the first included. */
-export const RESEND_ATTEMPTS = 12
+/**
+ * Sends of one statement in all, the first included: a backstop only — the statement's bound is
+ * what ends the resends. Twelve were too few: under SERIALIZABLE a semaphore row that a dozen
+ * requests write, and that releases delete and attempts make anew, refused one attempt twelve
+ * times in a row within 0.6 s, with 4.4 s of its 5 s bound left (CI, 12-04).
+ */
+export const RESEND_ATTEMPTS = 200
 /**
  * Backoff before resend `n` (1-based): jittered in [b/2, b], b = this × 2^(n-1), at most
- * `RESEND_BACKOFF_CAP_MS` (all eleven backoffs: under 0.6 s). Many sends, short waits: on one
- * row hammered by a dozen requests (the contract's exclusion case) a statement needed up to
- * eleven resends under REPEATABLE READ; each refusal costs one statement's time.
+ * `RESEND_BACKOFF_CAP_MS`. Many sends, short waits: on one row hammered by a dozen requests (the
+ * contract's exclusion case) a statement needed up to eleven resends under REPEATABLE READ; each
+ * refusal costs one statement's time.
  */
 const RESEND_BACKOFF_MS = 4
 const RESEND_BACKOFF_CAP_MS = 64
