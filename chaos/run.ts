@@ -186,6 +186,9 @@ const writeTrace = (file: string, events: ReadonlyArray<Stamped>, faults: Readon
   Fs.writeFileSync(file, lines.map((line) => JSON.stringify(line, (_, v) => (typeof v === "bigint" ? v.toString() : v))).join("\n") + "\n")
 }
 
+/** Runs started by this process: names each run's database and log. */
+let runs = 0
+
 const runBackend = async (
   backend: Backend,
   options: ChaosOptions,
@@ -194,7 +197,9 @@ const runBackend = async (
   frozenPids: Set<number>
 ): Promise<BackendRun> => {
   const { log } = options
-  const database = `chaos_${backend.replace("-", "_")}_${process.pid}`
+  // Unique per run, not only per process: runs of one backend may go side by side on one server (the test suite's).
+  const run = `${process.pid}_${++runs}`
+  const database = `chaos_${backend.replace("-", "_")}_${run}`
   const admin = makeQuery(server.url)
   await admin(`drop database if exists ${database} with (force)`)
   await admin(`create database ${database}`)
@@ -202,7 +207,7 @@ const runBackend = async (
   const query = makeQuery(url)
   await query(roundsTableSql)
   const clock = await measureClock(url, server.embedded)
-  const logFile = Path.join(options.logDir, `chaos-${backend}-${options.seed}-${process.pid}.log`)
+  const logFile = Path.join(options.logDir, `chaos-${backend}-${options.seed}-${run}.log`)
   const fleet = makeFleet({
     workers: options.workers,
     logFile,

@@ -507,27 +507,34 @@ describe("SqliteLease import", () => {
 }\n`
         )
         Fs.writeFileSync(Path.join(dir, "register.mjs"), `import { register } from "node:module"\nregister(${JSON.stringify(Url.pathToFileURL(Path.join(dir, "hook.mjs")).href)})\n`)
+        // Asynchronous and side by side: each child spends seconds compiling the sources (tsx).
         const run = (script: string) =>
-          ChildProcess.spawnSync(process.execPath, ["--import", "tsx", "--import", Path.join(dir, "register.mjs"), "-e", script], {
-            cwd: repoRoot,
-            encoding: "utf8",
-            timeout: 30_000
+          new Promise<{ stdout: string; stderr: string }>((resolve, reject) => {
+            ChildProcess.execFile(
+              process.execPath,
+              ["--import", "tsx", "--import", Path.join(dir, "register.mjs"), "-e", script],
+              { cwd: repoRoot, encoding: "utf8", timeout: 30_000 },
+              // A child that exits non-zero still reports what it printed: the assertions read it.
+              (error, stdout, stderr) => (error !== null && error.killed ? reject(error) : resolve({ stdout, stderr }))
+            )
           })
         const root = JSON.stringify(Path.join(repoRoot, "src/index.ts"))
-        const imported = run(`await import(${root}); console.log("imported")`)
-        expect(imported.stderr).not.toContain("loaded at import time")
-        expect(imported.stdout).toContain("imported")
-        // Building the layer is where the driver loads: refused here, it is a clear LockBackendError.
-        const built = run(`const { SqliteLease, DistributedLock } = await import(${root})
+        const [imported, built, control] = await Promise.all([
+          run(`await import(${root}); console.log("imported")`),
+          // Building the layer is where the driver loads: refused here, it is a clear LockBackendError.
+          run(`const { SqliteLease, DistributedLock } = await import(${root})
 const { Effect, Layer, Cause, Exit } = await import("effect")
 const exit = await Effect.runPromiseExit(Effect.scoped(Layer.build(SqliteLease.layer({ filename: ${JSON.stringify(Path.join(dir, "x.db"))} }))))
 const error = Exit.isFailure(exit) ? Cause.failureOption(exit.cause) : undefined
-console.log(JSON.stringify({ tag: error?.value?._tag, operation: error?.value?.operation, message: error?.value?.message }))`)
+console.log(JSON.stringify({ tag: error?.value?._tag, operation: error?.value?.operation, message: error?.value?.message }))`),
+          // The hook does catch a module that loads the driver when imported.
+          run(`await import(${JSON.stringify(Path.join(repoRoot, "node_modules/@effect/sql-sqlite-node/dist/esm/SqliteClient.js"))})`)
+        ])
+        expect(imported.stderr).not.toContain("loaded at import time")
+        expect(imported.stdout).toContain("imported")
         const report = JSON.parse(built.stdout.trim().split("\n").pop() ?? "{}") as { tag?: string; operation?: string; message?: string }
         expect(report).toMatchObject({ tag: "LockBackendError", operation: "configure" })
         expect(report.message).toContain("@effect/sql-sqlite-node")
-        // The hook does catch a module that loads the driver when imported.
-        const control = run(`await import(${JSON.stringify(Path.join(repoRoot, "node_modules/@effect/sql-sqlite-node/dist/esm/SqliteClient.js"))})`)
         expect(control.stderr).toContain("loaded at import time")
       } finally {
         Fs.rmSync(dir, { recursive: true, force: true })
