@@ -60,7 +60,6 @@ import * as FiberId from "effect/FiberId"
 import * as Option from "effect/Option"
 import * as PubSub from "effect/PubSub"
 import * as Queue from "effect/Queue"
-import * as Random from "effect/Random"
 import * as Schedule from "effect/Schedule"
 import * as Scope from "effect/Scope"
 import type { AcquireRequest, AcquireResult, Grant, LockAndSemaphoreBackend } from "../../LockBackend.js"
@@ -72,6 +71,7 @@ import { ensureFencingTable } from "./bootstrap.js"
 import { Busy, interestKeyOf, joinShared, Retry, type Step, TimedOut, tryGrant } from "./grants.js"
 import { within } from "../runtime/stallSafe.js"
 import * as Owner from "../runtime/owner.js"
+import * as Sweep from "../lease/sweep.js"
 import {
   asBackendError,
   BACKEND,
@@ -474,11 +474,7 @@ export const makeWith = (
           (settled) => (settled._tag === "Ok" ? Number(settled.rows[0]?.["swept"] ?? 0) : 0)
         )
       })
-    const sweepPass = (text: string) =>
-      Effect.iterate(0, {
-        while: (round) => round >= 0 && round < SWEEP_MAX_ROUNDS,
-        body: (round) => Effect.map(sweepRound(text), (swept) => (swept >= SWEEP_LIMIT ? round + 1 : -1))
-      })
+    const sweepPass = (text: string) => Sweep.rounds(sweepRound(text), SWEEP_LIMIT, SWEEP_MAX_ROUNDS)
 
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {
@@ -509,9 +505,7 @@ export const makeWith = (
       const pass = Effect.zipRight(sweepPass(sweepSql(options.fencingTable)), sweepPass(permitSweepSql(options.fencingTable)))
       // Each pass after a (jittered) interval, the first too: a sweep in flight makes the home
       // session busy, and a busy session's loss is noticed by its statement bound, not the heartbeat.
-      // Jittered (0.75–1× the interval): replicas started together do not sweep in step.
-      const pause = Effect.flatMap(Random.next, (r) => Effect.sleep(Duration.millis(options.sweepIntervalMillis * (0.75 + r / 4))))
-      yield* owner.fork(Effect.forever(Effect.zipRight(pause, pass)))
+      yield* Sweep.every(Duration.millis(options.sweepIntervalMillis), pass, owner)
     }
 
     // Hashing a name (SHA-256) costs more than the rest of an uncontended acquire's CPU work:

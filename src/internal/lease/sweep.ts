@@ -30,18 +30,38 @@ export interface Sweepable {
   readonly ready: () => boolean
 }
 
+/**
+ * `round` (one sweep statement: how many rows it deleted) again while it deletes a full batch of
+ * `limit` — only a full batch suggests more is left — at most `maxRounds` times; the rows deleted.
+ * A backlog larger than `limit × maxRounds` goes over the next passes.
+ */
+export const rounds = <E>(round: Effect.Effect<number, E>, limit: number, maxRounds: number): Effect.Effect<number, E> => {
+  const go = (n: number, swept: number): Effect.Effect<number, E> =>
+    Effect.flatMap(round, (deleted) => (deleted >= limit && n + 1 < maxRounds ? go(n + 1, swept + deleted) : Effect.succeed(swept + deleted)))
+  return go(0, 0)
+}
+
+/**
+ * `pass` forever on the layer's runtime (it stops when the layer closes), each run after a pause
+ * of 0.75–1× `interval` — the first too. An interval of zero starts nothing.
+ */
+export const every = (interval: Duration.Duration, pass: Effect.Effect<unknown>, owner: Owner): Effect.Effect<void> => {
+  const millis = Duration.toMillis(interval)
+  if (millis <= 0) return Effect.void
+  // Jittered: replicas started together do not sweep in step.
+  const pause = Effect.flatMap(Random.next, (r) => Effect.sleep(Duration.millis(millis * (0.75 + r / 4))))
+  return Effect.asVoid(owner.fork(Effect.forever(Effect.zipRight(pause, pass))))
+}
+
 /** One pass: every ready table kind, in rounds; how many rows went (errors end the pass quietly). */
 export const pass = (lane: Lane.Lane, kinds: ReadonlyArray<Sweepable>, bound: Duration.Duration): Effect.Effect<number> =>
   Effect.reduce(kinds, 0, (total, kind) => {
     if (!kind.ready()) return Effect.succeed(total)
-    const round = (n: number, swept: number): Effect.Effect<number, LockBackendError> =>
-      Effect.flatMap(
-        Effect.map(Lane.send(lane, undefined, kind.statement, { limit: SWEEP_LIMIT }, bound), ({ value }) => value),
-        // Only a full batch suggests more is left.
-        (deleted) => (deleted >= SWEEP_LIMIT && n + 1 < MAX_ROUNDS ? round(n + 1, swept + deleted) : Effect.succeed(swept + deleted))
-      )
-    return round(0, 0).pipe(
-      Effect.catchAll((error) => Effect.as(Effect.logDebug("effect-lock: idle-name sweep failed; tried again later", error), 0)),
+    const round = Effect.map(Lane.send(lane, undefined, kind.statement, { limit: SWEEP_LIMIT }, bound), ({ value }) => value)
+    return rounds(round, SWEEP_LIMIT, MAX_ROUNDS).pipe(
+      Effect.catchAll((error: LockBackendError) =>
+        Effect.as(Effect.logDebug("effect-lock: idle-name sweep failed; tried again later", error), 0)
+      ),
       Effect.map((swept) => total + swept)
     )
   })
@@ -56,15 +76,4 @@ export const start = (
   interval: Duration.Duration,
   bound: Duration.Duration,
   owner: Owner
-): Effect.Effect<void> => {
-  const millis = Duration.toMillis(interval)
-  if (millis <= 0) return Effect.void
-  const loop = Effect.gen(function*() {
-    while (true) {
-      // Jittered (0.75–1× the interval): replicas started together do not sweep in step.
-      yield* Effect.sleep(Duration.millis(millis * (0.75 + (yield* Random.next) / 4)))
-      yield* pass(lane, kinds, bound)
-    }
-  })
-  return Effect.asVoid(owner.fork(loop))
-}
+): Effect.Effect<void> => every(interval, pass(lane, kinds, bound), owner)
