@@ -38,6 +38,25 @@ const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<
 const count = (table: string, where: string, values: ReadonlyArray<unknown> = [], url = db.url) =>
   Effect.map(query<{ n: string }>(`select count(*)::text as n from ${table} where ${where}`, values, url), ([row]) => Number(row!.n))
 
+/** Every name's next grant is larger than its first (a lock's token; a semaphore's 2 permits, consecutive, past the first grant's). */
+const expectLargerNext = (
+  lock: DistributedLock.Service,
+  semaphore: DistributedSemaphore.Service,
+  first: ReadonlyMap<string, bigint>,
+  firstPermits: ReadonlyMap<string, ReadonlyArray<bigint>>
+) =>
+  Effect.gen(function*() {
+    for (const [name, token] of first) {
+      const next = yield* Effect.scoped(Effect.map(lock.acquire(name), (lease) => lease.token))
+      expect(next > token).toBe(true)
+    }
+    for (const [name, tokens] of firstPermits) {
+      const next = yield* Effect.scoped(Effect.map(semaphore.acquire(`sem-${name}`, { limit: 3, permits: 2 }), (p) => p.tokens))
+      expect(next[0]! > tokens[1]!).toBe(true)
+      expect(next[1]).toBe(next[0]! + 1n)
+    }
+  })
+
 /** Until `check`'s value satisfies `ok`, bounded. */
 const until = <A>(what: string, check: Effect.Effect<A>, ok: (a: A) => boolean, bound: Duration.DurationInput) =>
   waitFor(what, Effect.map(check, ok), bound)
@@ -120,15 +139,7 @@ describe("PostgreSQL: one token sequence, no row for an idle name", () => {
       expect(listed[0]!.waitingSince).not.toBeNull()
 
       // Every idle name's next grant is larger than its first, though its row was deleted.
-      for (const name of names) {
-        const token = yield* Effect.scoped(Effect.map(lock.acquire(name), (lease) => lease.token))
-        expect(token > first.get(name)!).toBe(true)
-      }
-      for (const [name, tokens] of firstPermits) {
-        const next = yield* Effect.scoped(Effect.map(semaphore.acquire(`sem-${name}`, { limit: 3, permits: 2 }), (p) => p.tokens))
-        expect(next[0]! > tokens[1]!).toBe(true)
-        expect(next[1]).toBe(next[0]! + 1n)
-      }
+      yield* expectLargerNext(lock, semaphore, first, firstPermits)
       yield* Scope.close(holder, Exit.void)
       expect(Exit.isSuccess(yield* Fiber.await(waiter))).toBe(true)
       expect(held.token > 0n).toBe(true)
@@ -172,15 +183,7 @@ describe("PostgreSQL: one token sequence, no row for an idle name", () => {
       yield* Effect.scoped(lock.acquire("probe"))
       yield* until("a sweep deleting the probe's row", count(fencingTable, "name = 'probe'"), (n) => n === 0, SWEPT_WITHIN)
       expect(yield* count(fencingTable, "name in ('kept-held', 'sem-kept-held', 'sem-kept-waited')")).toBe(3)
-      for (const name of names) {
-        const token = yield* Effect.scoped(Effect.map(lock.acquire(name), (lease) => lease.token))
-        expect(token > first.get(name)!).toBe(true)
-      }
-      for (const [name, tokens] of firstPermits) {
-        const next = yield* Effect.scoped(Effect.map(semaphore.acquire(`sem-${name}`, { limit: 3, permits: 2 }), (p) => p.tokens))
-        expect(next[0]! > tokens[1]!).toBe(true)
-        expect(next[1]).toBe(next[0]! + 1n)
-      }
+      yield* expectLargerNext(lock, semaphore, first, firstPermits)
       yield* Scope.close(holder, Exit.void)
       expect(Exit.isSuccess(yield* Fiber.await(waiter))).toBe(true)
       expect(Exit.isSuccess(yield* Fiber.await(semWaiter))).toBe(true)
