@@ -631,8 +631,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
   it.scoped("an application saturating its own pool for 3× the ttl costs no lease", () =>
     Effect.gen(function*() {
       // Own connections (a PgClient in the context), then a plain SqlClient (one connection of
-      // the application's pool reserved for renewals at the first grant).
-      for (const [label, plain] of [["own", false], ["application", true]] as const) {
+      // the application's pool reserved for renewals at the first grant). Side by side: each has a pool of its own.
+      yield* Effect.forEach([["own", false], ["application", true]] as const, ([label, plain]) => Effect.gen(function*() {
         const app = `pglease-saturated-${label}`
         const env = yield* Layer.build(PgTest.layer(() => db.url, { applicationName: app, maxConnections: plain ? 3 : 2 }))
         const sql = Context.get(env, SqlClient.SqlClient)
@@ -653,7 +653,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         const row = yield* rowOf(name)
         expect(row).toMatchObject({ token: String(lease.token) })
         expect(row!.left).toBeGreaterThan(0)
-      }
+      }), { concurrency: "unbounded", discard: true })
     }), { timeout: 40_000, concurrent: true })
 
   it.scoped("a waiter whose process dies loses its place once the place expires", () =>
