@@ -3,8 +3,10 @@
  * must have recovered (a new accepted write) after the fault ended.
  */
 import * as PgAdvisory from "effect-lock/PgAdvisory"
+import type { Redis } from "ioredis"
 import * as Fs from "node:fs"
 import type { Server } from "../tools/embeddedPostgres.js"
+import type { RedisServer } from "../tools/redisServer.js"
 import type { Fleet, Holder } from "./fleet.js"
 import type { Prng } from "./prng.js"
 import { appName, type Backend, LOCK_NAME, lockName, longestRoundMs } from "./protocol.js"
@@ -31,18 +33,23 @@ export const RECOVERY_SLACK_MS = 3_000
  * fault ended. A session advisory lock (PgAdvisory) goes when its session does — at once for a
  * killed process or a terminated or restarted backend — and a frozen advisory holder keeps it
  * until it is resumed, by design (README "Not a lease"), so the bound counts from the resume.
+ * A Redis lease (RedisLease) is a lease as PgLease's: taken over at most one ttl after.
  */
 export const recoveryBoundMs = (_kind: FaultKind, backend: Backend, ttlMs: number): number =>
-  (backend === "pg-lease" ? ttlMs : 0) + longestRoundMs(ttlMs) + RECOVERY_SLACK_MS
+  (backend === "pg-advisory" ? 0 : ttlMs) + longestRoundMs(ttlMs) + RECOVERY_SLACK_MS
 
-/** What each fault does, for the report. */
+/**
+ * What each fault does, for the report. On `redis` the lock's server is Redis: `session-terminate`,
+ * `server-freeze` and `db-restart` act on it (the PostgreSQL of the write log is left alone);
+ * `pool-saturation` still fills the worker's PostgreSQL pool, which its fenced writes use.
+ */
 export const FAULT_DESCRIPTIONS: Readonly<Record<FaultKind, string>> = {
   "worker-kill": "SIGKILL of a worker, restarted at once",
   "worker-freeze": "SIGSTOP of a worker for 0.3–2.5 × ttl, then SIGCONT",
   "worker-stall": "the worker's event loop busy for 0.15–0.3 × ttl (below the lease's safe time) or 1.2–2 × ttl (above it), alternating",
-  "session-terminate": "pg_terminate_backend of the worker's lock sessions (PgAdvisory's own sessions; PgLease's: its pool, LISTEN included)",
-  "server-freeze": "SIGSTOP of server processes for 1–3 × ttl: the backend holding the advisory lock (PgAdvisory), every backend of the holder's pool (PgLease)",
-  "db-restart": "fast shutdown of the server (every session terminated), down 0.3–2 s, started again on the same port and data",
+  "session-terminate": "pg_terminate_backend of the worker's lock sessions (PgAdvisory's own sessions; PgLease's: its pool, LISTEN included); redis: CLIENT KILL ID of each of the worker's RedisLease connections (lock commands, renewals, subscriber)",
+  "server-freeze": "SIGSTOP of server processes for 1–3 × ttl: the backend holding the advisory lock (PgAdvisory), every backend of the holder's pool (PgLease), redis-server itself (redis)",
+  "db-restart": "fast shutdown of the server (every session terminated), down 0.3–2 s, started again on the same port and data; redis: SIGTERM of redis-server (AOF, appendfsync always), down 0.3–2 s, started again on the same port and AOF",
   "pool-saturation": "every connection of the worker's own pool busy in pg_sleep for 3 × ttl"
 }
 
@@ -50,31 +57,38 @@ export const FAULT_DESCRIPTIONS: Readonly<Record<FaultKind, string>> = {
 export const RECOVERY_REASONS: Readonly<Record<FaultKind, Readonly<Record<Backend, string>>>> = {
   "worker-kill": {
     "pg-advisory": "the kernel closes the dead process's sockets; the server drops its locks at once",
-    "pg-lease": "the dead holder's row expires at most one ttl after its last renewal"
+    "pg-lease": "the dead holder's row expires at most one ttl after its last renewal",
+    "redis": "the dead holder's keys expire at most one ttl after its last renewal"
   },
   "worker-freeze": {
     "pg-advisory": "a frozen client keeps its lock while its connection lives (\"Not a lease\"): counted from the resume",
-    "pg-lease": "the frozen holder's row expires within one ttl; after the resume it must stop at once"
+    "pg-lease": "the frozen holder's row expires within one ttl; after the resume it must stop at once",
+    "redis": "the frozen holder's lease expires within one ttl (Redis's clock); after the resume it must stop at once"
   },
   "worker-stall": {
     "pg-advisory": "the stalled process keeps its lock and goes on after the stall",
-    "pg-lease": "below the safe time the holder goes on; above it the row expires within one ttl"
+    "pg-lease": "below the safe time the holder goes on; above it the row expires within one ttl",
+    "redis": "below the safe time the holder goes on; above it the lease expires within one ttl"
   },
   "session-terminate": {
     "pg-advisory": "the terminated session's locks are dropped by the server at once",
-    "pg-lease": "the lease lives in a row: the pool reconnects and the holder goes on"
+    "pg-lease": "the lease lives in a row: the pool reconnects and the holder goes on",
+    "redis": "the lease lives in keys: the connections reconnect and the holder goes on"
   },
   "server-freeze": {
     "pg-advisory": "the frozen backend keeps the lock at the server until it is resumed; then it ends or goes on",
-    "pg-lease": "statements on the frozen backends hang until the resume; the row may expire within one ttl"
+    "pg-lease": "statements on the frozen backends hang until the resume; the row may expire within one ttl",
+    "redis": "every command hangs until the resume or its bound; the holder gives up before its lease can run out, which it may meanwhile"
   },
   "db-restart": {
     "pg-advisory": "every session died with the server: locks are free once it is up",
-    "pg-lease": "rows survive the restart; a lease not renewed meanwhile expires within one ttl"
+    "pg-lease": "rows survive the restart; a lease not renewed meanwhile expires within one ttl",
+    "redis": "the AOF brings back every acknowledged lease; one not renewed meanwhile expires within one ttl"
   },
   "pool-saturation": {
     "pg-advisory": "lock sessions are not in the app's pool: the holder waits for a connection for its write (up to 5 s), others for the lock",
-    "pg-lease": "renewals must not queue behind the app's statements; the holder's write waits for a connection (up to 5 s)"
+    "pg-lease": "renewals must not queue behind the app's statements; the holder's write waits for a connection (up to 5 s)",
+    "redis": "the lock is not in the app's PostgreSQL pool: renewals go on; the holder's write waits for a connection (up to 5 s)"
   }
 }
 
@@ -107,6 +121,8 @@ export interface FaultContext {
   readonly fleet: Fleet
   /** The server; `restart` only for an embedded one. */
   readonly server: Server
+  /** `redis` only: the lock's server (`restart` and `pid` only for one the run started) and a driver's client on it. */
+  readonly redis?: { readonly server: RedisServer; readonly client: Redis } | undefined
   /** A statement on the run's database, as the driver (never a fault target). */
   readonly query: <R>(text: string, values?: ReadonlyArray<unknown>) => Promise<Array<R>>
   /** Server processes stopped right now: the driver resumes them on every way out. */
@@ -181,7 +197,8 @@ type Injected = Omit<FaultRecord, "kind" | "boundMs" | "costsNoLock"> & { readon
  * renewals never queue behind the app's own pool, so saturating it costs nothing; an event-loop
  * stall below a lease's safe time costs nothing, and none costs a session advisory lock whose
  * session is alive (its answers are read late, not lost); a frozen advisory client keeps its
- * lock ("Not a lease"); a lease lives in a row, not in the connections that were terminated.
+ * lock ("Not a lease"); a lease lives in a row (PgLease) or in keys (RedisLease), not in the
+ * connections that were terminated or killed.
  */
 export const costsNoLock = (kind: FaultKind, backend: Backend, stall: "below" | "above" | undefined): boolean => {
   switch (kind) {
@@ -192,10 +209,36 @@ export const costsNoLock = (kind: FaultKind, backend: Backend, stall: "below" | 
     case "worker-freeze":
       return backend === "pg-advisory"
     case "session-terminate":
-      return backend === "pg-lease"
+      return backend !== "pg-advisory"
     default:
       return false
   }
+}
+
+/** The ids of the Redis connections of a worker's RedisLease layer (named `<lockName>:<role>`). */
+const redisConnectionsOf = async (client: Redis, slot: number): Promise<Array<string>> => {
+  const list = (await client.call("client", "list")) as string
+  return list.split("\n").flatMap((line) => {
+    const id = /(?:^| )id=(\d+)/.exec(line)?.[1]
+    const name = /(?:^| )name=(\S*)/.exec(line)?.[1] ?? ""
+    return id !== undefined && name.startsWith(`${lockName(slot)}:`) ? [id] : []
+  })
+}
+
+/**
+ * `session-terminate` on Redis: CLIENT KILL of every connection of the target's layer, by id
+ * (`CLIENT KILL TYPE normal` would hit every worker and the driver too).
+ */
+const redisClientKill = async (ctx: FaultContext, client: Redis): Promise<Injected> => {
+  const { target, holder } = await pickTarget(ctx)
+  const startedAt = Date.now()
+  const ids = await redisConnectionsOf(client, target)
+  let killed = 0
+  for (const id of ids) {
+    // A connection that closed since the listing answers "No such client": nothing to kill.
+    killed += Number(await client.call("client", "kill", "id", id).catch(() => 0))
+  }
+  return { target, holder, detail: `CLIENT KILL of ${killed} connection(s) of ${lockName(target)}`, startedAt, endedAt: Date.now() }
 }
 
 const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injected>>> = {
@@ -241,6 +284,7 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
   },
 
   "session-terminate": async (ctx) => {
+    if (ctx.redis !== undefined) return redisClientKill(ctx, ctx.redis.client)
     const { target, holder } = await pickTarget(ctx)
     const name = ctx.backend === "pg-advisory" ? lockName(target) : appName(target)
     const startedAt = Date.now()
@@ -257,7 +301,15 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
     const { target, holder } = await pickTarget(ctx)
     let pids: Array<number>
     let what: string
-    if (ctx.backend === "pg-advisory") {
+    if (ctx.redis !== undefined) {
+      const pid = ctx.redis.server.pid()
+      if (pid === undefined) {
+        const now = Date.now()
+        return { target, holder, detail: "skipped", startedAt: now, endedAt: now, skipped: "REDIS_URL is set: the run does not stop a server it did not start" }
+      }
+      pids = [pid]
+      what = "redis-server"
+    } else if (ctx.backend === "pg-advisory") {
       const pid = await advisoryHolderPid(ctx)
       pids = pid !== undefined ? [pid] : (await backendsOf(ctx, lockName(target))).slice(0, 1)
       what = pid !== undefined ? "the backend holding the lock" : `a lock session of w${target} (nobody held the lock)`
@@ -270,7 +322,7 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
         pids = await backendsOf(ctx, appName(target))
       }
     }
-    pids = pids.filter(isLocalPostgres)
+    if (ctx.redis === undefined) pids = pids.filter(isLocalPostgres)
     if (pids.length === 0) {
       const now = Date.now()
       return { target, holder, detail: "no local server process found", startedAt: now, endedAt: now, skipped: "no local server process to stop" }
@@ -304,7 +356,7 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
         ctx.frozenPids.delete(pid)
       }
     }
-    const holderPid = ctx.backend === "pg-advisory" ? ` (pid ${pids.join(", ")})` : ` (${pids.length} pids)`
+    const holderPid = ctx.backend === "pg-lease" ? ` (${pids.length} pids)` : ` (pid ${pids.join(", ")})`
     const vanished = gone === 0 ? "" : `; ${gone} of them ended before SIGCONT`
     return { target, holder, detail: `SIGSTOP ${what}${holderPid} for ${ms} ms${vanished}`, startedAt, endedAt: Date.now() }
   },
@@ -313,10 +365,13 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
     const downMillis = ctx.prng.int(300, 2_000)
     const { holder } = await pickTarget(ctx)
     const startedAt = Date.now()
-    if (ctx.server.restart === undefined) {
-      return { holder, detail: "skipped", startedAt, endedAt: startedAt, skipped: "DATABASE_URL is set: the run does not restart a server it did not start" }
+    // On redis the lock's server is restarted, not the write log's.
+    const restart = ctx.redis !== undefined ? ctx.redis.server.restart : ctx.server.restart
+    if (restart === undefined) {
+      const which = ctx.redis !== undefined ? "REDIS_URL is set" : "DATABASE_URL is set"
+      return { holder, detail: "skipped", startedAt, endedAt: startedAt, skipped: `${which}: the run does not restart a server it did not start` }
     }
-    await ctx.server.restart({ downMillis })
+    await restart({ downMillis })
     return { holder, detail: `restart, down ${downMillis} ms`, startedAt, endedAt: Date.now() }
   },
 

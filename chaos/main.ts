@@ -1,11 +1,14 @@
 /**
- * `npm run chaos`: worker processes loop on one lock per PostgreSQL backend, each round a fenced
+ * `npm run chaos`: worker processes loop on one lock per backend, each round a fenced
  * write, while faults are injected at random from a printed seed; a checker then proves the
  * write log and the workers' reports consistent, prints a table and writes bench/CHAOS.md. Exits
  * non-zero on any violation.
  *
- *   npm run chaos [-- --backend pg-advisory|pg-lease|all] [--minutes N] [--seed S] [--workers K]
+ *   npm run chaos [-- --backend pg-advisory|pg-lease|redis|all] [--minutes N] [--seed S] [--workers K]
  *                    [--ttl-ms T] [--pool P] [--report FILE | --no-report] [--broken write-after-loss]
+ *
+ * `redis` locks on Redis (EFFECT_LOCK_REDIS_URL / REDIS_URL, else `redis-server` from the PATH)
+ * and writes to PostgreSQL as the others; `all` includes it only when a Redis can be had.
  *
  * `--broken write-after-loss` runs deliberately broken workers (see protocol.ts `WorkerConfig.broken`)
  * to show the checker flags a write begun after a reported loss; such a run must fail.
@@ -13,6 +16,7 @@
 import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
+import { INSTALL_HINT, redisAvailable } from "../tools/redisServer.js"
 import { parseSeed, randomSeed } from "./prng.js"
 import { BACKENDS, type Backend, type BrokenWorker, isBackend } from "./protocol.js"
 import { renderMarkdown, renderSummary } from "./report.js"
@@ -22,7 +26,7 @@ const ROOT = fileURLToPath(new URL("..", import.meta.url))
 const DEFAULT_REPORT = Path.join(ROOT, "bench", "CHAOS.md")
 
 const usage =
-  "usage: npm run chaos -- [--backend pg-advisory|pg-lease|all] [--minutes N] [--seed S] [--workers K] [--ttl-ms T] [--pool P] [--report FILE | --no-report] [--broken write-after-loss]"
+  "usage: npm run chaos -- [--backend pg-advisory|pg-lease|redis|all] [--minutes N] [--seed S] [--workers K] [--ttl-ms T] [--pool P] [--report FILE | --no-report] [--broken write-after-loss]"
 
 const argument = (flag: string): string | undefined => {
   const index = process.argv.indexOf(flag)
@@ -46,12 +50,14 @@ const parse = () => {
     if (arg.startsWith("--") && !known.has(arg)) throw new Error(`unknown option ${arg}\n${usage}`)
   }
   const backend = argument("--backend") ?? "all"
-  if (backend !== "all" && !isBackend(backend)) throw new Error(`--backend is pg-advisory, pg-lease or all, not ${backend}\n${usage}`)
+  if (backend !== "all" && !isBackend(backend)) throw new Error(`--backend is pg-advisory, pg-lease, redis or all, not ${backend}\n${usage}`)
+  if (backend === "redis" && !redisAvailable()) throw new Error(INSTALL_HINT)
+  if (backend === "all" && !redisAvailable()) console.log(`redis left out of --backend all: ${INSTALL_HINT}`)
   const seedText = argument("--seed")
   const broken = argument("--broken")
   if (broken !== undefined && broken !== "write-after-loss") throw new Error(`--broken is write-after-loss, not ${broken}\n${usage}`)
   return {
-    backends: backend === "all" ? [...BACKENDS] : [backend as Backend],
+    backends: backend === "all" ? BACKENDS.filter((b) => b !== "redis" || redisAvailable()) : [backend as Backend],
     // 0: one fault of each kind, then stop.
     minutes: number("--minutes", DEFAULTS.minutes, (n) => n >= 0 && n <= 24 * 60, "a number of minutes from 0 (one fault of each kind) to 1440"),
     seed: seedText === undefined ? randomSeed() : parseSeed(seedText),

@@ -6,8 +6,11 @@
  * per stdin line.
  */
 
-/** The PostgreSQL backends a chaos run exercises. */
-export const BACKENDS = ["pg-advisory", "pg-lease"] as const
+/**
+ * The backends a chaos run exercises. `redis` locks on Redis (RedisLease) and writes its fenced
+ * rounds to PostgreSQL, as the other two do: the checker reads the same write log.
+ */
+export const BACKENDS = ["pg-advisory", "pg-lease", "redis"] as const
 export type Backend = typeof BACKENDS[number]
 
 export const isBackend = (value: string): value is Backend => (BACKENDS as ReadonlyArray<string>).includes(value)
@@ -48,7 +51,7 @@ export const longestRoundMs = (ttlMs: number): number => Math.round(LONG_WORK_TT
 
 /** application_name of a worker's application pool (PgLease's lock statements run on it too). */
 export const appName = (slot: number) => `chaos-w${slot}-app`
-/** application_name of a worker's PgAdvisory lock sessions. */
+/** application_name of a worker's PgAdvisory lock sessions; with `redis`, RedisLease's `applicationName` (its connections are `<it>:<role>`). */
 export const lockName = (slot: number) => `chaos-w${slot}-lock`
 /** application_name of the driver's own statements, so that no fault ever targets them. */
 export const DRIVER_APPLICATION = "chaos-driver"
@@ -102,6 +105,8 @@ export type Command =
 export interface WorkerConfig {
   readonly url: string
   readonly backend: Backend
+  /** `redis` only: the server, and the run's own key prefix (runs may share a server). */
+  readonly redis?: { readonly url: string; readonly prefix: string } | undefined
   readonly slot: number
   readonly incarnation: number
   readonly ttlMs: number

@@ -167,13 +167,17 @@ export const renderMarkdown = (run: ChaosRun): string => {
       ["backends", run.options.backends.join(", ")],
       ["fault injection per backend", `${minutes} min, and at least one fault of each kind (the last fault's recovery may run past it)`],
       ["workers (OS processes) per backend", String(run.options.workers)],
-      ["lease ttl (PgLease)", `${run.options.ttlMs} ms`],
+      ["lease ttl (PgLease, RedisLease)", `${run.options.ttlMs} ms`],
       ["worker pool (`PgClient` maxConnections)", String(run.options.poolSize)],
       ["server", `PostgreSQL ${run.server.version}, ${run.server.embedded ? "embedded (started by the run; restarts injected)" : "DATABASE_URL (restarts skipped)"}`],
+      ...(run.redis === undefined ? [] : [[
+        "redis server (the lock of `redis`; its rounds are written to the PostgreSQL above)",
+        `Redis ${run.redis.version}, ${run.redis.embedded ? "redis-server started by the run, AOF appendfsync always (restarts and freezes injected)" : "EFFECT_LOCK_REDIS_URL/REDIS_URL (restarts and freezes skipped)"}`
+      ]]),
       ["write times", run.server.commitTimestamps ? "commit timestamps (track_commit_timestamp = on)" : "the inserts' clock_timestamp() (commit timestamps off: a lower bound of the commit)"],
       ["clock alignment", clock],
       ["library", `effect-lock ${gitRevision()}`],
-      ["versions", `node ${process.version}, effect ${packageVersion("effect")}, @effect/sql ${packageVersion("@effect/sql")}, @effect/sql-pg ${packageVersion("@effect/sql-pg")}, pg ${packageVersion("pg")}`],
+      ["versions", `node ${process.version}, effect ${packageVersion("effect")}, @effect/sql ${packageVersion("@effect/sql")}, @effect/sql-pg ${packageVersion("@effect/sql-pg")}, pg ${packageVersion("pg")}${run.redis === undefined ? "" : `, ioredis ${packageVersion("ioredis")}`}`],
       ["machine", `${cpus.length} × ${cpus[0]?.model ?? "unknown CPU"}, ${(Os.totalmem() / 2 ** 30).toFixed(1)} GiB, ${Os.type()} ${Os.release()}`],
       ["date", new Date().toISOString()]
     ]),

@@ -1,19 +1,24 @@
 /**
- * One chaos run: for each PostgreSQL backend, K worker processes loop on one lock in a fresh
- * database while faults are injected one at a time from a seeded PRNG; afterwards the workers are
- * stopped, what is left held is counted, the write log is read back and the checker judges it.
+ * One chaos run: for each backend, K worker processes loop on one lock (on PostgreSQL, or on Redis
+ * for `redis`), writing their fenced rounds to a fresh PostgreSQL database, while faults are
+ * injected one at a time from a seeded PRNG; afterwards the workers are stopped, what is left held
+ * is counted, the write log is read back and the checker judges it.
  */
+import * as Effect from "effect/Effect"
 import * as PgLease from "effect-lock/PgLease"
+import * as RedisLease from "effect-lock/RedisLease"
+import { Redis } from "ioredis"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import pg from "pg"
 import { type Server, startPostgres, withClient } from "../tools/embeddedPostgres.js"
+import { type RedisServer, startRedis } from "../tools/redisServer.js"
 import { check, type CheckResult, type WriteRow } from "./checker.js"
 import { FAULT_KINDS, type FaultContext, type FaultKind, type FaultRecord, inject, makeDeck } from "./faults.js"
 import { makeFleet } from "./fleet.js"
 import { deriveSeed, makePrng } from "./prng.js"
-import { type Backend, type BrokenWorker, DRIVER_APPLICATION, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
+import { type Backend, type BrokenWorker, DRIVER_APPLICATION, LOCK_NAME, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
 
 export interface ChaosOptions {
   readonly backends: ReadonlyArray<Backend>
@@ -66,6 +71,8 @@ export interface ChaosRun {
   readonly seed: number
   readonly options: Omit<ChaosOptions, "log">
   readonly server: { readonly embedded: boolean; readonly version: string; readonly commitTimestamps: boolean }
+  /** The Redis of the `redis` backend, when it ran. */
+  readonly redis?: { readonly embedded: boolean; readonly version: string } | undefined
   readonly runs: ReadonlyArray<BackendRun>
   readonly violations: number
 }
@@ -155,9 +162,22 @@ const readWrites = async (url: string, commitTimestamps: boolean): Promise<Array
   }))
 }
 
-/** Advisory locks in the database and unexpired lease rows, once the server has ended the closed sessions' backends. */
-const leftovers = async (url: string) => {
+/** A driver's client on the run's Redis (never a fault target: its name is not a worker's). */
+const redisDriverClient = (url: string): Redis => {
+  const client = new Redis(url, { lazyConnect: true, maxRetriesPerRequest: 3, connectionName: DRIVER_APPLICATION })
+  // Without a listener a restart's dropped connection would crash the driver.
+  client.on("error", () => {})
+  return client
+}
+
+/**
+ * Advisory locks in the database and unexpired lease rows (with `redis`: live leases of the lock
+ * in Redis), once the server has ended the closed sessions' backends.
+ */
+const leftovers = async (url: string, redis?: { readonly client: Redis; readonly prefix: string }) => {
   const query = makeQuery(url)
+  const redisLeases = async () =>
+    redis === undefined ? 0 : (await Effect.runPromise(RedisLease.holders(redis.client, LOCK_NAME, { prefix: redis.prefix }))).length
   const count = async () => {
     const [advisory] = await query<{ n: number }>(
       `select count(*)::int as n from pg_locks where locktype = 'advisory'
@@ -167,7 +187,7 @@ const leftovers = async (url: string) => {
     const [leases] = table?.present === true
       ? await query<{ n: number }>(`select count(*)::int as n from ${PgLease.DEFAULT_TABLE} where owner is not null and expires_at > now()`)
       : [{ n: 0 }]
-    return { advisoryLocks: advisory?.n ?? 0, liveLeases: leases?.n ?? 0 }
+    return { advisoryLocks: advisory?.n ?? 0, liveLeases: (leases?.n ?? 0) + await redisLeases() }
   }
   const deadline = Date.now() + SETTLE_TIMEOUT_MS
   for (;;) {
@@ -194,7 +214,8 @@ const runBackend = async (
   options: ChaosOptions,
   server: Server & { readonly embedded: boolean },
   commitTimestamps: boolean,
-  frozenPids: Set<number>
+  frozenPids: Set<number>,
+  redisServer: RedisServer | undefined
 ): Promise<BackendRun> => {
   const { log } = options
   // Unique per run, not only per process: runs of one backend may go side by side on one server (the test suite's).
@@ -208,10 +229,23 @@ const runBackend = async (
   await query(roundsTableSql)
   const clock = await measureClock(url, server.embedded)
   const logFile = Path.join(options.logDir, `chaos-${backend}-${options.seed}-${run}.log`)
+  // The run's own key prefix: runs side by side (the test suite's) or a shared REDIS_URL never meet.
+  const redis = backend === "redis" && redisServer !== undefined
+    ? { server: redisServer, client: redisDriverClient(redisServer.url), prefix: `chaos-${run}:` }
+    : undefined
+  if (backend === "redis" && redis === undefined) throw new Error("the redis backend needs a Redis server")
   const fleet = makeFleet({
     workers: options.workers,
     logFile,
-    config: { url, backend, ttlMs: options.ttlMs, poolSize: options.poolSize, seed: options.seed, broken: options.broken }
+    config: {
+      url,
+      backend,
+      redis: redis === undefined ? undefined : { url: redis.server.url, prefix: redis.prefix },
+      ttlMs: options.ttlMs,
+      poolSize: options.poolSize,
+      seed: options.seed,
+      broken: options.broken
+    }
   })
   const faults: Array<FaultRecord> = []
   let stoppedAt = Date.now()
@@ -235,6 +269,7 @@ const runBackend = async (
         fleet,
         server,
         query,
+        redis,
         frozenPids,
         stallAbove: prng.chance(0.5)
       }
@@ -262,7 +297,7 @@ const runBackend = async (
     stoppedAt = Date.now()
     hungAtStop = await fleet.stop(STOP_TIMEOUT_MS)
   }
-  const left = await leftovers(url)
+  const left = await leftovers(url, redis).finally(() => redis?.client.disconnect())
   const writes = await readWrites(url, commitTimestamps)
   const result = check({
     writes,
@@ -300,9 +335,18 @@ const resume = (frozen: Set<number>): void => {
  */
 export const resumeFrozenServerProcesses = (): void => frozenByRun.forEach(resume)
 
-/** Runs every backend of `options` in turn on one server (started here unless DATABASE_URL is set). */
+/**
+ * Runs every backend of `options` in turn on one server (started here unless DATABASE_URL is set);
+ * with `redis`, also on a Redis (EFFECT_LOCK_REDIS_URL / REDIS_URL, else `redis-server` started
+ * here with AOF fsync'ed at every write, so that `db-restart` keeps acknowledged leases as
+ * PostgreSQL keeps its rows; a restart without persistence loses every lease by design).
+ */
 export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
-  const server = await startPostgres()
+  const redisServer = options.backends.includes("redis") ? await startRedis({ aof: true }) : undefined
+  const server = await startPostgres().catch(async (error) => {
+    await redisServer?.stop()
+    throw error
+  })
   // This run's own: runs side by side (the test suite's) resume only what they stopped.
   const frozen = new Set<number>()
   frozenByRun.add(frozen)
@@ -312,13 +356,15 @@ export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
     const [version] = await makeQuery(server.url)<{ v: string }>("select current_setting('server_version') as v")
     const runs: Array<BackendRun> = []
     for (const backend of options.backends) {
-      runs.push(await runBackend(backend, options, server, commitTimestamps, frozen))
+      runs.push(await runBackend(backend, options, server, commitTimestamps, frozen, redisServer))
     }
+    const redisVersion = redisServer === undefined ? undefined : await redisInfoVersion(redisServer.url)
     const { log: _log, ...rest } = options
     return {
       seed: options.seed,
       options: rest,
       server: { embedded: server.embedded, version: version?.v ?? "unknown", commitTimestamps },
+      redis: redisServer === undefined ? undefined : { embedded: redisServer.embedded, version: redisVersion ?? "unknown" },
       runs,
       violations: runs.reduce((n, run) => n + run.check.violations.length, 0)
     }
@@ -326,7 +372,19 @@ export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
     resume(frozen)
     frozenByRun.delete(frozen)
     process.removeListener("exit", resumeFrozenServerProcesses)
-    await server.stop()
+    await server.stop().finally(() => redisServer?.stop())
+  }
+}
+
+/** `redis_version` from INFO server. */
+const redisInfoVersion = async (url: string): Promise<string | undefined> => {
+  const client = redisDriverClient(url)
+  try {
+    return /redis_version:(\S+)/.exec(await client.info("server"))?.[1]
+  } catch {
+    return undefined
+  } finally {
+    client.disconnect()
   }
 }
 

@@ -30,6 +30,7 @@ import type { Lease } from "effect-lock/Lease"
 import type { LockLost } from "effect-lock/LockError"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
 import * as PgLease from "effect-lock/PgLease"
+import * as RedisLease from "effect-lock/RedisLease"
 import * as Readline from "node:readline"
 import { deriveSeed, makePrng } from "./prng.js"
 import {
@@ -270,6 +271,9 @@ const SqlLive = PgClient.layer({
 })
 const LockLive = config.backend === "pg-lease"
   ? PgLease.layer({ ttl })
+  : config.backend === "redis"
+  // Its connections are named `<lockName>:<role>`: the driver kills them by name (session-terminate).
+  ? RedisLease.layer({ url: config.redis?.url, prefix: config.redis?.prefix, ttl, applicationName: lockName(slot) })
   : PgAdvisory.layer({ url: Redacted.make(config.url), applicationName: lockName(slot) })
 
 Effect.runFork(

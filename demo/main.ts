@@ -1,15 +1,18 @@
 /**
  * `npm run demo`: three worker processes compete for one lock; each round ends in a fenced
- * write. Midway the holder's database sessions are killed (with `--backend sqlite`, which has no
- * sessions: the holder process is killed with SIGKILL, as a crash, and restarted); later the
+ * write. Midway the holder's database sessions are killed (with `--backend redis`: its Redis
+ * connections, by CLIENT KILL; with `--backend sqlite`, which has no sessions: the holder process
+ * is killed with SIGKILL, as a crash, and restarted); later the
  * holder is frozen (SIGSTOP) past its lease and resumed. The timeline shows who holds the lock and
  * with which token, the takeovers, and the stale write the fence rejects; the summary checks every
  * guarantee held, and the timeline is drawn as an SVG (its path is printed last).
  *
- *   npm run demo [-- --backend lease|advisory|sqlite] [--seconds 30] [--svg path/to/timeline.svg]
+ *   npm run demo [-- --backend lease|advisory|sqlite|redis] [--seconds 30] [--svg path/to/timeline.svg]
  *
  * `lease` and `advisory` run on PostgreSQL (DATABASE_URL, else an embedded server); `sqlite` on a
- * database file in a fresh temp directory, removed afterwards.
+ * database file in a fresh temp directory, removed afterwards; `redis` locks on Redis
+ * (EFFECT_LOCK_REDIS_URL or REDIS_URL, else `redis-server` from the PATH on a free port, stopped
+ * afterwards) and writes its fenced rounds to PostgreSQL, as an application would.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import Database from "better-sqlite3"
@@ -18,8 +21,12 @@ import * as Os from "node:os"
 import * as Path from "node:path"
 import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
+import { Effect } from "effect"
+import { RedisLease } from "effect-lock"
+import { Redis } from "ioredis"
 import pg from "pg"
 import { redactUrl, startPostgres, withClient } from "../tools/embeddedPostgres.js"
+import { redactRedisUrl, redisAvailable, INSTALL_HINT, type RedisServer, startRedis } from "../tools/redisServer.js"
 import { applicationName, FENCE_RESOURCE, LOCK_NAME, type Stamped } from "./events.js"
 import { emptyTimeline, openHold, renderTimeline } from "./timeline.js"
 import { nodeArgsFor } from "../tools/children.js"
@@ -30,8 +37,8 @@ const argument = (flag: string, fallback: string) => {
 }
 const backend = argument("--backend", "lease")
 const seconds = Number(argument("--seconds", "30"))
-if (backend !== "lease" && backend !== "advisory" && backend !== "sqlite") {
-  throw new Error(`--backend is lease, advisory or sqlite, not ${backend}`)
+if (backend !== "lease" && backend !== "advisory" && backend !== "sqlite" && backend !== "redis") {
+  throw new Error(`--backend is lease, advisory, sqlite or redis, not ${backend}`)
 }
 if (!(seconds >= 8)) throw new Error("--seconds must be at least 8")
 // A git-ignored folder of the repository unless told otherwise: the picture is never committed.
@@ -115,6 +122,56 @@ const postgresStore = async (): Promise<Store & { readonly url: string }> => {
   }
 }
 
+/** The demo's own key prefix: a shared Redis (REDIS_URL) may hold other locks of the same name. */
+const REDIS_PREFIX = `effect-lock-demo-${process.pid}:`
+
+/** A raw ioredis client of the orchestrator (never a disruption's target), connected on first use. */
+const redisClient = (url: string) => {
+  const client = new Redis(url, { lazyConnect: true, maxRetriesPerRequest: 1, connectionName: "effect-lock-demo-driver" })
+  // Without a listener a dropped connection's 'error' would crash the orchestrator.
+  client.on("error", () => {})
+  return client
+}
+
+/** The Redis connections of one worker's layer (named `<applicationName>:<role>`), by id. */
+const redisConnectionsOf = async (client: Redis, worker: number): Promise<Array<string>> => {
+  const list = (await client.call("client", "list")) as string
+  return list.split("\n").flatMap((line) => {
+    const id = /(?:^| )id=(\d+)/.exec(line)?.[1]
+    const name = /(?:^| )name=(\S*)/.exec(line)?.[1] ?? ""
+    return id !== undefined && name.startsWith(`${applicationName(worker)}:`) ? [id] : []
+  })
+}
+
+/** Locks on PostgreSQL (the rounds), the lock on Redis. */
+const redisStore = async (): Promise<Store & { readonly url: string; readonly redis: RedisServer; readonly client: Redis }> => {
+  // Before PostgreSQL is started: without a Redis there is nothing to show.
+  if (!redisAvailable()) throw new Error(INSTALL_HINT)
+  const redis = await startRedis()
+  const client = redisClient(redis.url)
+  let base: Store & { readonly url: string }
+  try {
+    base = await postgresStore()
+  } catch (error) {
+    client.disconnect()
+    await redis.stop()
+    throw error
+  }
+  return {
+    ...base,
+    redis,
+    client,
+    banner: `Redis: ${redis.embedded ? "redis-server" : "EFFECT_LOCK_REDIS_URL/REDIS_URL"} ${redactRedisUrl(redis.url)} (the lock)\n${base.banner} (the fenced rounds)`,
+    env: { ...base.env, DEMO_REDIS_URL: redis.url, DEMO_REDIS_PREFIX: REDIS_PREFIX },
+    locksLeft: async () =>
+      (await Effect.runPromise(RedisLease.holders(client, LOCK_NAME, { prefix: REDIS_PREFIX }))).length,
+    close: async () => {
+      client.disconnect()
+      await base.close().finally(() => redis.stop())
+    }
+  }
+}
+
 const sqliteStore = (): Store => {
   const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "effect-lock-demo-"))
   const filename = Path.join(dir, "demo.db")
@@ -144,7 +201,8 @@ const sqliteStore = (): Store => {
 }
 
 const main = async () => {
-  const pgStore = backend === "sqlite" ? undefined : await postgresStore()
+  const redisStoreOf = backend === "redis" ? await redisStore() : undefined
+  const pgStore = backend === "sqlite" ? undefined : redisStoreOf ?? await postgresStore()
   const store: Store = pgStore ?? sqliteStore()
   const children: Array<ChildProcess> = []
   let failure: string | undefined
@@ -211,6 +269,8 @@ const main = async () => {
                 ? `${who} kept its lock through the freeze: a session advisory lock does not expire, the others waited`
                 : backend === "advisory"
                 ? `${who} released before the kill reached its sessions` // the kill is aimed at a fresh grant; this says when it missed
+                : backend === "redis"
+                ? `${who} finished its round through the connection kill: the lease lives in Redis keys, its connections reconnected`
                 : `${who} finished its round through the session kill: a lease does not live in a session`
             )
             pendingDisruption = undefined
@@ -281,7 +341,22 @@ const main = async () => {
     const scenarioStart = Date.now()
     say(`all ${WORKERS} workers are up; they compete for "${LOCK_NAME}"`)
     await sleep((seconds * 1000) / 3)
-    if (pgStore !== undefined) {
+    if (redisStoreOf !== undefined) {
+      // Aimed at a fresh grant, as the session kill below: the holder's Redis connections (lock
+      // commands, renewals, wake-ups) are killed by the server; the lease itself is in keys.
+      const victim = await next("acquired")
+      const killAt = Date.now()
+      pendingDisruption = { cause: "connection kill", at: killAt, from: victim.worker }
+      const ids = await redisConnectionsOf(redisStoreOf.client, victim.worker)
+      let killed = 0
+      for (const id of ids) {
+        // An id that closed since the listing answers an error: nothing to kill, not a failure.
+        killed += Number(await redisStoreOf.client.call("client", "kill", "id", id).catch(() => 0))
+      }
+      lastKill = { worker: victim.worker, at: killAt }
+      timeline.kills.push({ worker: victim.worker, at: killAt, label: `connection kill: worker ${victim.worker}'s ${killed} Redis connection(s)` })
+      say(`>>> killing worker ${victim.worker}'s ${killed} Redis connection(s) (CLIENT KILL) while it holds token ${victim.token}`)
+    } else if (pgStore !== undefined) {
       // Aimed at a fresh grant, with a whole round (WORK_MS + SEND_MS) ahead of it: the holder seen
       // at some moment may be releasing already, and the kill would hit a worker that holds nothing.
       const victim = await next("acquired")
@@ -396,6 +471,7 @@ const main = async () => {
 }
 
 main().catch((error) => {
-  console.error(error)
+  // A missing Redis is the user's to fix, not a bug: the hint alone, without a stack.
+  console.error(error instanceof Error && error.message === INSTALL_HINT ? error.message : error)
   process.exit(1)
 })

@@ -14,7 +14,7 @@ export interface Hold {
   lost?: string
 }
 
-const BACKEND_NAMES: Readonly<Record<string, string>> = { advisory: "PgAdvisory", lease: "PgLease", sqlite: "SqliteLease" }
+const BACKEND_NAMES: Readonly<Record<string, string>> = { advisory: "PgAdvisory", lease: "PgLease", sqlite: "SqliteLease", redis: "RedisLease" }
 
 /** Everything the picture shows; times are epoch milliseconds. */
 export interface Timeline {
@@ -168,7 +168,7 @@ export const renderTimeline = (timeline: Timeline): string => {
       { label: "holds the lock (token)", color: PALETTE.blue, shape: "box" },
       { label: "held until lost", color: PALETTE.red, shape: "box" },
       { label: "frozen", color: PALETTE.grey, shape: "box" },
-      { label: timeline.backend === "sqlite" ? "crash (SIGKILL)" : "session kill", color: PALETTE.red },
+      { label: timeline.backend === "sqlite" ? "crash (SIGKILL)" : timeline.backend === "redis" ? "connection kill" : "session kill", color: PALETTE.red },
       { label: "refused write (✕)", color: PALETTE.purple },
       { label: "fenced write (tick)", color: PALETTE.dark }
     ], 150, 6)

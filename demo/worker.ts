@@ -6,13 +6,15 @@ import * as SqlClient from "@effect/sql/SqlClient"
 import { PgClient } from "@effect/sql-pg"
 import { SqliteClient } from "@effect/sql-sqlite-node"
 import { Duration, Effect, Layer, Logger, LogLevel, Random, Redacted } from "effect"
-import { DistributedLock, Fence, FencingToken, LockError, PgAdvisory, PgLease, SqliteLease } from "effect-lock"
+import { DistributedLock, Fence, FencingToken, LockError, PgAdvisory, PgLease, RedisLease, SqliteLease } from "effect-lock"
 import { applicationName, FENCE_RESOURCE, LOCK_NAME, type WorkerEvent } from "./events.js"
 
 const worker = Number(process.env["DEMO_WORKER"])
 const url = process.env["DEMO_URL"] ?? ""
 const file = process.env["DEMO_FILE"] ?? ""
-const backend = process.env["DEMO_BACKEND"] === "advisory" ? "advisory" : process.env["DEMO_BACKEND"] === "sqlite" ? "sqlite" : "lease"
+const backend = (["advisory", "sqlite", "redis"] as const).find((b) => b === process.env["DEMO_BACKEND"]) ?? "lease"
+const redisUrl = process.env["DEMO_REDIS_URL"] ?? ""
+const redisPrefix = process.env["DEMO_REDIS_PREFIX"]
 const ttl = Duration.millis(Number(process.env["DEMO_TTL_MS"] ?? 2000))
 const work = Duration.millis(Number(process.env["DEMO_WORK_MS"] ?? 400))
 const send = Duration.millis(Number(process.env["DEMO_SEND_MS"] ?? 300))
@@ -107,11 +109,15 @@ const program = Effect.gen(function*() {
   }
 })
 
+const pgLive = PgClient.layer({ url: Redacted.make(url), applicationName: applicationName(worker) })
 const live: Layer.Layer<DistributedLock.DistributedLock | SqlClient.SqlClient, unknown> = backend === "sqlite"
   ? Layer.provideMerge(SqliteLease.layer({ ttl, applicationName: applicationName(worker) }), SqliteClient.layer({ filename: file }))
+  : backend === "redis"
+  // The lock on Redis (its connections named after the worker, so the demo can kill them), the fenced write on PostgreSQL.
+  ? Layer.merge(RedisLease.layer({ url: redisUrl, prefix: redisPrefix, ttl, applicationName: applicationName(worker) }), pgLive)
   : Layer.provideMerge(
     backend === "lease" ? PgLease.layer({ ttl }) : PgAdvisory.layer({ url: Redacted.make(url), applicationName: applicationName(worker) }),
-    PgClient.layer({ url: Redacted.make(url), applicationName: applicationName(worker) })
+    pgLive
   )
 
 const fiber = Effect.runFork(

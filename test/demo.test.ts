@@ -7,11 +7,12 @@ import { fileURLToPath } from "node:url"
 import { promisify } from "node:util"
 import { adminUrl } from "./support/pg.js"
 import { nodeArgsFor } from "../tools/children.js"
+import { INSTALL_HINT, redisAvailable } from "../tools/redisServer.js"
 
 const root = fileURLToPath(new URL("..", import.meta.url))
 
 /** `npm run demo`, shortened, against the test server (the demo makes and drops its own database; sqlite: a temp file). */
-const demo = async (backend: "lease" | "advisory" | "sqlite") => {
+const demo = async (backend: "lease" | "advisory" | "sqlite" | "redis") => {
   const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "effect-lock-demo-"))
   const svgPath = Path.join(dir, `timeline-${backend}.svg`)
   try {
@@ -26,6 +27,9 @@ const demo = async (backend: "lease" | "advisory" | "sqlite") => {
     Fs.rmSync(dir, { recursive: true, force: true })
   }
 }
+
+const noRedis = !redisAvailable()
+if (noRedis) console.warn(`skipping the demo's redis backend: ${INSTALL_HINT}`)
 
 /** The texts an SVG shows. */
 const textsOf = (svg: string) => Array.from(svg.matchAll(/<text[^>]*>([^<]*)<\/text>/g), (m) => m[1]!.replace(/&#39;|&apos;/g, "'"))
@@ -73,5 +77,18 @@ describe.concurrent("npm run demo", () => {
     expect(texts.some((t) => /lost: connection-lost$/.test(t))).toBe(true)
     expect(texts.some((t) => /^takes over \d+ ms after the session kill$/.test(t))).toBe(true)
     expect(texts.some((t) => t.startsWith("frozen (SIGSTOP) "))).toBe(true)
+  })
+
+  it.skipIf(noRedis)("redis backend: the holder keeps its lease through a CLIENT KILL, takeover after the freeze, the stale write refused, the timeline drawn", { timeout: 120_000 }, async () => {
+    const { stdout: out, svgPath, svg } = await demo("redis")
+    expect(out).toContain("every guarantee held.")
+    expect(out).toMatch(/>>> killing worker \d's [1-9]\d* Redis connection\(s\) \(CLIENT KILL\)/)
+    expect(out).toMatch(/TAKES OVER with token \d+, \d+ ms after the freeze/)
+    expect(out).toMatch(/REJECTED by the fence/)
+    expect(out).toMatch(/ok\s+locks left held\s+0/)
+    expect(out).toContain(`timeline drawn: ${svgPath}`)
+    const texts = textsOf(svg!)
+    expect(texts.some((t) => t.startsWith("connection kill: worker "))).toBe(true)
+    expect(texts.some((t) => /^write with token \d+ refused by the fence \(current \d+\)$/.test(t))).toBe(true)
   })
 })
