@@ -1,6 +1,6 @@
 /**
- * Leases in Redis: locks on the Redis that most Node services already run, with fencing tokens,
- * first-in-first-out waiting and shared mode. The same lease engine as `PgLease` and
+ * Leases in Redis: locks and semaphores on the Redis that most Node services already run, with
+ * fencing tokens, first-in-first-out waiting and shared mode. The same lease engine as `PgLease` and
  * `SqliteLease` (attempts, give-backs, batched renewal, interruption, shutdown, stall handling),
  * over `ioredis` ^5 (an optional peer dependency, loaded only when a layer is built: without it
  * the layer fails with a `LockBackendError` saying `npm install ioredis`).
@@ -53,8 +53,16 @@
  * destroy: a release that cannot be proven (Redis unreachable) leaves the lease to run out at
  * its ttl.
  *
- * **Semaphores.** Not built yet: the layer provides `DistributedSemaphore`, whose every request
- * fails with `LockBackendError` ("semaphores on RedisLease are not built yet").
+ * **Semaphores.** `DistributedSemaphore` with the same contract as `PgLease`'s: one hash per
+ * semaphore name, `<prefix>{<tag>}:sem` (the lock of the same name's slot, never its keys),
+ * holding the limit, the last token, the holders and the waiting places. A request takes its
+ * permits when they fit into what is free after every live waiter ahead of it has taken its own
+ * (a newcomer is behind every waiter); asking with another limit while the name is in use fails
+ * with `LimitMismatch`; a release wakes the waiters at the head that now fit. A grant of n
+ * permits takes n consecutive tokens from `max(last + 1, server time in µs)`, and the hash
+ * expires exactly when nothing in it matters any more (its last lease or place has run out and
+ * the server's µs clock is past its last token): an idle semaphore leaves no key, and its next
+ * grant still gets larger tokens. `semaphores` and `revokePermits` are the operator's tools.
  *
  * @since 0.1.0
  */
@@ -82,15 +90,27 @@ import * as Operator from "./internal/redis/operator.js"
  * - `redis`: ioredis options for the layer's own connections (host, port, password, tls, …);
  *   the layer sets its own `lazyConnect`, offline-queue, retry and resend settings over them.
  *   `keyPrefix` is refused: use `prefix`.
- * - `client`: an application's ioredis client to reuse for lock commands (not with `url` or
- *   `redis`): the layer opens only its renewal and subscriber connections, copying the client's
- *   settings, and never quits the client. A client with `keyPrefix` is refused.
+ * - `client`: an application's ioredis client — a `Redis` or a `Cluster` — to reuse for lock
+ *   commands (not with `url` or `redis`): the layer opens only its renewal and subscriber
+ *   connections, copying the client's settings (for a `Cluster`: Clusters on the same startup
+ *   nodes with the same options), and never quits the client. A client with `keyPrefix` is
+ *   refused. On a Cluster a renewal batch goes as one call per lease, and wake-ups use plain
+ *   PUBLISH, which reaches every node's subscribers.
  * - `ttl`: default lease length, 30 s (floor 1 s). Renewed every ttl/3, given up at ttl/5 left.
  * - `prefix`: of every key and of the wake-up channel; default `effect-lock:`. No `{` or `}`.
  *   Layers that share locks must use the same prefix.
  * - `pollInterval`: how often a waiter retries while wake-ups are not proven to arrive; default
  *   500 ms, jittered to between half and all of it.
  * - `statementTimeout`: bound on each command (and on connecting); default 5 s.
+ * - `waitForReplicas`: `{ count, timeout? }`, opt-in: after every script that grants a lease
+ *   (lock or permits), and after every renewal batch that renewed one, `WAIT count timeout` runs
+ *   on the same connection. A grant fewer than `count` replicas acknowledged fails with
+ *   `LockBackendError` ("WAIT: n of count replicas acknowledged …") and is given back at once;
+ *   such a renewal does not extend the lease (the holder is told `LockLost` when no acknowledged
+ *   renewal comes in time). `timeout`: at least 1 ms and below `statementTimeout`; default the
+ *   lesser of 1 s and half of `statementTimeout`. WAIT holds up the connection it runs on (your
+ *   `client`'s, when given) for up to `timeout`. It narrows what a failover can lose but is not
+ *   strong consistency (README, "Redis: failover and WAIT"). Refused with a `Cluster` client.
  * - `sweepInterval`: keys expire by themselves, so there is nothing to sweep; default zero (off).
  * - `applicationName`: stored with each lease and in the connections' names; default `effect-lock`.
  * - `listenCheckInterval`: how often the subscription proves it hears while anyone waits; default 5 s.
@@ -110,7 +130,8 @@ export interface Options extends Make.Options {}
 export interface RedisLeaseGrant extends Attempt.LeaseGrant {}
 
 /**
- * Permits of a semaphore (not built yet on Redis).
+ * Permits of a semaphore held by this process: its entry in the semaphore's hash, renewed by the
+ * backend.
  *
  * @since 0.1.0
  * @category models
@@ -118,7 +139,7 @@ export interface RedisLeaseGrant extends Attempt.LeaseGrant {}
 export interface RedisLeasePermitGrant extends Permits.PermitLeaseGrant {}
 
 /**
- * The backend `makeBackend` builds: a lock store whose `semaphore` refuses every request for now.
+ * The backend `makeBackend` builds: a lock store and its `semaphore` store.
  *
  * @since 0.1.0
  * @category models
@@ -152,8 +173,8 @@ export const makeBackend = (options?: Options): Effect.Effect<Backend, LockBacke
 export type Services = DistributedLock.DistributedLock | DistributedSemaphore.DistributedSemaphore
 
 /**
- * A `DistributedLock` (and a `DistributedSemaphore` that refuses every request until semaphores
- * are built) on leases in Redis, e.g. `RedisLease.layer({ url: "redis://localhost:6379" })`.
+ * A `DistributedLock` and a `DistributedSemaphore` on leases in Redis, from one backend (one set
+ * of connections), e.g. `RedisLease.layer({ url: "redis://localhost:6379" })`.
  *
  * @since 0.1.0
  * @category layers
@@ -183,6 +204,43 @@ export const holders = (
 ): Effect.Effect<ReadonlyArray<StoredLease>, LockBackendError> => Operator.holders(client, name, options)
 
 /**
+ * A lock name that is held or waited for: its live leases (`StoredLease`s) and who waits for it
+ * (live places by mode, and the oldest's arrival in server ms). `name` is the tag `{…}` when the
+ * name's keys do not keep it (`named: false`: only waiters are left, its lease hash ran out).
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface LockInUse extends Operator.LockInUse {}
+
+/**
+ * Everything in use under a prefix: lock names held or waited for, semaphores in use, the
+ * server's clock when the listing began, and whether more names were found than `limit`.
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface Listing extends Operator.Listing {}
+
+/**
+ * Every lock name held or waited for and every semaphore in use, with who holds each (application,
+ * host, pid), its fencing tokens, its times and its waiters: `holders` and `semaphores` for
+ * inspection tools, over all names. Read with `client` (any ioredis client on the server, without
+ * `keyPrefix`; `prefix` as the layer's): names are found with SCAN (`COUNT 1000`, at most
+ * `limit` of each kind, default 10,000; the whole listing is bounded to 60 s) and each is read
+ * with its own scripts, so the result is a name-by-name snapshot, not one instant. On a Cluster,
+ * SCAN sees one node: list each master with a client of its own. Failures are
+ * `LockBackendError { operation: "inspect" }` (or that of the script that failed).
+ *
+ * @since 0.1.0
+ * @category inspection
+ */
+export const listHolders = (
+  client: Redis,
+  options?: { readonly prefix?: string | undefined; readonly limit?: number | undefined }
+): Effect.Effect<Listing, LockBackendError> => Operator.list(client, options)
+
+/**
  * Takes the lock `name` away from whoever holds it, exclusive or shared, and wakes its waiters.
  * The holder learns at its next renewal (within ttl/3) and fails with
  * `LockLost { reason: "revoked" }`; until then it may still be working, so revoke only what you
@@ -196,6 +254,43 @@ export const revoke = (
   name: string,
   options?: { readonly prefix?: string | undefined }
 ): Effect.Effect<boolean, LockBackendError> => Operator.revoke(client, name, options)
+
+/**
+ * A semaphore in use as stored in Redis: its limit, live holders and live waiters in queue order
+ * (times are the server's, in ms since the epoch).
+ *
+ * @since 0.1.0
+ * @category models
+ */
+export interface StoredSemaphore extends Stored.StoredSemaphore {}
+
+/**
+ * The semaphore `name` if it is in use (a live holder or waiter; else an empty array), read with
+ * `client` (any ioredis client on the server; `prefix` as the layer's).
+ *
+ * @since 0.1.0
+ * @category inspection
+ */
+export const semaphores = (
+  client: Redis,
+  name: string,
+  options?: { readonly prefix?: string | undefined }
+): Effect.Effect<ReadonlyArray<StoredSemaphore>, LockBackendError> => Operator.semaphores(client, name, options)
+
+/**
+ * Takes every permit of the semaphore `name` away and wakes the waiters that now fit. The holders
+ * learn at their next renewal (within ttl/3) and fail with `LockLost { reason: "revoked" }`;
+ * until then they may still be working, so revoke only what you know to be stuck. Returns
+ * whether a permit was held.
+ *
+ * @since 0.1.0
+ * @category combinators
+ */
+export const revokePermits = (
+  client: Redis,
+  name: string,
+  options?: { readonly prefix?: string | undefined }
+): Effect.Effect<boolean, LockBackendError> => Operator.revokePermits(client, name, options)
 
 /**
  * The defaults, for documentation and tests.

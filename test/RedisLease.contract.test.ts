@@ -1,14 +1,19 @@
 /**
- * RedisLease runs the backend contract suite (twice: as scheduled, and with the runtime switching
- * fibers every 12 ops) and its event-loop stall cases, against a real redis-server (started on a
- * free loopback port, or REDIS_URL). Without one, the file skips and says why.
+ * RedisLease runs the backend contract suite and the semaphore contract suite (each twice: as
+ * scheduled, and with the runtime switching fibers every 12 ops) and its event-loop stall cases,
+ * against a real redis-server (started on a free loopback port, or REDIS_URL). Each backend built
+ * here is one "process" with its own connections; the store's view is read on a client of the
+ * file's own. Without a server, the file skips and says why.
  */
 import { Duration, Effect } from "effect"
+import * as Make from "effect-lock/internal/redis/make"
 import * as RedisLease from "effect-lock/RedisLease"
 import { Redis } from "ioredis"
 import { afterAll } from "vitest"
 import { contractSuite } from "./support/contract.js"
+import { laneInFlight } from "./support/laneInFlight.js"
 import { describeWithRedis, useRedis } from "./support/redis.js"
+import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
 
 // First, so that its afterAll (stopping the server) runs after every layer and client is closed.
 const redis = useRedis()
@@ -34,5 +39,36 @@ describeWithRedis("RedisLease contract", () => {
     revoke: (name) => Effect.suspend(() => Effect.asVoid(RedisLease.revoke(inspector(), name))),
     maxNameBytes: RedisLease.defaults.maxNameBytes,
     minTtl: RedisLease.defaults.minTtl
+  })
+})
+
+/** The semaphore contract's processes' commands in flight, by name. */
+const { counted, quiet } = laneInFlight()
+
+/** The semaphore `name` as the server has it (its live entries, by its clock): permits held, places in order. */
+const stateOf = (name: string): Effect.Effect<StoreState, unknown> =>
+  Effect.suspend(() =>
+    Effect.map(RedisLease.semaphores(inspector(), name), (found): StoreState => {
+      const semaphore = found[0]
+      if (semaphore === undefined) return { held: 0, waiting: [] }
+      return { held: semaphore.holders.reduce((sum, h) => sum + h.permits, 0), waiting: semaphore.waiting.map((w) => w.permits) }
+    })
+  )
+
+describeWithRedis("RedisLease semaphore contract", () => {
+  semaphoreContractSuite("RedisLease", {
+    clock: "live",
+    ttl: CONTRACT_TTL,
+    makeBackend: Effect.suspend(() =>
+      Effect.map(Make.makeBackend({ url: redis.url(), ttl: CONTRACT_TTL, pollInterval: Duration.millis(100) }, counted), (b) => b.semaphore)
+    ),
+    state: stateOf,
+    // The operator's revoke, on a client of its own.
+    revoke: (name) => Effect.suspend(() => Effect.asVoid(RedisLease.revokePermits(inspector(), name))),
+    advance: (duration) => Effect.sleep(duration),
+    rounds: 6,
+    // A place lasts 5 s and the interruption tests' permits 60 s: a give-back within 2.5 s is one.
+    giveBackBound: Duration.millis(2_500),
+    quiet
   })
 })

@@ -2,13 +2,12 @@
  * RedisLease beyond the contract suite, on a real redis-server (started on a free loopback port,
  * or REDIS_URL): fencing tokens across layers, after the name's keys expired while idle and
  * across a restart without persistence; no key left for an idle name; a try never overtakes a
- * waiter and a dead waiter's place runs out; NOSCRIPT after SCRIPT FLUSH; a missing ioredis;
- * semaphores refused until built. Without a server the file skips and says why.
+ * waiter and a dead waiter's place runs out; NOSCRIPT after SCRIPT FLUSH; a missing ioredis.
+ * Semaphores: RedisLease.semaphore.test.ts. Without a server the file skips and says why.
  */
 import { describe, expect, it } from "@effect/vitest"
 import { Duration, Effect, Fiber, Option, Schedule } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
-import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import * as RedisLease from "effect-lock/RedisLease"
 import * as Keys from "effect-lock/internal/redis/keys"
 import * as Make from "effect-lock/internal/redis/make"
@@ -16,20 +15,14 @@ import * as Scripts from "effect-lock/internal/redis/scripts"
 import { shaOf } from "effect-lock/internal/redis/lane"
 import { Redis } from "ioredis"
 import * as Crypto from "node:crypto"
-import { afterAll } from "vitest"
 import { freshName } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
-import { describeWithRedis, useRedis } from "./support/redis.js"
+import { describeWithRedis, useInspector, useRedis } from "./support/redis.js"
 
 // First, so that its afterAll (stopping the server) runs after every layer and client is closed.
 const redis = useRedis()
 
-let client: Redis | undefined
-/** The file's own client, for reading keys and poking the server. */
-const inspector = (): Redis => (client ??= new Redis(redis.url(), { lazyConnect: true, maxRetriesPerRequest: 1 }))
-afterAll(async () => {
-  await client?.quit().catch(() => client?.disconnect())
-})
+const { inspector, keysOf } = useInspector(redis)
 
 const TTL = Duration.seconds(1)
 
@@ -41,19 +34,6 @@ const node = (options?: RedisLease.Options) =>
 /** A command on the inspector client, as an Effect. */
 const command = <A = unknown>(name: string, ...args: Array<string | number>): Effect.Effect<A> =>
   Effect.promise(() => inspector().call(name, args) as Promise<A>)
-
-/** Every key of the lock `name` (default prefix), by SCAN. */
-const keysOf = (name: string): Effect.Effect<ReadonlyArray<string>> =>
-  Effect.promise(async () => {
-    const found: Array<string> = []
-    let cursor = "0"
-    do {
-      const [next, batch] = await inspector().scan(cursor, "MATCH", Keys.namePattern(Keys.DEFAULT_PREFIX, name), "COUNT", 1000)
-      found.push(...batch)
-      cursor = next
-    } while (cursor !== "0")
-    return found
-  })
 
 const tokenOf = (service: DistributedLock.Service, name: string) =>
   Effect.scoped(Effect.map(service.acquire(name, { ttl: TTL, timeout: Duration.seconds(5) }), (lease) => lease.token))
@@ -236,15 +216,6 @@ describeWithRedis("RedisLease", () => {
           yield* tokenOf(service, name)
         }))
         expect(yield* Effect.promise(() => app.ping())).toBe("PONG")
-      }))
-
-    it.scopedLive("semaphores are refused until they are built", () =>
-      Effect.gen(function*() {
-        const backend = yield* RedisLease.makeBackend({ url: redis.url() })
-        const semaphore = yield* DistributedSemaphore.make(backend.semaphore)
-        const error = yield* Effect.flip(Effect.scoped(semaphore.acquire(freshName("redis-sem"), { limit: 2 })))
-        expect(error._tag).toBe("LockBackendError")
-        expect(String(error.message)).toContain("not built yet")
       }))
   })
 })

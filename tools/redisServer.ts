@@ -4,7 +4,7 @@
  * otherwise `redis-server` from the PATH on a free loopback port, in a directory of its own,
  * without persistence (`--save "" --appendonly no`) unless asked for AOF, stopped and deleted by
  * `stop()`.
- * (The tests have their own copy in test/support/redis.ts.)
+ * The tests' servers (test/support/redis.ts) share `ping`, `stopChild` and `redisServerPath`.
  */
 import { type ChildProcess, spawn, spawnSync } from "node:child_process"
 import * as Fs from "node:fs"
@@ -58,7 +58,7 @@ export interface RedisServer {
 }
 
 /** One PING over a raw connection: true when the server answered PONG within `ms`. */
-const ping = (port: number, ms: number): Promise<boolean> =>
+export const ping = (port: number, ms: number): Promise<boolean> =>
   new Promise((resolve) => {
     const socket = Net.connect({ host: "127.0.0.1", port })
     let answer = ""
@@ -76,12 +76,13 @@ const ping = (port: number, ms: number): Promise<boolean> =>
     socket.on("error", () => done(false))
   })
 
-const stopChild = async (child: ChildProcess): Promise<void> => {
+/** Stops a server process (SIGTERM, or `signal`: SIGKILL for a crash), SIGKILL past a bound; resolves once it exited. */
+export const stopChild = async (child: ChildProcess, signal: NodeJS.Signals = "SIGTERM"): Promise<void> => {
   if (child.exitCode !== null || child.signalCode !== null) return
   const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()))
   // A stopped (SIGSTOP) server would never act on SIGTERM: continue it first.
   child.kill("SIGCONT")
-  child.kill("SIGTERM")
+  child.kill(signal)
   // A server that ignores SIGTERM past the bound is killed: stop() must end.
   const timer = setTimeout(() => child.kill("SIGKILL"), STOP_TIMEOUT_MS)
   await exited

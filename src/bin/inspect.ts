@@ -1,9 +1,10 @@
 /**
  * The `effect-lock` command line: argument parsing, the `inspect` command and its two output
- * formats. Three flags do not need a CLI framework; argv is parsed here by hand.
+ * formats, on PostgreSQL (advisory locks and PgLease) or Redis (RedisLease). A few flags do not
+ * need a CLI framework; argv is parsed here by hand.
  */
-import * as SqlClient from "@effect/sql/SqlClient"
-import * as PgClient from "@effect/sql-pg/PgClient"
+import type * as SqlClient from "@effect/sql/SqlClient"
+import type * as PgClient from "@effect/sql-pg/PgClient"
 import * as Console from "effect/Console"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -13,6 +14,8 @@ import * as Redacted from "effect/Redacted"
 import * as PgAdvisory from "../PgAdvisory.js"
 import * as PgLease from "../PgLease.js"
 import { parseTable } from "../internal/lease/pg/sql.js"
+import * as RedisKeys from "../internal/redis/keys.js"
+import * as RedisOperator from "../internal/redis/operator.js"
 
 /** Exit statuses: the usual shell convention (2: the command line itself was wrong). */
 export const ExitCode = { ok: 0, failure: 1, usage: 2 } as const
@@ -24,16 +27,20 @@ const DEFAULT_FENCING_TABLE = "effect_lock_fencing"
 const MAX_CELL = 60
 
 export const usage = `Usage: effect-lock inspect [--url URL] [--json] [--lease-table NAME] [--fencing-table NAME]
+       effect-lock inspect --url redis://host:port [--prefix PREFIX] [--json]
 
 Lists the locks held in one PostgreSQL database, by every process: session advisory locks
 (pg_locks, with the holding session from pg_stat_activity, waiters included) and the leases
-of a PgLease table.
+of a PgLease table. With a redis:// or rediss:// URL, lists RedisLease's lock names held or
+waited for (holders, tokens, waiters) and its semaphores in use, found with SCAN.
 
 Options:
-  --url URL              postgres:// connection URL (default: $DATABASE_URL)
+  --url URL              postgres:// connection URL (default: $DATABASE_URL), or redis:// /
+                         rediss:// (default without DATABASE_URL: $EFFECT_LOCK_REDIS_URL, then $REDIS_URL)
   --json                 print JSON for scripts (keys and tokens as strings)
   --lease-table NAME     PgLease table, as table or schema.table (default: ${PgLease.DEFAULT_TABLE})
   --fencing-table NAME   table naming advisory keys (default: ${DEFAULT_FENCING_TABLE})
+  --prefix PREFIX        RedisLease key prefix, no { or } (default: ${RedisKeys.DEFAULT_PREFIX})
   -h, --help             show this help`
 
 /** What the command line asks for. */
@@ -46,8 +53,15 @@ export type Command =
     readonly leaseTable: string
     readonly fencingTable: string
   }
+  | {
+    readonly _tag: "InspectRedis"
+    readonly url: Redacted.Redacted<string>
+    readonly json: boolean
+    readonly prefix: string
+  }
 
 const POSTGRES_PROTOCOLS = new Set(["postgres:", "postgresql:"])
+const REDIS_PROTOCOLS = new Set(["redis:", "rediss:"])
 
 /** The URL with its password masked, for messages. */
 export const redactUrl = (url: string): string => {
@@ -60,18 +74,21 @@ export const redactUrl = (url: string): string => {
   }
 }
 
-const checkUrl = (url: string): string | undefined => {
+/** Which server `url` names, or why it cannot be used. */
+const checkUrl = (url: string): { readonly backend: "postgres" | "redis" } | string => {
   let parsed: URL
   try {
     parsed = new URL(url)
   } catch {
-    return "--url is not a URL; expected postgres://user:password@host:port/database"
+    return "--url is not a URL; expected postgres://user:password@host:port/database (or redis://host:port)"
   }
-  if (!POSTGRES_PROTOCOLS.has(parsed.protocol)) {
-    return `--url must start with postgres:// or postgresql://, got ${parsed.protocol}//…`
-  }
-  return undefined
+  if (POSTGRES_PROTOCOLS.has(parsed.protocol)) return { backend: "postgres" }
+  if (REDIS_PROTOCOLS.has(parsed.protocol)) return { backend: "redis" }
+  return `--url must start with postgres:// or postgresql:// (or redis:// or rediss://), got ${parsed.protocol}//…`
 }
+
+const fromEnv = (env: Readonly<Record<string, string | undefined>>, name: string): string | undefined =>
+  env[name] === "" ? undefined : env[name]
 
 /** Parses the arguments after the program name; `Left` is a message for a usage error. */
 export const parseArgs = (
@@ -88,6 +105,8 @@ export const parseArgs = (
   let json = false
   let leaseTable = PgLease.DEFAULT_TABLE
   let fencingTable = DEFAULT_FENCING_TABLE
+  let prefix: string | undefined
+  const tableFlags: Array<string> = []
   for (let i = 0; i < rest.length; i++) {
     const arg = rest[i]!
     const eq = arg.startsWith("--") ? arg.indexOf("=") : -1
@@ -103,22 +122,38 @@ export const parseArgs = (
         break
       case "--url":
       case "--lease-table":
-      case "--fencing-table": {
+      case "--fencing-table":
+      case "--prefix": {
         const given = value()
-        if (given === undefined || given === "") return Either.left(`${flag} needs a value`)
+        if (given === undefined || (given === "" && flag !== "--prefix")) return Either.left(`${flag} needs a value`)
         if (flag === "--url") url = given
-        else if (flag === "--lease-table") leaseTable = given
-        else fencingTable = given
+        else if (flag === "--prefix") prefix = given
+        else {
+          tableFlags.push(flag)
+          if (flag === "--lease-table") leaseTable = given
+          else fencingTable = given
+        }
         break
       }
       default:
         return Either.left(`unknown option ${JSON.stringify(arg)}`)
     }
   }
-  url ??= env["DATABASE_URL"] === "" ? undefined : env["DATABASE_URL"]
-  if (url === undefined) return Either.left("--url is required (or set DATABASE_URL)")
-  const badUrl = checkUrl(url)
-  if (badUrl !== undefined) return Either.left(badUrl)
+  // DATABASE_URL first, as before Redis was known here; the Redis variables only without it.
+  url ??= fromEnv(env, "DATABASE_URL") ?? fromEnv(env, "EFFECT_LOCK_REDIS_URL") ?? fromEnv(env, "REDIS_URL")
+  if (url === undefined) {
+    return Either.left("--url is required (or set DATABASE_URL); for Redis, --url redis://… or EFFECT_LOCK_REDIS_URL / REDIS_URL")
+  }
+  const server = checkUrl(url)
+  if (typeof server === "string") return Either.left(server)
+  if (server.backend === "redis") {
+    if (tableFlags.length > 0) return Either.left(`${tableFlags[0]} applies to PostgreSQL URLs only`)
+    const keyPrefix = prefix ?? RedisKeys.DEFAULT_PREFIX
+    const badPrefix = RedisKeys.prefixProblem(keyPrefix)
+    if (badPrefix !== undefined) return Either.left(`--prefix: ${badPrefix}`)
+    return Either.right({ _tag: "InspectRedis", url: Redacted.make(url), json, prefix: keyPrefix })
+  }
+  if (prefix !== undefined) return Either.left("--prefix applies to Redis URLs only")
   const badTable = parseTable(leaseTable)
   if (typeof badTable === "string") return Either.left(`--lease-table: ${badTable}`)
   return Either.right({ _tag: "Inspect", url: Redacted.make(url), json, leaseTable, fencingTable })
@@ -240,6 +275,122 @@ export const toTable = (report: Report): string => {
   ].join("\n")
 }
 
+// ---------------------------------------------------------------- the Redis report
+
+/** What `inspect` found on a Redis server, with the server's clock for ages. */
+export interface RedisReport {
+  readonly server: string
+  readonly prefix: string
+  readonly listing: RedisOperator.Listing
+}
+
+const holderJson = (lease: PgLease.StoredLease) => ({
+  token: lease.token.toString(),
+  mode: lease.mode,
+  application: lease.application,
+  host: lease.host,
+  pid: lease.pid,
+  acquiredAt: iso(lease.acquiredAt),
+  expiresAt: iso(lease.expiresAt)
+})
+
+/** JSON for scripts, as the PostgreSQL report's (tokens as strings, ISO 8601 times), in a `redis` section. */
+export const redisToJson = (report: RedisReport): string =>
+  JSON.stringify(
+    {
+      server: report.server,
+      serverTime: iso(report.listing.serverTime),
+      redis: {
+        prefix: report.prefix,
+        truncated: report.listing.truncated,
+        leases: report.listing.locks.map((lock) => ({
+          name: lock.named ? lock.name : null,
+          tag: lock.tag,
+          holders: lock.holders.map(holderJson),
+          waiting: {
+            exclusive: lock.waiting.exclusive,
+            shared: lock.waiting.shared,
+            since: lock.waiting.since === null ? null : iso(lock.waiting.since)
+          }
+        })),
+        semaphores: report.listing.semaphores.map((sem) => ({
+          name: sem.name,
+          limit: sem.limit,
+          held: sem.holders.reduce((n, h) => n + h.permits, 0),
+          holders: sem.holders.map((holder) => ({
+            permits: holder.permits,
+            tokens: holder.tokens.map((token) => token.toString()),
+            application: holder.application,
+            host: holder.host,
+            pid: holder.pid,
+            acquiredAt: iso(holder.acquiredAt),
+            expiresAt: iso(holder.expiresAt)
+          })),
+          waiting: sem.waiting.map((waiter) => ({ permits: waiter.permits, since: iso(waiter.since) }))
+        }))
+      }
+    },
+    null,
+    2
+  )
+
+const waitingCell = (waiting: RedisOperator.LockWaiting, now: number): string => {
+  const parts = [
+    ...(waiting.exclusive > 0 ? [`${waiting.exclusive} exclusive`] : []),
+    ...(waiting.shared > 0 ? [`${waiting.shared} shared`] : [])
+  ]
+  if (parts.length === 0) return "-"
+  return `${parts.join(", ")}${waiting.since === null ? "" : `, oldest ${age(now - waiting.since)}`}`
+}
+
+/** The human-readable report: one row per lease (or per name only waited for), one per semaphore. */
+export const redisToTable = (report: RedisReport): string => {
+  const { listing } = report
+  const now = listing.serverTime
+  const held = listing.locks.reduce((n, lock) => n + lock.holders.length, 0)
+  const waiters = listing.locks.reduce((n, lock) => n + lock.waiting.exclusive + lock.waiting.shared, 0)
+  const rows = listing.locks.flatMap((lock): Array<Array<string>> => {
+    const waiting = waitingCell(lock.waiting, now)
+    if (lock.holders.length === 0) return [[cell(lock.name), "-", "-", "-", "-", "-", "-", "-", waiting]]
+    return lock.holders.map((lease) => [
+      cell(lock.name),
+      lease.token.toString(),
+      lease.mode,
+      cell(lease.application),
+      cell(lease.host),
+      lease.pid === null ? "-" : String(lease.pid),
+      `${iso(lease.acquiredAt).slice(0, 19)}Z (${age(now - lease.acquiredAt)} ago)`,
+      `in ${age(lease.expiresAt - now)}`,
+      waiting
+    ])
+  })
+  const leases = rows.length === 0
+    ? "(none)"
+    : table(["NAME", "TOKEN", "MODE", "APPLICATION", "HOST", "PID", "ACQUIRED", "EXPIRES", "WAITING"], rows)
+  const semaphores = listing.semaphores.length === 0 ? "(none)" : table(
+    ["NAME", "LIMIT", "HELD", "WAITING"],
+    listing.semaphores.map((sem) => {
+      const permits = sem.holders.reduce((n, h) => n + h.permits, 0)
+      const wanted = sem.waiting.reduce((n, w) => n + w.permits, 0)
+      return [
+        cell(sem.name),
+        String(sem.limit),
+        `${permits} (${sem.holders.length} holder${sem.holders.length === 1 ? "" : "s"})`,
+        sem.waiting.length === 0 ? "-" : `${sem.waiting.length} (${wanted} permit${wanted === 1 ? "" : "s"})`
+      ]
+    })
+  )
+  return [
+    `Redis leases at ${report.server} (prefix ${JSON.stringify(report.prefix)}): ${held} held, ${waiters} waiting`,
+    leases,
+    ...(listing.locks.some((lock) => !lock.named) ? ["{…}: a name only waited for, whose keys no longer keep it, shows as its key tag."] : []),
+    "",
+    `Semaphores: ${listing.semaphores.length} in use`,
+    semaphores,
+    ...(listing.truncated ? ["", "More names were found than were read: the lists above are incomplete."] : [])
+  ].join("\n")
+}
+
 // ---------------------------------------------------------------- running it
 
 /** The message of an error and of the errors it wraps, without repeats. */
@@ -261,9 +412,9 @@ const reason = (error: unknown): string => {
   return parts.join(": ") || "unknown error"
 }
 
-const report = (command: Extract<Command, { _tag: "Inspect" }>) =>
+const report = (command: Extract<Command, { _tag: "Inspect" }>, Sql: typeof SqlClient) =>
   Effect.gen(function*() {
-    const sql = yield* SqlClient.SqlClient
+    const sql = yield* Sql.SqlClient
     const [server] = yield* sql.unsafe<{ database: string; now: number }>(
       "select current_database() as database, (extract(epoch from now()) * 1000)::float8 as now"
     ).withoutTransform
@@ -278,35 +429,150 @@ const report = (command: Extract<Command, { _tag: "Inspect" }>) =>
     } satisfies Report
   })
 
+/** What `main` needs from outside besides argv and env; tests replace it. */
+export interface Deps {
+  /** Loads the optional `ioredis` peer (a dynamic import: only a Redis URL needs it). */
+  readonly importIoredis: () => Promise<unknown>
+  /** Loads the optional PostgreSQL client modules (dynamic imports: only a postgres URL needs them). */
+  readonly importPg: () => Promise<readonly [typeof SqlClient, typeof PgClient]>
+}
+
+const defaultDeps: Deps = {
+  importIoredis: () => import("ioredis"),
+  importPg: () => Promise.all([import("@effect/sql/SqlClient"), import("@effect/sql-pg/PgClient")])
+}
+
+/**
+ * The PostgreSQL client modules, loaded only for a postgres URL: they are optional peers, and an
+ * app on Redis alone need not install them to inspect its locks.
+ */
+const loadPg = (deps: Deps) =>
+  Effect.tryPromise({
+    try: deps.importPg,
+    catch: () => "inspecting PostgreSQL needs @effect/sql and @effect/sql-pg: npm install @effect/sql@0.52 @effect/sql-pg@0.53"
+  })
+
+const inspectPg = (
+  command: Extract<Command, { _tag: "Inspect" }>,
+  Sql: typeof SqlClient,
+  Pg: typeof PgClient
+): Effect.Effect<number> =>
+  report(command, Sql).pipe(
+    Effect.flatMap((found) => Console.log(command.json ? toJson(found) : toTable(found))),
+    Effect.as(ExitCode.ok),
+    Effect.scoped,
+    Effect.provide(Pg.layer({
+      url: command.url,
+      applicationName: APPLICATION_NAME,
+      connectTimeout: CONNECT_TIMEOUT,
+      maxConnections: 1
+    })),
+    Effect.catchAll((error) => {
+      const where = redactUrl(Redacted.value(command.url))
+      // PgClient's own connect check fails with these messages; the driver's error says why.
+      const connecting = error._tag === "SqlError" && /Failed to connect|timed out/.test(error.message)
+      const message = connecting
+        ? `cannot connect to ${where}: ${reason(error.cause)}`
+        : `inspect failed on ${where}: ${reason(error)}`
+      return Effect.as(Console.error(`effect-lock: ${message}`), ExitCode.failure)
+    })
+  )
+
+type RedisClient = Parameters<typeof RedisOperator.list>[0]
+type RedisCtor = new(url: string, options: Record<string, unknown>) => RedisClient
+
+class Failed {
+  readonly _tag = "Failed"
+  constructor(readonly message: string) {}
+}
+
+const loadIoredis = (deps: Deps): Effect.Effect<RedisCtor, Failed> =>
+  Effect.tryPromise({
+    try: async () => {
+      const m = (await deps.importIoredis()) as { readonly Redis?: unknown; readonly default?: unknown }
+      const ctor = m.Redis ?? m.default
+      if (typeof ctor !== "function") throw new Error("the ioredis module has no Redis constructor")
+      return ctor as RedisCtor
+    },
+    catch: () => new Failed("inspecting Redis needs the ioredis package: npm install ioredis")
+  })
+
+/** A connected client, quit when the scope closes; fails with `cannot connect` as the postgres path does. */
+const connectRedis = (Redis: RedisCtor, url: string, where: string) =>
+  Effect.gen(function*() {
+    let lastError: unknown
+    const client = yield* Effect.acquireRelease(
+      Effect.sync(() => {
+        const made = new Redis(url, {
+          lazyConnect: true,
+          connectionName: APPLICATION_NAME,
+          connectTimeout: Duration.toMillis(CONNECT_TIMEOUT),
+          // One try, no reconnects, no queue: an unreachable server is one failure, not a retry loop.
+          retryStrategy: () => null,
+          maxRetriesPerRequest: 0,
+          enableOfflineQueue: false
+        })
+        // Without a listener ioredis prints every connection error itself; the last one says why.
+        made.on("error", (error: unknown) => {
+          lastError = error
+        })
+        return made
+      }),
+      // disconnect, not quit: nothing was written, and quit would wait on a frozen server. Not on
+      // an ended client: its disconnect arms a 2 s timer that would hold the process open.
+      (made) => Effect.sync(() => made.status === "end" ? undefined : made.disconnect())
+    )
+    yield* Effect.tryPromise({
+      try: () => client.connect(),
+      catch: (error) => new Failed(`cannot connect to ${where}: ${reason(lastError ?? error)}`)
+    }).pipe(
+      Effect.timeoutFail({
+        duration: CONNECT_TIMEOUT,
+        onTimeout: () => new Failed(`cannot connect to ${where}: no answer within ${Duration.format(CONNECT_TIMEOUT)}`)
+      })
+    )
+    return client
+  })
+
+const inspectRedis = (command: Extract<Command, { _tag: "InspectRedis" }>, deps: Deps): Effect.Effect<number> => {
+  const where = redactUrl(Redacted.value(command.url))
+  return Effect.gen(function*() {
+    const Redis = yield* loadIoredis(deps)
+    const client = yield* connectRedis(Redis, Redacted.value(command.url), where)
+    const listing = yield* RedisOperator.list(client, { prefix: command.prefix }).pipe(
+      Effect.mapError((error) => new Failed(`inspect failed on ${where}: ${reason(error)}`))
+    )
+    const found: RedisReport = { server: where, prefix: command.prefix, listing }
+    yield* Console.log(command.json ? redisToJson(found) : redisToTable(found))
+    return ExitCode.ok
+  }).pipe(
+    Effect.scoped,
+    Effect.catchAll((failed) => Effect.as(Console.error(`effect-lock: ${failed.message}`), ExitCode.failure))
+  )
+}
+
 /**
  * Runs the command line and returns the exit status; every expected failure is printed as one
  * line on stderr. Only defects escape.
  */
 export const main = (
   argv: ReadonlyArray<string>,
-  env: Readonly<Record<string, string | undefined>>
-): Effect.Effect<number> =>
-  Either.match(parseArgs(argv, env), {
+  env: Readonly<Record<string, string | undefined>>,
+  overrides?: Partial<Deps>
+): Effect.Effect<number> => {
+  const deps: Deps = { ...defaultDeps, ...overrides }
+  return Either.match(parseArgs(argv, env), {
     onLeft: (message) => Effect.as(Console.error(`effect-lock: ${message}\nTry "effect-lock --help".`), ExitCode.usage),
     onRight: (command) =>
-      command._tag === "Help" ? Effect.as(Console.log(usage), ExitCode.ok) : report(command).pipe(
-        Effect.flatMap((found) => Console.log(command.json ? toJson(found) : toTable(found))),
-        Effect.as(ExitCode.ok),
-        Effect.scoped,
-        Effect.provide(PgClient.layer({
-          url: command.url,
-          applicationName: APPLICATION_NAME,
-          connectTimeout: CONNECT_TIMEOUT,
-          maxConnections: 1
-        })),
-        Effect.catchAll((error) => {
-          const where = redactUrl(Redacted.value(command.url))
-          // PgClient's own connect check fails with these messages; the driver's error says why.
-          const connecting = error._tag === "SqlError" && /Failed to connect|timed out/.test(error.message)
-          const message = connecting
-            ? `cannot connect to ${where}: ${reason(error.cause)}`
-            : `inspect failed on ${where}: ${reason(error)}`
-          return Effect.as(Console.error(`effect-lock: ${message}`), ExitCode.failure)
-        })
-      )
+      command._tag === "Help"
+        ? Effect.as(Console.log(usage), ExitCode.ok)
+        : command._tag === "InspectRedis"
+        ? inspectRedis(command, deps)
+        : loadPg(deps).pipe(
+          Effect.matchEffect({
+            onFailure: (message) => Effect.as(Console.error(`effect-lock: ${message}`), ExitCode.failure),
+            onSuccess: ([Sql, Pg]) => inspectPg(command, Sql, Pg)
+          })
+        )
   })
+}

@@ -7,12 +7,20 @@
  * decoders (`lease/dialect`) read.
  *
  * Releases and revokes publish their wake-ups themselves (on `channel`), so the releasing
- * process hears them through its subscriber like every other. Semaphores are not built yet
- * (phase 2): their statements answer an error, and the layer refuses permit requests before
- * sending anything (`make.ts`).
+ * process hears them through its subscriber like every other. Semaphores' statements are the
+ * scripts of `permitScripts.ts`, over the one key of a semaphore name (`Keys.semKey`).
  */
-import { decode, type Dialect, type LockAcquireInput, type RenewInput, type Row, type Statement } from "../lease/dialect.js"
+import {
+  decode,
+  type Dialect,
+  type LockAcquireInput,
+  type PermitAcquireInput,
+  type RenewInput,
+  type Row,
+  type Statement
+} from "../lease/dialect.js"
 import * as Keys from "./keys.js"
+import * as PermitScripts from "./permitScripts.js"
 import * as Scripts from "./scripts.js"
 
 /** One script call's parameters: the number of keys, the keys, the arguments. */
@@ -37,14 +45,33 @@ const acquireArgs = (i: LockAcquireInput) => [
   i.takePlace ? "1" : "0"
 ]
 
+/** Permit acquire's arguments, in the order `PermitScripts.acquire` reads them. */
+const permitAcquireArgs = (i: PermitAcquireInput) => [
+  i.name,
+  i.owner,
+  i.waiter,
+  i.limit,
+  i.permits,
+  Math.max(1, Math.round(i.ttlMillis)),
+  Math.max(1, Math.round(i.placeMillis)),
+  i.application,
+  i.host,
+  i.pid,
+  i.takePlace ? "1" : "0"
+]
+
+/** An array a script encoded as JSON: Lua's cjson writes an empty one as `{}`. */
+const array = (value: unknown): ReadonlyArray<unknown> => (Array.isArray(value) ? value : [])
+
+/** The SqlClient-side operator statements: never sent, RedisLease's operator functions run on a client. */
 const notBuilt = <I, O>(operation: string, decoded: O): Statement<I, O> => ({
   operation,
-  text: Scripts.notBuilt,
+  text: "return redis.error_reply('not available on RedisLease: use its operator functions')",
   encode: () => [0],
   decode: () => decoded
 })
 
-/** The operator statements (tests now; `RedisLease.revoke`/`holders` in phase 2). */
+/** The operator statements of `RedisLease.holders`/`revoke`/`semaphores`/`revokePermits`, run on a client. */
 export const operator = (prefix: string, channel: string) => ({
   revoke: {
     operation: "revoke",
@@ -60,6 +87,23 @@ export const operator = (prefix: string, channel: string) => ({
     text: Scripts.holders,
     encode: ({ name }: { readonly name: string }) => call(Keys.keyList(Keys.lockKeys(prefix, name)), [name]),
     decode: (rows: ReadonlyArray<Row>) => decode.holders(list(reply(rows)).map((text) => JSON.parse(String(text)) as Row))
+  },
+  revokePermits: {
+    operation: "revoke",
+    text: PermitScripts.revoke,
+    encode: ({ name }: { readonly name: string }) => call([Keys.semKey(prefix, name)], [channel]),
+    decode: (rows: ReadonlyArray<Row>) => Number(reply(rows)) === 1
+  } satisfies Statement<{ readonly name: string }, boolean>,
+  semaphores: {
+    operation: "semaphores",
+    text: PermitScripts.semaphore,
+    encode: ({ name }: { readonly name: string }) => call([Keys.semKey(prefix, name)], [name]),
+    decode: (rows: ReadonlyArray<Row>) => {
+      const text = reply(rows)
+      if (text === null || text === undefined) return []
+      const row = JSON.parse(String(text)) as Record<string, unknown>
+      return decode.semaphores([{ ...row, holders: array(row["holders"]), waiters: array(row["waiters"]) }])
+    }
   }
 })
 
@@ -102,13 +146,35 @@ export const dialect = (prefix: string, channel: string): Dialect => {
       sweep: { operation: "sweep", text: Scripts.sweep, encode: () => [0], decode: (rows) => Number(reply(rows) ?? 0) }
     },
     permits: {
-      acquire: notBuilt("acquire", { token: null, current: null, wait: null }),
-      release: notBuilt("release", { released: false, wake: [] }),
-      renew: notBuilt("renew", []),
+      acquire: {
+        operation: "acquire",
+        text: PermitScripts.acquire,
+        encode: (i) => call([Keys.semKey(prefix, i.name)], permitAcquireArgs(i)),
+        decode: (rows) => {
+          const [token, current, wait] = list(reply(rows))
+          return decode.permitAcquire([{ token: token ?? null, current: current ?? null, wait: wait ?? null }])
+        }
+      },
+      release: {
+        operation: "release",
+        text: PermitScripts.release,
+        encode: (i) => call([Keys.semKey(prefix, i.name)], [i.owner ?? "", i.waiter ?? "", channel]),
+        // The script publishes the wake-ups itself: nothing to wake from the answer.
+        decode: (rows) => decode.release(() => [])([{ released: list(reply(rows))[0] ?? 0 }])
+      },
+      renew: {
+        operation: "renew",
+        text: PermitScripts.renew,
+        // One call per grant, in batch order (the lane pipelines them); a grant's token is its first.
+        encode: (grants: ReadonlyArray<RenewInput>) =>
+          grants.map((g) => call([Keys.semKey(prefix, g.name)], [g.owner, g.token.toString(), Math.max(1, Math.round(g.ttlMillis))])),
+        decode: (rows) => decode.renew(list(reply(rows)).map((outcome, idx) => ({ idx, outcome })))
+      },
       ensureTable: [],
-      sweep: { operation: "sweep", text: Scripts.sweep, encode: () => [0], decode: () => 0 }
+      // Nothing to sweep: the key expires by itself.
+      sweep: { operation: "sweep", text: Scripts.sweep, encode: () => [0], decode: (rows) => Number(reply(rows) ?? 0) }
     },
-    // Not through the SqlClient: RedisLease's operator functions run these on a client (phase 2).
+    // Not through the SqlClient: RedisLease's operator functions run these on a client.
     operator: {
       holders: notBuilt("holders", []),
       present: notBuilt("inspect", true),

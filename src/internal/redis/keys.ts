@@ -14,9 +14,10 @@
  * - `P{T}:places` — hash: each place's details (mode, expiry, since, who), JSON.
  * - `P{T}:shared` — hash: each shared holder's lease (token, expiry, acquired, who), JSON.
  *
- * Phase 2 (semaphores) adds `P{T}:sem:*` keys under the same tag (a semaphore's hash with its
- * limit and holders, its own queue and places): same slot as the lock of the same name, never
- * the same keys. Lock and semaphore namespaces stay apart, as PgLease's tables do.
+ * Keys of the semaphore `name` (`permitScripts.ts`):
+ * - `P{T}:sem` — hash: the semaphore's limit, last token, holders and waiters (JSON arrays),
+ *   its readable name. Same slot as the lock of the same name, never the same key: lock and
+ *   semaphore namespaces stay apart, as PgLease's tables do.
  *
  * No key outlives its use: every script that writes a key sets its expiry to cover the latest
  * time it must (a lease's end, a place's end), so an idle name leaves nothing behind.
@@ -43,6 +44,9 @@ export const lockKeys = (prefix: string, name: string): LockKeys => {
   const base = `${prefix}{${tagOf(name)}}:`
   return { lease: `${base}lease`, queue: `${base}queue`, places: `${base}places`, shared: `${base}shared` }
 }
+
+/** The key of the semaphore `name` under `prefix` (its only key). */
+export const semKey = (prefix: string, name: string): string => `${prefix}{${tagOf(name)}}:sem`
 
 /** The keys as a script's KEYS list, in the documented order. */
 export const keyList = (keys: LockKeys): ReadonlyArray<string> => [keys.lease, keys.queue, keys.places, keys.shared]

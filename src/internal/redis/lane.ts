@@ -15,13 +15,23 @@
  * (`autoResendUnfulfilledCommands: false`), since a resent acquire could grant a lease nobody
  * waits for any more. The application's client is never disconnected by the backend.
  *
+ * The application's client may be an ioredis `Cluster`: the own connections are then Clusters
+ * too (copies of its nodes and options), scripts are routed by their keys (one slot per name),
+ * a renewal batch goes as one call per lease (a pipeline must stay on one node), and the
+ * subscriber is the Cluster's (PUBLISH reaches every node's subscribers).
+ *
+ * With `replicas` (the opt-in `waitForReplicas`), a script that granted a lease is followed by
+ * `WAIT count timeout` on the same connection, and so is a renewal batch that renewed anything:
+ * fewer acknowledgements fail the command (the engine gives a failed grant back; a failed
+ * renewal does not move the holder's deadline).
+ *
  * `ioredis` is loaded when a layer is built, not when `effect-lock` is imported: a missing
  * package is a `LockBackendError` saying what to install.
  */
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import type * as Scope from "effect/Scope"
-import type { Redis, RedisOptions } from "ioredis"
+import type { Cluster, ClusterOptions, Redis, RedisOptions } from "ioredis"
 import * as Crypto from "node:crypto"
 import { LockBackendError } from "../../LockError.js"
 import { monotonicMillis } from "../core/clock.js"
@@ -93,9 +103,43 @@ const timedOut = (operation: string, name: string | undefined, bound: number) =>
     cause: new Error(`the ${operation} command got no answer from Redis within ${bound} ms`)
   })
 
+/** A client the lane sends on: one server's connection, or a Cluster's (one connection per node). */
+export type Client = Redis | Cluster
+
+/** True for an ioredis Cluster (`isCluster`, set by ioredis on both kinds). */
+export const isCluster = (client: Client): client is Cluster => (client as { readonly isCluster?: boolean }).isCluster === true
+
+/**
+ * The opt-in WAIT after a write that grants (`waitForReplicas`): WAIT `count` `timeoutMillis`
+ * on the connection that sent it, and the grant fails unless `count` replicas acknowledged.
+ */
+export interface ReplicaWait {
+  readonly count: number
+  readonly timeoutMillis: number
+  /** Whether the reply of `operation`'s script granted a lease (then it waits for the replicas). */
+  readonly grants: (operation: string, reply: unknown) => boolean
+}
+
+/** WAIT for `replicas` on `connection`; resolves with the number that acknowledged. */
+const waitReplicas = (connection: Connection, replicas: ReplicaWait): Promise<number> =>
+  // On the connection that wrote: WAIT counts the writes this connection made before it.
+  (connection.client.call("wait", [replicas.count, replicas.timeoutMillis]) as Promise<unknown>).then((acknowledged) => {
+    connection.lastAnswer = performance.now()
+    return Number(acknowledged)
+  })
+
+const tooFewReplicas = (operation: string, name: string | undefined, acknowledged: number, replicas: ReplicaWait) =>
+  new LockBackendError({
+    operation,
+    ...(name === undefined ? {} : { name }),
+    cause: new Error(
+      `WAIT: ${acknowledged} of ${replicas.count} replicas acknowledged the ${operation} within ${replicas.timeoutMillis} ms`
+    )
+  })
+
 /** One connection as the lane uses it. */
 interface Connection {
-  readonly client: Redis
+  readonly client: Client
   /** The backend's own (dropped when stuck, quit at the end), or the application's (never touched). */
   readonly own: boolean
   /** performance.now() of the latest answer (or server error) on it. */
@@ -118,6 +162,7 @@ const evalNow = (
   text: string,
   params: ReadonlyArray<unknown>,
   bound: number,
+  replicas: ReplicaWait | undefined,
   done: (error: LockBackendError | undefined, reply?: unknown) => void
 ): () => void => {
   const args = params as Call
@@ -135,13 +180,20 @@ const evalNow = (
     dropIfStuck(connection, sentAt)
     done(timedOut(operation, name, bound))
   })
-  const answered = (reply: unknown) => {
-    connection.lastAnswer = performance.now()
-    finish(undefined, reply)
-  }
   const refused = (error: unknown) => {
     if (isReply(error)) connection.lastAnswer = performance.now()
     finish(failed(operation, name, error))
+  }
+  const answered = (reply: unknown) => {
+    connection.lastAnswer = performance.now()
+    if (replicas === undefined || settled || !replicas.grants(operation, reply)) return finish(undefined, reply)
+    // A grant on the primary alone is lost if it fails over before replicating: count it only
+    // once `count` replicas acknowledged; otherwise it fails, and the engine gives it back.
+    waitReplicas(connection, replicas).then(
+      (acknowledged) =>
+        acknowledged >= replicas.count ? finish(undefined, reply) : finish(tooFewReplicas(operation, name, acknowledged, replicas)),
+      refused
+    )
   }
   connection.client.call("evalsha", [shaOf(text), ...args]).then(answered, (error: unknown) => {
     if (!isNoScript(error)) return refused(error)
@@ -162,11 +214,12 @@ const evalEffect = <A extends object>(
   name: string | undefined,
   text: string,
   params: ReadonlyArray<unknown>,
-  bound: Duration.Duration
+  bound: Duration.Duration,
+  replicas: ReplicaWait | undefined
 ): Effect.Effect<Sent<A>, LockBackendError> =>
   Effect.flatMap(monotonicMillis, (sentAt) =>
     Effect.async<Sent<A>, LockBackendError>((resume) => {
-      const abandon = evalNow(connection, operation, name, text, params, Duration.toMillis(bound), (error, reply) =>
+      const abandon = evalNow(connection, operation, name, text, params, Duration.toMillis(bound), replicas, (error, reply) =>
         resume(error === undefined ? Effect.succeed({ rows: [{ reply } as unknown as A], sentAt }) : Effect.fail(error)))
       return Effect.sync(abandon)
     }))
@@ -174,12 +227,17 @@ const evalEffect = <A extends object>(
 /**
  * A renewal batch: one script call per lease (`params`: the calls) in one pipeline, EVALSHA,
  * then EVAL for those the server did not know; the replies in batch order as the row `{ reply }`.
+ * On a Cluster the calls go one by one, concurrently: a pipeline must stay on one node, and the
+ * batch's names are spread over the slots. With `replicas`, a batch that renewed anything is
+ * confirmed by WAIT on the same connection; fewer acknowledgements fail the batch (a renewal the
+ * replicas may not have must not push the holder's deadline).
  */
 const renewBatch = <A extends object>(
   connection: Connection,
   text: string,
   params: ReadonlyArray<unknown>,
-  bound: Duration.Duration
+  bound: Duration.Duration,
+  replicas: ReplicaWait | undefined
 ): Effect.Effect<Sent<A>, LockBackendError> =>
   Effect.flatMap(monotonicMillis, (sentAt) =>
     Effect.async<Sent<A>, LockBackendError>((resume) => {
@@ -201,8 +259,16 @@ const renewBatch = <A extends object>(
       })
       const sha = shaOf(text)
       const replies: Array<unknown> = new Array(calls.length)
-      const run = (indices: ReadonlyArray<number>, command: "evalsha" | "eval") =>
-        connection.client.pipeline(indices.map((i) => [command, command === "evalsha" ? sha : text, ...calls[i]!])).exec()
+      const client = connection.client
+      const run = (indices: ReadonlyArray<number>, command: "evalsha" | "eval"): Promise<Array<[Error | null, unknown]> | null> =>
+        isCluster(client)
+          ? Promise.all(indices.map((i) =>
+            (client.call(command, [command === "evalsha" ? sha : text, ...calls[i]!]) as Promise<unknown>).then(
+              (reply): [Error | null, unknown] => [null, reply],
+              (error: Error): [Error | null, unknown] => [error, null]
+            )
+          ))
+          : client.pipeline(indices.map((i) => [command, command === "evalsha" ? sha : text, ...calls[i]!])).exec()
       run(calls.map((_, i) => i), "evalsha").then(async (results) => {
         connection.lastAnswer = performance.now()
         if (results === null) throw new Error("the renewal pipeline was discarded")
@@ -221,6 +287,10 @@ const renewBatch = <A extends object>(
             replies[unknown[j]!] = reply
           })
         }
+        if (replicas !== undefined && !settled && replies.includes("renewed")) {
+          const acknowledged = await waitReplicas(connection, replicas)
+          if (acknowledged < replicas.count) return finish(Effect.fail(tooFewReplicas("renew", undefined, acknowledged, replicas)))
+        }
         finish(Effect.succeed({ rows: [{ reply: replies } as unknown as A], sentAt }))
       }).catch((error: unknown) => finish(Effect.fail(failed("renew", undefined, error))))
       return Effect.sync(() => {
@@ -233,8 +303,10 @@ const renewBatch = <A extends object>(
 export interface ConnectOptions {
   readonly url?: string | undefined
   readonly redis?: RedisOptions | undefined
-  /** The application's client, for lock commands (never quit or disconnected by the backend). */
-  readonly client?: Redis | undefined
+  /** The application's client, for lock commands (never quit or disconnected by the backend); a Cluster too. */
+  readonly client?: Client | undefined
+  /** WAIT for replicas after each grant and renewal (opt-in). */
+  readonly replicas?: ReplicaWait | undefined
   /** The channel wake-ups go on. */
   readonly channel: string
   readonly connectTimeout: Duration.Duration
@@ -270,10 +342,11 @@ export interface RedisLane extends Lane {
 export const open = (Ctor: RedisConstructor, options: ConnectOptions): Effect.Effect<RedisLane, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     const settings = ownSettings(options.connectTimeout, options.connectionName)
-    const make = (role: string): Redis => {
+    const make = (role: string): Client => {
       const own = { ...settings, connectionName: `${options.connectionName}:${role}` }
-      const client = options.client !== undefined
-        ? options.client.duplicate(own)
+      const app = options.client
+      const client = app !== undefined
+        ? isCluster(app) ? duplicateCluster(app, own) : app.duplicate(own)
         : options.url !== undefined
         ? new Ctor(options.url, { ...options.redis, ...own })
         : new Ctor({ ...options.redis, ...own })
@@ -281,7 +354,7 @@ export const open = (Ctor: RedisConstructor, options: ConnectOptions): Effect.Ef
       client.on("error", () => {})
       return client
     }
-    const opened: Array<Redis> = []
+    const opened: Array<Client> = []
     yield* Effect.addFinalizer(() => Effect.promise(() => Promise.all(opened.map(close))))
     const commands: Connection = options.client !== undefined
       ? { client: options.client, own: false, lastAnswer: 0 }
@@ -380,12 +453,12 @@ export const open = (Ctor: RedisConstructor, options: ConnectOptions): Effect.Ef
         text: string,
         params: ReadonlyArray<unknown>,
         bound: Duration.Duration
-      ) => evalEffect<A>(commands, operation, name, text, params, bound),
+      ) => evalEffect<A>(commands, operation, name, text, params, bound, options.replicas),
       runNow: (operation, name, text, params, bound, done) =>
-        evalNow(commands, operation, name, text, params, Duration.toMillis(bound), (error, reply) =>
+        evalNow(commands, operation, name, text, params, Duration.toMillis(bound), options.replicas, (error, reply) =>
           error === undefined ? done(undefined, [{ reply } as Row]) : done(error)),
       renew: <A extends object>(text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
-        renewBatch<A>(renewals, text, params, bound),
+        renewBatch<A>(renewals, text, params, bound, options.replicas),
       listen,
       // The renewal connection is made at the first grant, before the first renewal needs it.
       prepareRenewals: Effect.sync(() => {
@@ -400,8 +473,19 @@ const BUFFER_LIMIT = 1_000
 /** How long closing waits for QUIT before it drops a connection. */
 const QUIT_WAIT_MS = 1_000
 
+/**
+ * A connection of the backend's own to the application's Cluster: the same nodes and options,
+ * with the lane's settings — the Cluster's own (lazy, offline queue) and each node connection's.
+ */
+const duplicateCluster = (cluster: Cluster, own: RedisOptions): Cluster =>
+  cluster.duplicate([], {
+    lazyConnect: true,
+    enableOfflineQueue: true,
+    redisOptions: { ...cluster.options.redisOptions, ...own }
+  } satisfies Partial<ClusterOptions>)
+
 /** QUIT, or a plain disconnect when it does not answer in time (or never connected). */
-const close = (client: Redis): Promise<void> =>
+const close = (client: Client): Promise<void> =>
   new Promise<void>((resolve) => {
     if (client.status === "wait" || client.status === "end") {
       client.disconnect()

@@ -2,15 +2,14 @@
  * From `RedisLease.Options` to a running backend: options validated and defaulted, ioredis
  * loaded, the lane's connections opened (lazily), wake-ups through pub/sub (`wake.ts`), and the
  * lease engine assembled with Redis's dialect — attempts, give-backs, renewals, interruption,
- * shutdown and stall handling are the engine's, unchanged. Semaphores are not built yet: the
- * layer answers every permit request with a `LockBackendError` saying so. `wrapLane` lets tests
- * observe or delay the lane's commands.
+ * shutdown and stall handling are the engine's, unchanged, for locks and semaphores alike.
+ * `wrapLane` lets tests observe or delay the lane's commands.
  */
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { identity } from "effect/Function"
 import type * as Scope from "effect/Scope"
-import type { Redis, RedisOptions } from "ioredis"
+import type { Cluster, Redis, RedisOptions } from "ioredis"
 import * as Os from "node:os"
 import type { LockAndSemaphoreBackend } from "../../LockBackend.js"
 import { LockBackendError } from "../../LockError.js"
@@ -30,7 +29,7 @@ import * as Wake from "./wake.js"
 export interface Options {
   readonly url?: string | undefined
   readonly redis?: RedisOptions | undefined
-  readonly client?: Redis | undefined
+  readonly client?: Redis | Cluster | undefined
   readonly ttl?: Duration.DurationInput | undefined
   readonly prefix?: string | undefined
   readonly pollInterval?: Duration.DurationInput | undefined
@@ -38,14 +37,23 @@ export interface Options {
   readonly sweepInterval?: Duration.DurationInput | undefined
   readonly applicationName?: string | undefined
   readonly listenCheckInterval?: Duration.DurationInput | undefined
+  readonly waitForReplicas?: {
+    readonly count: number
+    readonly timeout?: Duration.DurationInput | undefined
+  } | undefined
 }
+
+/** WAIT's default timeout: a second, and always within the command's bound. */
+export const DEFAULT_REPLICA_TIMEOUT = Duration.seconds(1)
+
+/** A script's reply that granted a lease: an acquire whose first element (the token) is set. */
+const grants = (operation: string, reply: unknown): boolean =>
+  operation === "acquire" && Array.isArray(reply) && reply[0] !== null && reply[0] !== undefined && reply[0] !== false
 
 export const DEFAULT_POLL = Duration.millis(500)
 export const DEFAULT_CHECK = Duration.seconds(5)
 /** Keys expire by themselves: nothing to sweep unless asked for. */
 export const DEFAULT_SWEEP_INTERVAL = Duration.zero
-
-export const NOT_BUILT = "semaphores on RedisLease are not built yet"
 
 /** Option errors name RedisLease; there are no tables (the prefix is checked on its own). */
 export const options = LeaseOptions.resolver("RedisLease", (input: string) => input)
@@ -80,6 +88,7 @@ export const makeBackend = (
     const checkInterval = yield* options.duration("listenCheckInterval", input?.listenCheckInterval, DEFAULT_CHECK, TIMER)
     const sweepInterval = yield* options.duration("sweepInterval", input?.sweepInterval, DEFAULT_SWEEP_INTERVAL, { ...TIMER, allowZero: true })
     const application = input?.applicationName ?? LeaseOptions.DEFAULT_APPLICATION
+    const replicas = yield* replicaWait(input, statementTimeout)
     const Ctor = yield* (importer === undefined ? Lane.load : Lane.loadWith(importer))
     const channel = Keys.channelOf(prefix)
     // Before the lane: the layer's own fibers are stopped only after everything else has closed.
@@ -88,6 +97,7 @@ export const makeBackend = (
       url: input?.url,
       redis: input?.redis,
       client: input?.client,
+      replicas,
       channel,
       connectTimeout: statementTimeout,
       connectionName: connectionName(application)
@@ -112,15 +122,30 @@ export const makeBackend = (
       createTable: false,
       sweepInterval
     }, Dialect.dialect(prefix, channel), hub, owner)
-    return {
-      ...backend,
-      semaphore: {
-        ...backend.semaphore,
-        acquire: (request) =>
-          Effect.fail(new LockBackendError({ operation: "acquire", name: request.name, cause: new Error(NOT_BUILT) }))
-      }
-    }
+    return backend
   })
 
 /** CLIENT SETNAME allows no spaces or newlines: the application name with those replaced. */
 const connectionName = (application: string): string => application.replace(/[^\x21-\x7e]/g, "_").slice(0, 64) || "effect-lock"
+
+/** `waitForReplicas` checked: a positive whole count, a timeout of at least 1 ms below the command bound. */
+const replicaWait = (input: Options | undefined, statementTimeout: Duration.Duration) =>
+  Effect.gen(function*() {
+    const wanted = input?.waitForReplicas
+    if (wanted === undefined) return undefined
+    if (!Number.isSafeInteger(wanted.count) || wanted.count < 1) {
+      return yield* options.configError("waitForReplicas.count must be a whole number of replicas, at least 1")
+    }
+    // WAIT has no key: on a Cluster, ioredis would send it to any node, not the one that wrote.
+    if (input?.client !== undefined && Lane.isCluster(input.client)) {
+      return yield* options.configError("waitForReplicas is not supported with a Cluster client")
+    }
+    const fallback = Duration.min(DEFAULT_REPLICA_TIMEOUT, Duration.times(statementTimeout, 0.5))
+    const timeout = yield* options.duration("waitForReplicas.timeout", wanted.timeout, fallback, TIMER)
+    // WAIT 0 blocks for ever; at or past the command's bound the bound would cut every WAIT short.
+    const timeoutMillis = Math.round(Duration.toMillis(timeout))
+    if (timeoutMillis < 1 || !Duration.lessThan(timeout, statementTimeout)) {
+      return yield* options.configError("waitForReplicas.timeout must be at least 1 ms and shorter than statementTimeout")
+    }
+    return { count: wanted.count, timeoutMillis, grants } satisfies Lane.ReplicaWait
+  })

@@ -40,7 +40,7 @@
  */
 
 /** Helpers every script starts with: the server's time, and keeping a key alive until a moment. */
-const prelude = `
+export const prelude = `
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local clock = redis.call('TIME')
 local nowMs = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -347,5 +347,26 @@ export const publish = `return redis.call('PUBLISH', ARGV[1], ARGV[2])`
 /** Nothing to sweep: every key expires by itself (the engine's sweep is off by default). */
 export const sweep = `return 0`
 
-/** The permit scripts until semaphores are built (phase 2): never sent by the layer. */
-export const notBuilt = `return redis.error_reply('semaphores on RedisLease are not built yet')`
+
+/**
+ * Who waits for one name, read by its keys alone (inspection lists names by their tag, and a
+ * name only waited for may have no lease hash, hence no readable name): the readable name if
+ * the lease hash keeps it, the live places by mode and the oldest place's arrival. Reads only.
+ * KEYS: lease, queue, places. Answer: { name | nil, exclusive places, shared places, oldest since (ms) | nil }.
+ */
+export const waiting = `${prelude}
+local leaseKey, queueKey, placesKey = KEYS[1], KEYS[2], KEYS[3]
+local name = redis.call('HGET', leaseKey, 'name')
+local exclusive, shared, since = 0, 0, false
+for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, -1)) do
+  local raw = redis.call('HGET', placesKey, id)
+  if raw then
+    local p = cjson.decode(raw)
+    if p.expires > nowMs then
+      if p.mode == 'exclusive' then exclusive = exclusive + 1 else shared = shared + 1 end
+      if not since or p.since < since then since = p.since end
+    end
+  end
+end
+return { name, exclusive, shared, since }
+`
