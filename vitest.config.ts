@@ -1,6 +1,5 @@
 import { fileURLToPath } from "node:url"
 import { defineConfig } from "vitest/config"
-import { LongestFirst } from "./test/support/sequencer.js"
 
 export default defineConfig({
   resolve: {
@@ -23,8 +22,6 @@ export default defineConfig({
     hookTimeout: 60_000,
     // PostgreSQL tests share one server; two workers match the 2-core machine.
     maxWorkers: 2,
-    minWorkers: 1,
-    // Longest files first (test/durations.json): a fresh clone has no results cache to order by.
-    sequence: { sequencer: LongestFirst }
+    minWorkers: 1
   }
 })
