@@ -24,8 +24,11 @@ import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import { promisify } from "node:util"
 import { useTestDatabase } from "./support/pg.js"
+import { noRedis, useRedis } from "./support/redis.js"
 
 const db = useTestDatabase("package")
+/** The Redis line's program runs against it; without redis-server (or REDIS_URL) that program skips, saying why. */
+const redis = useRedis()
 
 const root = fileURLToPath(new URL("..", import.meta.url))
 const rootPackage = JSON.parse(Fs.readFileSync(Path.join(root, "package.json"), "utf8")) as {
@@ -344,6 +347,20 @@ const program = Effect.gen(function*() {
 Effect.runPromise(program.pipe(Effect.provide(SqliteLease.layer({ filename: "locks.db" }))))${RUN}
 `
 
+/** Two leases of one name in Redis (REDIS_URL), from the root entry: the second token is the larger. */
+const REDIS_MAIN = `import { Config, Effect } from "effect"
+import { DistributedLock, RedisLease } from "effect-lock"
+
+const tokenOf = Effect.scoped(Effect.map(DistributedLock.acquire("job"), (lease) => lease.token))
+const program = Effect.gen(function*() {
+  const url = yield* Config.string("REDIS_URL")
+  const prefix = yield* Config.string("REDIS_PREFIX")
+  const [first, second] = yield* Effect.all([tokenOf, tokenOf]).pipe(Effect.provide(RedisLease.layer({ url, prefix })))
+  console.log(\`redis tokens \${second > first ? "increase" : "repeat"} \${first} \${second}\`)
+})
+Effect.runPromise(program)${RUN}
+`
+
 interface Program {
   readonly file: string
   readonly text: string
@@ -357,6 +374,10 @@ const programsFor = (line: InstallLine): ReadonlyArray<Program> => [
   ...(names(line, "pg") ? [{ file: "advisory.js", text: ADVISORY_MAIN, expected: /^advisory token \d+$/m }] : []),
   ...(names(line, "@effect/sql-sqlite-node")
     ? [{ file: "sqlite.js", text: SQLITE_MAIN, expected: /^sqlite tokens 1 2$/m }]
+    : []),
+  // noRedis() prints why once: the line's install and its other programs still run.
+  ...(names(line, "ioredis") && !noRedis()
+    ? [{ file: "redis.js", text: REDIS_MAIN, expected: /^redis tokens increase \d+ \d+$/m }]
     : [])
 ]
 
@@ -398,7 +419,8 @@ describe("the README's install lines", () => {
   it.each([
     ["PostgreSQL on your SqlClient", "@effect/sql-pg"],
     ["pg, for PgAdvisory.layer", "pg"],
-    ["SQLite", "@effect/sql-sqlite-node"]
+    ["SQLite", "@effect/sql-sqlite-node"],
+    ["Redis", "ioredis"]
   ] as const)("include one for %s (naming %s)", (_, name) => {
     expect(installLines.filter((line) => names(line, name)).map((line) => line.line)).toHaveLength(1)
   })
@@ -422,16 +444,27 @@ const checkLine = async (line: InstallLine, app: string, index: number): Promise
   expect(installed).toContain("effect-lock")
   if (!names(line, "pg") && !names(line, "@effect/sql-pg")) expect(installed).not.toContain("pg")
   if (!line.names.some((name) => name.startsWith("@effect/sql"))) expect(installed).not.toContain("@effect/sql")
+  if (!names(line, "ioredis")) expect(installed).not.toContain("ioredis")
   const programs = programsFor(line)
   for (const program of programs) Fs.writeFileSync(Path.join(app, program.file), program.text)
   await Promise.all(programs.map(async (program) => {
     const { stdout } = await run(process.execPath, [program.file], app, {
       DATABASE_URL: db.url,
       LEASE_TABLE: `package_lease_${index}`,
-      LOCK_NAME: `package/advisory/${index}`
+      LOCK_NAME: `package/advisory/${index}`,
+      ...(program.file === "redis.js" ? { REDIS_URL: redis.url(), REDIS_PREFIX: `package-${process.pid}-${index}:` } : {})
     })
     expect(stdout, program.file).toMatch(program.expected)
   }))
+  if (names(line, "ioredis") && !noRedis()) {
+    // The command runs on what the Redis line installs: effect and ioredis, no @effect/platform.
+    expect(installed).not.toContain("@effect/platform")
+    const prefix = `package-${process.pid}-${index}:`
+    const { stdout } = await run("npx", ["--no", "effect-lock", "inspect", "--json", "--url", redis.url(), "--prefix", prefix], app)
+    const report = JSON.parse(stdout) as { redis: { prefix: string; leases: ReadonlyArray<unknown>; truncated: boolean } }
+    // The program above released its leases: the listing of its prefix is empty and complete.
+    expect(report.redis).toMatchObject({ prefix, leases: [], truncated: false })
+  }
 }
 
 /** The README's PostgreSQL lines: on your SqlClient (PgLease …), and pg for PgAdvisory.layer. */

@@ -5,8 +5,8 @@
  *
  * @since 0.1.0
  */
-import { makeRunMain, type Teardown } from "@effect/platform/Runtime"
 import * as Cause from "effect/Cause"
+import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import { ExitCode, main } from "./inspect.js"
 
@@ -16,21 +16,22 @@ const INTERRUPTED = 130
 const EXIT_GRACE_MS = 2_000
 
 /** The program's own status; a defect is a failure, an interruption (Ctrl-C) is 130. */
-const teardown: Teardown = (exit, onExit) =>
-  onExit(
-    Exit.isSuccess(exit)
-      ? (typeof exit.value === "number" ? exit.value : ExitCode.ok)
-      : Cause.isInterruptedOnly(exit.cause)
-      ? INTERRUPTED
-      : ExitCode.failure
-  )
+const statusOf = (exit: Exit.Exit<unknown, unknown>): number =>
+  Exit.isSuccess(exit)
+    ? (typeof exit.value === "number" ? exit.value : ExitCode.ok)
+    : Cause.isInterruptedOnly(exit.cause)
+    ? INTERRUPTED
+    : ExitCode.failure
 
 /**
- * `NodeRuntime.runMain` of @effect/platform-node, on the primitive it is built on (already a
- * peer of this package), so the command adds no dependency: SIGINT/SIGTERM interrupt the program
- * (its finalizers close the pool) and the exit status comes from `teardown`.
+ * What `NodeRuntime.runMain` of @effect/platform-node does, written out: the command then runs on
+ * `effect` alone, in an app that installed only a Redis or SQLite line (no @effect/platform).
+ * SIGINT/SIGTERM interrupt the program (its finalizers close the pool); a failure is logged.
  */
-const runMain = makeRunMain(({ fiber, teardown }) => {
+const runMain = <A, E>(program: Effect.Effect<A, E>): void => {
+  const fiber = Effect.runFork(
+    Effect.tapErrorCause(program, (cause) => (Cause.isInterruptedOnly(cause) ? Effect.void : Effect.logError(cause)))
+  )
   const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
   const onSignal = () => fiber.unsafeInterruptAsFork(fiber.id())
   process.once("SIGINT", onSignal)
@@ -39,12 +40,11 @@ const runMain = makeRunMain(({ fiber, teardown }) => {
     clearInterval(keepAlive)
     process.removeListener("SIGINT", onSignal)
     process.removeListener("SIGTERM", onSignal)
-    teardown(exit, (code) => {
-      // Exit on an empty event loop, so piped output is never cut; force it only if a socket lingers.
-      process.exitCode = code
-      setTimeout(() => process.exit(code), EXIT_GRACE_MS).unref()
-    })
+    const code = statusOf(exit)
+    // Exit on an empty event loop, so piped output is never cut; force it only if a socket lingers.
+    process.exitCode = code
+    setTimeout(() => process.exit(code), EXIT_GRACE_MS).unref()
   })
-})
+}
 
-runMain(main(process.argv.slice(2), process.env), { teardown, disablePrettyLogger: true })
+runMain(main(process.argv.slice(2), process.env))
