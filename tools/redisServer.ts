@@ -4,7 +4,7 @@
  * otherwise `redis-server` from the PATH on a free loopback port, in a directory of its own,
  * without persistence (`--save "" --appendonly no`) unless asked for AOF, stopped and deleted by
  * `stop()`.
- * The tests' servers (test/support/redis.ts) share `ping`, `stopChild` and `redisServerPath`.
+ * The tests' servers (test/support/redis.ts) start with `launchRedis` too.
  */
 import { type ChildProcess, spawn, spawnSync } from "node:child_process"
 import * as Fs from "node:fs"
@@ -95,9 +95,37 @@ export interface RedisServerOptions {
   readonly aof?: boolean
 }
 
-const startOwn = async (binary: string, options?: RedisServerOptions): Promise<RedisServer> => {
-  const port = await freeLoopbackPort()
-  // Its own directory: nothing of another server (or of a run before) is ever loaded.
+/** How a launched `redis-server` runs. */
+export interface LaunchOptions extends RedisServerOptions {
+  /** More `redis-server` arguments (`--replicaof`, `--cluster-enabled` ...). */
+  readonly args?: ReadonlyArray<string>
+  /** The port; default a free loopback port. */
+  readonly port?: number
+}
+
+/** A `redis-server` process of this machine, in a directory of its own. */
+export interface RedisProcess {
+  readonly port: number
+  /** The current process id (a new one after `launch` again). */
+  readonly pid: () => number | undefined
+  /** Starts the server (again, after `halt`), on the same port and settings; resolves once it answers PING. */
+  readonly launch: () => Promise<void>
+  /** Stops the process (SIGTERM, or `signal`), keeping its directory. */
+  readonly halt: (signal?: NodeJS.Signals) => Promise<void>
+  /** Sends a signal to the process (SIGSTOP/SIGCONT: a frozen server). */
+  readonly signal: (signal: NodeJS.Signals) => void
+  /** Stops the process and deletes its directory. */
+  readonly stop: () => Promise<void>
+}
+
+/**
+ * Starts `binary` on a loopback port in a directory of its own (deleted by `stop`), without
+ * snapshots and with AOF only when asked for; rejects when it does not answer PING.
+ * The demo's, the chaos runs' and the tests' own servers all start here.
+ */
+export const launchRedis = async (binary: string, options?: LaunchOptions): Promise<RedisProcess> => {
+  const port = options?.port ?? await freeLoopbackPort()
+  // Its own directory: AOF files, cluster config and RDB of one server never meet another's.
   const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), `effect-lock-redis-${port}-`))
   let child: ChildProcess | undefined
   const launch = async () => {
@@ -108,7 +136,7 @@ const startOwn = async (binary: string, options?: RedisServerOptions): Promise<R
         // No snapshots ever; AOF only when asked for: without it a restart loses every key.
         "--save", "",
         ...(options?.aof === true ? ["--appendonly", "yes", "--appendfsync", "always"] : ["--appendonly", "no"]),
-        "--daemonize", "no", "--loglevel", "warning"
+        "--daemonize", "no", "--loglevel", "warning", ...(options?.args ?? [])
       ],
       { stdio: "ignore" }
     )
@@ -129,23 +157,42 @@ const startOwn = async (binary: string, options?: RedisServerOptions): Promise<R
     Fs.rmSync(dir, { recursive: true, force: true })
     throw error
   }
+  const halt = async (signal?: NodeJS.Signals) => {
+    if (child !== undefined) await stopChild(child, signal)
+  }
+  return {
+    port,
+    pid: () => child?.pid,
+    launch,
+    halt,
+    signal: (signal) => {
+      child?.kill(signal)
+    },
+    stop: async () => {
+      await halt()
+      Fs.rmSync(dir, { recursive: true, force: true })
+    }
+  }
+}
+
+const startOwn = async (binary: string, options?: RedisServerOptions): Promise<RedisServer> => {
+  const server = await launchRedis(binary, options)
   let restarting: Promise<void> = Promise.resolve()
   return {
-    url: `redis://127.0.0.1:${port}`,
+    url: `redis://127.0.0.1:${server.port}`,
     embedded: true,
-    pid: () => child?.pid,
+    pid: server.pid,
     restart: (options) =>
       restarting = restarting.then(async () => {
-        if (child !== undefined) await stopChild(child)
+        await server.halt()
         const down = options?.downMillis ?? 0
         // The outage itself: nothing listens on the port for this long.
         if (down > 0) await new Promise((resolve) => setTimeout(resolve, down))
-        await launch()
+        await server.launch()
       }),
     stop: async () => {
       await restarting.catch(() => {})
-      if (child !== undefined) await stopChild(child)
-      Fs.rmSync(dir, { recursive: true, force: true })
+      await server.stop()
     }
   }
 }

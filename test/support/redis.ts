@@ -10,16 +10,13 @@
  * `redis-cli --cluster create`), never the shared one, and stop them when they end; they need
  * `redis-server` on the PATH even when REDIS_URL is set (`noRedisServer`).
  */
-import { type ChildProcess, spawn, spawnSync } from "node:child_process"
-import * as Fs from "node:fs/promises"
-import * as Os from "node:os"
-import * as Path from "node:path"
+import { spawn, spawnSync } from "node:child_process"
 import * as Effect from "effect/Effect"
 import { Redis } from "ioredis"
 import { afterAll, beforeAll, describe } from "vitest"
 import * as Keys from "../../src/internal/redis/keys.js"
 import { freeLoopbackPort } from "../../tools/embeddedPostgres.js"
-import { ping, redisServerPath, stopChild } from "../../tools/redisServer.js"
+import { type LaunchOptions, launchRedis, redisServerPath } from "../../tools/redisServer.js"
 
 export { redisServerPath }
 
@@ -82,14 +79,7 @@ export interface TestRedis {
 }
 
 /** How a test's own server runs. */
-export interface ServerOptions {
-  /** AOF on, fsync'ed at every write (`appendonly yes`, `appendfsync always`); default off. */
-  readonly aof?: boolean
-  /** More `redis-server` arguments (`--replicaof`, `--cluster-enabled` ...). */
-  readonly args?: ReadonlyArray<string>
-  /** The port; default a free loopback port. */
-  readonly port?: number
-}
+export type ServerOptions = LaunchOptions
 
 /**
  * Starts `redis-server` on a free loopback port, in a directory of its own (deleted by `stop`),
@@ -98,56 +88,17 @@ export interface ServerOptions {
 export const startRedisServer = async (options?: ServerOptions): Promise<TestRedis> => {
   const binary = redisServerPath()
   if (binary === undefined) throw new Error("redis-server not found on PATH")
-  const port = options?.port ?? await freeLoopbackPort()
-  // Its own directory: AOF files, cluster config and RDB of one server never meet another's.
-  const dir = await Fs.mkdtemp(Path.join(Os.tmpdir(), `effect-lock-redis-${port}-`))
-  const persistence = options?.aof === true
-    ? ["--appendonly", "yes", "--appendfsync", "always"]
-    : ["--appendonly", "no"]
-  let child: ChildProcess | undefined
-  const launch = async () => {
-    const started = spawn(
-      binary,
-      [
-        "--port", `${port}`, "--bind", "127.0.0.1", "--dir", dir, "--save", "", ...persistence,
-        "--daemonize", "no", "--loglevel", "warning", ...(options?.args ?? [])
-      ],
-      { stdio: "ignore" }
-    )
-    child = started
-    const deadline = Date.now() + START_TIMEOUT_MS
-    while (!(await ping(port, 500))) {
-      if (started.exitCode !== null || Date.now() > deadline) {
-        await stopChild(started)
-        throw new Error(`redis-server did not answer PING on port ${port} within ${START_TIMEOUT_MS} ms`)
-      }
-      await new Promise((resolve) => setTimeout(resolve, 25))
-    }
-  }
-  try {
-    await launch()
-  } catch (error) {
-    await Fs.rm(dir, { recursive: true, force: true })
-    throw error
-  }
-  const halt = async (signal?: NodeJS.Signals) => {
-    if (child !== undefined) await stopChild(child, signal)
-  }
+  const server = await launchRedis(binary, options)
   return {
-    url: `redis://127.0.0.1:${port}`,
-    port,
-    pid: () => child?.pid,
+    url: `redis://127.0.0.1:${server.port}`,
+    port: server.port,
+    pid: server.pid,
     restart: async (signal) => {
-      await halt(signal)
-      await launch()
+      await server.halt(signal)
+      await server.launch()
     },
-    signal: (signal) => {
-      child?.kill(signal)
-    },
-    stop: async () => {
-      await halt()
-      await Fs.rm(dir, { recursive: true, force: true })
-    }
+    signal: server.signal,
+    stop: server.stop
   }
 }
 
