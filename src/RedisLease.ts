@@ -69,7 +69,7 @@
 import type * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
 import type * as Scope from "effect/Scope"
-import type { Redis } from "ioredis"
+import type { Cluster, Redis } from "ioredis"
 import type * as DistributedLock from "./DistributedLock.js"
 import * as DistributedSemaphore from "./DistributedSemaphore.js"
 import type { LockAndSemaphoreBackend } from "./LockBackend.js"
@@ -225,18 +225,20 @@ export interface Listing extends Operator.Listing {}
 /**
  * Every lock name held or waited for and every semaphore in use, with who holds each (application,
  * host, pid), its fencing tokens, its times and its waiters: `holders` and `semaphores` for
- * inspection tools, over all names. Read with `client` (any ioredis client on the server, without
- * `keyPrefix`; `prefix` as the layer's): names are found with SCAN (`COUNT 1000`, at most
- * `limit` of each kind, default 10,000; the whole listing is bounded to 60 s) and each is read
- * with its own scripts, so the result is a name-by-name snapshot, not one instant. On a Cluster,
- * SCAN sees one node: list each master with a client of its own. Failures are
+ * inspection tools, over all names. Read with `client` (any ioredis client on the server, or an
+ * ioredis `Cluster`, without `keyPrefix`; `prefix` as the layer's): names are found with SCAN
+ * (`COUNT 1000`, at most `limit` of each kind, default 10,000; the whole listing is bounded to
+ * 60 s) and each is read with its own scripts, so the result is a name-by-name snapshot, not one
+ * instant. With a `Cluster`, every master is listed (SCAN on each, through the Cluster's own
+ * node clients, once it is ready) and the lists are merged: sorted by name, `limit` over the
+ * merged total, `truncated` if any node's was, `serverTime` the earliest master's. Failures are
  * `LockBackendError { operation: "inspect" }` (or that of the script that failed).
  *
  * @since 0.1.0
  * @category inspection
  */
 export const listHolders = (
-  client: Redis,
+  client: Redis | Cluster,
   options?: { readonly prefix?: string | undefined; readonly limit?: number | undefined }
 ): Effect.Effect<Listing, LockBackendError> => Operator.list(client, options)
 

@@ -4,17 +4,23 @@
  * layers given an ioredis `Cluster` as `client`. The lock contract's basics hold across the
  * nodes: exclusion, tokens that increase per name, first-in-first-out waiters woken through
  * pub/sub (PUBLISH reaches every node's subscribers), renewals of leases on different nodes.
+ * `listHolders` and `effect-lock inspect` list the names of every master, merged.
  * Skipped without redis-server and redis-cli on the PATH (REDIS_URL does not matter).
  */
 import { describe, expect, it } from "@effect/vitest"
 import { Duration, Effect, Exit, Fiber, Option, Scope } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
+import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import * as RedisLease from "effect-lock/RedisLease"
 import * as Keys from "effect-lock/internal/redis/keys"
-import { Cluster } from "ioredis"
+import { Cluster, Redis } from "ioredis"
+import { execFile } from "node:child_process"
+import * as Path from "node:path"
+import { fileURLToPath } from "node:url"
 import { afterAll, beforeAll } from "vitest"
+import { nodeArgsFor } from "../tools/children.js"
 import { freshName } from "./support/contract.js"
-import { waitFor } from "./support/eventually.js"
+import { eventually, waitFor } from "./support/eventually.js"
 import { frozen } from "./support/freeze.js"
 import { hasRedisCli, noRedisServer, startRedisCluster, type TestCluster } from "./support/redis.js"
 
@@ -52,15 +58,45 @@ const processOn = (options?: RedisLease.Options) =>
   Effect.gen(function*() {
     const client = yield* clusterClient
     const backend = yield* RedisLease.makeBackend({ client, ttl: TTL, ...options })
-    return { lock: yield* DistributedLock.make(backend), client }
+    return { lock: yield* DistributedLock.make(backend), backend, client }
   })
 
-/** The nodes (by port) holding `name`'s lease key. */
+/** The nodes (by port) holding `name`'s lease key (the slot is the tag's: the same under any prefix). */
 const nodeOf = (client: Cluster, name: string) =>
   Effect.promise(async () => {
     const slot = Number(await client.call("cluster", ["keyslot", Keys.lockKeys(Keys.DEFAULT_PREFIX, name).lease]))
     const slots = (await client.call("cluster", ["slots"])) as Array<[number, number, [string, number]]>
     return slots.find(([from, to]) => slot >= from && slot <= to)?.[2][1]
+  })
+
+const root = fileURLToPath(new URL("..", import.meta.url))
+
+/** `effect-lock ...args` as a child process, with no server URL from the environment. */
+const cli = (args: ReadonlyArray<string>) =>
+  Effect.async<{ readonly code: number | null; readonly stdout: string; readonly stderr: string }>((resume) => {
+    const { DATABASE_URL: _d, REDIS_URL: _r, EFFECT_LOCK_REDIS_URL: _e, ...env } = process.env
+    const child = execFile(
+      process.execPath,
+      [...nodeArgsFor(Path.join(root, "src/bin/effect-lock.ts")), ...args],
+      { cwd: root, env, timeout: 30_000 },
+      (error, stdout, stderr) => {
+        const code = error === null ? 0 : typeof error.code === "number" ? error.code : null
+        resume(Effect.succeed({ code, stdout, stderr }))
+      }
+    )
+    return Effect.sync(() => child.kill())
+  })
+
+/** 12 names of a process's own, held by it, whose keys are on every one of the 3 masters; their tokens by name. */
+const holdOnEveryNode = (owner: Effect.Effect.Success<ReturnType<typeof processOn>>, base: string) =>
+  Effect.gen(function*() {
+    const names = Array.from({ length: 12 }, (_, i) => `${base}-${i}`)
+    const ports = yield* Effect.forEach(names, (name) => nodeOf(owner.client, name))
+    // Otherwise the listing could pass while seeing one node only.
+    expect(new Set(ports).size).toBe(3)
+    const tokens = new Map<string, bigint>()
+    for (const name of names) tokens.set(name, (yield* owner.lock.acquire(name)).token)
+    return { names, ports, tokens }
   })
 
 describe.skipIf(skip)("RedisLease on a 3-node Redis Cluster", () => {
@@ -170,5 +206,68 @@ describe.skipIf(skip)("RedisLease on a 3-node Redis Cluster", () => {
       yield* Effect.forEach(fibers, Fiber.join, { discard: true })
       expect(order).toEqual(["b", "c", "d"])
       expect(performance.now() - started).toBeLessThan(1_500)
+    }), 30_000)
+
+  it.scopedLive("listHolders with a Cluster lists the names of every master, merged; one node's own client sees only its names", () =>
+    Effect.gen(function*() {
+      const prefix = `${freshName("cluster-list")}:`
+      const a = yield* processOn({ prefix, ttl: Duration.seconds(5) })
+      const b = yield* processOn({ prefix, ttl: Duration.seconds(5) })
+      const { names, ports, tokens } = yield* holdOnEveryNode(a, freshName("redis-cluster-list"))
+      yield* Effect.forkScoped(Effect.scoped(b.lock.acquire(names[0]!)))
+      const semaphore = yield* DistributedSemaphore.make(a.backend.semaphore)
+      const semName = freshName("redis-cluster-list-sem")
+      const permits = yield* semaphore.acquire(semName, { limit: 3, permits: 2 })
+
+      // The listing itself shows when the waiter has queued.
+      const listing = yield* eventually(
+        "the waiter listed",
+        RedisLease.listHolders(a.client, { prefix }),
+        (found) => found.locks.some((lock) => lock.name === names[0] && lock.waiting.exclusive === 1),
+        10_000
+      )
+      expect(listing.truncated).toBe(false)
+      expect(listing.locks.map((lock) => lock.name)).toEqual([...names].sort())
+      for (const lock of listing.locks) {
+        expect(lock.holders.map((holder) => holder.token)).toEqual([tokens.get(lock.name)])
+        expect(lock.waiting.exclusive).toBe(lock.name === names[0] ? 1 : 0)
+      }
+      expect(listing.semaphores).toEqual([
+        expect.objectContaining({ name: semName, limit: 3, holders: [expect.objectContaining({ permits: 2, tokens: permits.tokens })] })
+      ])
+      expect(listing.serverTime).toBeGreaterThan(Date.now() - 60_000)
+
+      // The limit is over the merged lists: 5 of the 12, first by name, and truncated.
+      const capped = yield* RedisLease.listHolders(a.client, { prefix, limit: 5 })
+      expect(capped.locks.map((lock) => lock.name)).toEqual([...names].sort().slice(0, 5))
+      expect(capped.truncated).toBe(true)
+
+      // The control: a plain client of one master sees that node's names only.
+      const port = ports[0]!
+      const single = yield* Effect.acquireRelease(
+        Effect.sync(() => new Redis(port, "127.0.0.1", { lazyConnect: true, maxRetriesPerRequest: 1 })),
+        (client) => Effect.promise(() => client.quit().then(() => undefined, () => client.disconnect()))
+      )
+      const one = yield* RedisLease.listHolders(single, { prefix })
+      const mine = names.filter((_, i) => ports[i] === port).sort()
+      expect(mine.length).toBeLessThan(names.length)
+      expect(one.locks.map((lock) => lock.name)).toEqual(mine)
+    }), 30_000)
+
+  it.scopedLive("effect-lock inspect --url of one master lists the names of every master", () =>
+    Effect.gen(function*() {
+      const prefix = `${freshName("cluster-cli")}:`
+      const a = yield* processOn({ prefix, ttl: Duration.seconds(5) })
+      const { names, ports, tokens } = yield* holdOnEveryNode(a, freshName("redis-cluster-cli"))
+      const run = yield* cli(["inspect", "--json", "--url", `redis://127.0.0.1:${ports[0]}`, "--prefix", prefix])
+      expect(run.stderr).toBe("")
+      expect(run.code).toBe(0)
+      const parsed = JSON.parse(run.stdout)
+      expect(parsed.redis.nodes).toBe(3)
+      expect(parsed.redis.truncated).toBe(false)
+      expect(parsed.redis.leases.map((lease: { name: string }) => lease.name)).toEqual([...names].sort())
+      for (const lease of parsed.redis.leases) {
+        expect(lease.holders.map((holder: { token: string }) => holder.token)).toEqual([tokens.get(lease.name)!.toString()])
+      }
     }), 30_000)
 })

@@ -11,6 +11,7 @@ import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Option from "effect/Option"
 import * as Redacted from "effect/Redacted"
+import type { Cluster, Redis } from "ioredis"
 import * as PgAdvisory from "../PgAdvisory.js"
 import * as PgLease from "../PgLease.js"
 import { parseTable } from "../internal/lease/pg/sql.js"
@@ -32,7 +33,8 @@ export const usage = `Usage: effect-lock inspect [--url URL] [--json] [--lease-t
 Lists the locks held in one PostgreSQL database, by every process: session advisory locks
 (pg_locks, with the holding session from pg_stat_activity, waiters included) and the leases
 of a PgLease table. With a redis:// or rediss:// URL, lists RedisLease's lock names held or
-waited for (holders, tokens, waiters) and its semaphores in use, found with SCAN.
+waited for (holders, tokens, waiters) and its semaphores in use, found with SCAN (on a Redis
+Cluster, on every master).
 
 Options:
   --url URL              postgres:// connection URL (default: $DATABASE_URL), or redis:// /
@@ -282,6 +284,8 @@ export interface RedisReport {
   readonly server: string
   readonly prefix: string
   readonly listing: RedisOperator.Listing
+  /** How many servers were listed: 1, or every master of a Cluster. */
+  readonly nodes: number
 }
 
 const holderJson = (lease: PgLease.StoredLease) => ({
@@ -302,6 +306,7 @@ export const redisToJson = (report: RedisReport): string =>
       serverTime: iso(report.listing.serverTime),
       redis: {
         prefix: report.prefix,
+        nodes: report.nodes,
         truncated: report.listing.truncated,
         leases: report.listing.locks.map((lock) => ({
           name: lock.named ? lock.name : null,
@@ -381,7 +386,8 @@ export const redisToTable = (report: RedisReport): string => {
     })
   )
   return [
-    `Redis leases at ${report.server} (prefix ${JSON.stringify(report.prefix)}): ${held} held, ${waiters} waiting`,
+    `Redis leases at ${report.server} (prefix ${JSON.stringify(report.prefix)}): ${held} held, ${waiters} waiting ` +
+    `(${report.nodes} node${report.nodes === 1 ? "" : "s"})`,
     leases,
     ...(listing.locks.some((lock) => !lock.named) ? ["{…}: a name only waited for, whose keys no longer keep it, shows as its key tag."] : []),
     "",
@@ -478,21 +484,30 @@ const inspectPg = (
     })
   )
 
-type RedisClient = Parameters<typeof RedisOperator.list>[0]
-type RedisCtor = new(url: string, options: Record<string, unknown>) => RedisClient
+type RedisCtor = new(url: string, options: Record<string, unknown>) => Redis
+type ClusterCtor = new(nodes: ReadonlyArray<{ readonly host: string; readonly port: number }>, options: Record<string, unknown>) => Cluster
+
+/** ioredis's two client constructors. */
+interface Ioredis {
+  readonly Redis: RedisCtor
+  readonly Cluster: ClusterCtor
+}
 
 class Failed {
   readonly _tag = "Failed"
   constructor(readonly message: string) {}
 }
 
-const loadIoredis = (deps: Deps): Effect.Effect<RedisCtor, Failed> =>
+const loadIoredis = (deps: Deps): Effect.Effect<Ioredis, Failed> =>
   Effect.tryPromise({
     try: async () => {
-      const m = (await deps.importIoredis()) as { readonly Redis?: unknown; readonly default?: unknown }
+      const m = (await deps.importIoredis()) as { readonly Redis?: unknown; readonly Cluster?: unknown; readonly default?: unknown }
       const ctor = m.Redis ?? m.default
       if (typeof ctor !== "function") throw new Error("the ioredis module has no Redis constructor")
-      return ctor as RedisCtor
+      // ioredis also hangs Cluster on the Redis class (Redis.Cluster), for a module seen as its default only.
+      const cluster = m.Cluster ?? (ctor as { readonly Cluster?: unknown }).Cluster
+      if (typeof cluster !== "function") throw new Error("the ioredis module has no Cluster constructor")
+      return { Redis: ctor as RedisCtor, Cluster: cluster as ClusterCtor }
     },
     catch: () => new Failed("inspecting Redis needs the ioredis package: npm install ioredis")
   })
@@ -534,15 +549,83 @@ const connectRedis = (Redis: RedisCtor, url: string, where: string) =>
     return client
   })
 
+/** Whether the server is a Cluster node (`INFO cluster` says `cluster_enabled:1`), asked within the connect bound. */
+const clusterEnabled = (client: Redis, where: string) =>
+  Effect.tryPromise({
+    try: () => client.info("cluster"),
+    catch: (error) => error
+  }).pipe(
+    Effect.timeoutFail({
+      duration: CONNECT_TIMEOUT,
+      onTimeout: () => new Failed(`inspect failed on ${where}: INFO got no answer within ${Duration.format(CONNECT_TIMEOUT)}`)
+    }),
+    Effect.map((info) => /^cluster_enabled:1\s*$/m.test(info)),
+    Effect.catchAll((error) =>
+      // A server that refuses INFO (an ACL without it) is listed as one server, as before.
+      error instanceof Error && error.name === "ReplyError"
+        ? Effect.succeed(false)
+        : Effect.fail(error instanceof Failed ? error : new Failed(`inspect failed on ${where}: ${reason(error)}`))
+    )
+  )
+
+/**
+ * A Cluster seeded with the connected server's host and port and its credentials and TLS (as
+ * ioredis parsed them from the URL), ready (slots known), disconnected when the scope closes.
+ */
+const connectCluster = (ClusterClient: ClusterCtor, seed: Redis, where: string) =>
+  Effect.gen(function*() {
+    let lastError: unknown
+    const { host, port, username, password, tls } = seed.options
+    const cluster = yield* Effect.acquireRelease(
+      Effect.sync(() => {
+        const made = new ClusterClient([{ host: host ?? "localhost", port: port ?? 6379 }], {
+          lazyConnect: true,
+          // As the plain client: one try, no reconnects, no queue.
+          clusterRetryStrategy: () => null,
+          enableOfflineQueue: false,
+          redisOptions: {
+            username,
+            password,
+            tls,
+            connectionName: APPLICATION_NAME,
+            connectTimeout: Duration.toMillis(CONNECT_TIMEOUT),
+            maxRetriesPerRequest: 0
+          }
+        })
+        const remember = (error: unknown) => {
+          lastError = error
+        }
+        made.on("error", remember)
+        made.on("node error", remember)
+        return made
+      }),
+      // disconnect, as the plain client's; not on an ended Cluster (nothing left to close).
+      (made) => Effect.sync(() => made.status === "end" ? undefined : made.disconnect())
+    )
+    yield* Effect.tryPromise({
+      try: () => cluster.connect(),
+      catch: (error) => new Failed(`cannot connect to the Cluster of ${where}: ${reason(lastError ?? error)}`)
+    }).pipe(
+      Effect.timeoutFail({
+        duration: CONNECT_TIMEOUT,
+        onTimeout: () =>
+          new Failed(`cannot connect to the Cluster of ${where}: not ready within ${Duration.format(CONNECT_TIMEOUT)}`)
+      })
+    )
+    return cluster
+  })
+
 const inspectRedis = (command: Extract<Command, { _tag: "InspectRedis" }>, deps: Deps): Effect.Effect<number> => {
   const where = redactUrl(Redacted.value(command.url))
   return Effect.gen(function*() {
-    const Redis = yield* loadIoredis(deps)
-    const client = yield* connectRedis(Redis, Redacted.value(command.url), where)
-    const listing = yield* RedisOperator.list(client, { prefix: command.prefix }).pipe(
+    const ioredis = yield* loadIoredis(deps)
+    const client = yield* connectRedis(ioredis.Redis, Redacted.value(command.url), where)
+    // SCAN on a Cluster node sees that node only: a Cluster client lists every master.
+    const target = (yield* clusterEnabled(client, where)) ? yield* connectCluster(ioredis.Cluster, client, where) : client
+    const { listing, nodes } = yield* RedisOperator.listNodes(target, { prefix: command.prefix }).pipe(
       Effect.mapError((error) => new Failed(`inspect failed on ${where}: ${reason(error)}`))
     )
-    const found: RedisReport = { server: where, prefix: command.prefix, listing }
+    const found: RedisReport = { server: where, prefix: command.prefix, listing, nodes }
     yield* Console.log(command.json ? redisToJson(found) : redisToTable(found))
     return ExitCode.ok
   }).pipe(

@@ -2,18 +2,19 @@
  * RedisLease's operator functions, on any ioredis client the caller gives (not the layer's):
  * the live leases of a name and a semaphore in use, and an operator's revokes. Each is one
  * script, EVALSHA then EVAL on NOSCRIPT, bounded. `list` finds every name in use with SCAN (by
- * the keys' tags: it never knows the names beforehand) and reads each with those scripts.
+ * the keys' tags: it never knows the names beforehand) and reads each with those scripts; given
+ * a Cluster, it does so on every master (each with its own node client) and merges the lists.
  */
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import type { Redis } from "ioredis"
+import type { Cluster, Redis } from "ioredis"
 import { LockBackendError } from "../../LockError.js"
 import type { Row, Statement } from "../lease/dialect.js"
 import type { StoredLease, StoredSemaphore } from "../lease/stored.js"
 import * as Dialect from "./dialect.js"
 import * as Keys from "./keys.js"
 import * as Scripts from "./scripts.js"
-import { shaOf } from "./lane.js"
+import { isCluster, shaOf } from "./lane.js"
 
 const BOUND = Duration.seconds(5)
 
@@ -104,9 +105,9 @@ export interface LockInUse {
   readonly waiting: LockWaiting
 }
 
-/** Every name in use under a prefix, read on one server. */
+/** Every name in use under a prefix, read on one server or on every master of a Cluster. */
 export interface Listing {
-  /** The server's clock (ms since the epoch) when the listing began. */
+  /** The server's clock (ms since the epoch) when the listing began (on a Cluster, the earliest master's). */
   readonly serverTime: number
   readonly locks: ReadonlyArray<LockInUse>
   readonly semaphores: ReadonlyArray<StoredSemaphore>
@@ -199,19 +200,11 @@ const readSemaphore = (client: Redis, prefix: string, tag: string) =>
     return yield* run(client, semaphoreOf, { key, name: name ?? `{${tag}}` }, name ?? `{${tag}}`)
   })
 
-/**
- * Every lock name held or waited for and every semaphore in use under the prefix, on the server
- * `client` talks to (on a Cluster, list each master with a client of its own): names found with
- * SCAN, each read with its own scripts. Names are read one by one, not at one instant.
- */
-export const list = (client: Redis, options?: ListOptions): Effect.Effect<Listing, LockBackendError> => {
-  const prefix = options?.prefix ?? Keys.DEFAULT_PREFIX
-  const limit = Math.max(1, Math.floor(options?.limit ?? DEFAULT_LIST_LIMIT))
-  return Effect.gen(function*() {
-    const problem = Keys.prefixProblem(prefix)
-    if (problem !== undefined) {
-      return yield* Effect.fail(new LockBackendError({ operation: "configure", cause: new Error(problem) }))
-    }
+const byName = (a: { readonly name: string }, b: { readonly name: string }) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0)
+
+/** The listing of the one server `client` talks to (the caller checked the prefix and bounds the whole). */
+const listServer = (client: Redis, prefix: string, limit: number): Effect.Effect<Listing, LockBackendError> =>
+  Effect.gen(function*() {
     const [seconds, micros] = yield* bounded("inspect", undefined, () => client.time())
     const serverTime = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000)
     const [leases, queues, sems] = yield* Effect.all([
@@ -226,13 +219,70 @@ export const list = (client: Redis, options?: ListOptions): Effect.Effect<Listin
     const semaphores = yield* Effect.forEach(sems.tags.slice(0, limit), (tag) => readSemaphore(client, prefix, tag), {
       concurrency: READ_CONCURRENCY
     })
-    const byName = (a: { readonly name: string }, b: { readonly name: string }) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0)
     return {
       serverTime,
       locks: locks.flat().sort(byName),
       semaphores: semaphores.flat().sort(byName),
       truncated: leases.more || queues.more || sems.more || lockTags.length > limit || sems.tags.length > limit
     } satisfies Listing
+  })
+
+/** The master nodes' own clients of a Cluster, once it is connected and knows its slots. */
+const mastersOf = (cluster: Cluster): Effect.Effect<ReadonlyArray<Redis>, LockBackendError> =>
+  Effect.gen(function*() {
+    // The node list is filled only once the Cluster is ready (slots read): a lazy one connects
+    // here, and TIME resolves only when it is ready (and proves a node answers).
+    yield* bounded("inspect", undefined, async () => {
+      if (cluster.status === "wait") await cluster.connect()
+      return cluster.time()
+    })
+    const masters = cluster.nodes("master")
+    if (masters.length === 0) {
+      return yield* Effect.fail(new LockBackendError({ operation: "inspect", cause: new Error("the Cluster knows no master node") }))
+    }
+    return masters
+  })
+
+/** The listings of several masters as one: each kind merged by name and cut at `limit`, the earliest clock. */
+const merge = (parts: ReadonlyArray<Listing>, limit: number): Listing => {
+  // A name's keys are in one slot, so on one master; during a slot migration SCAN may find them
+  // on two, and the first found is kept.
+  const locks = new Map<string, LockInUse>()
+  const semaphores = new Map<string, StoredSemaphore>()
+  for (const part of parts) {
+    for (const lock of part.locks) if (!locks.has(lock.tag)) locks.set(lock.tag, lock)
+    for (const sem of part.semaphores) if (!semaphores.has(sem.name)) semaphores.set(sem.name, sem)
+  }
+  const allLocks = Array.from(locks.values()).sort(byName)
+  const allSemaphores = Array.from(semaphores.values()).sort(byName)
+  return {
+    serverTime: Math.min(...parts.map((part) => part.serverTime)),
+    locks: allLocks.slice(0, limit),
+    semaphores: allSemaphores.slice(0, limit),
+    truncated: parts.some((part) => part.truncated) || allLocks.length > limit || allSemaphores.length > limit
+  }
+}
+
+/** A listing and how many servers it read: 1, or every master of a Cluster. */
+export interface NodesListing {
+  readonly listing: Listing
+  readonly nodes: number
+}
+
+/** `list`, also saying how many servers were listed (the CLI reports it). */
+export const listNodes = (client: Redis | Cluster, options?: ListOptions): Effect.Effect<NodesListing, LockBackendError> => {
+  const prefix = options?.prefix ?? Keys.DEFAULT_PREFIX
+  const limit = Math.max(1, Math.floor(options?.limit ?? DEFAULT_LIST_LIMIT))
+  return Effect.gen(function*() {
+    const problem = Keys.prefixProblem(prefix)
+    if (problem !== undefined) {
+      return yield* Effect.fail(new LockBackendError({ operation: "configure", cause: new Error(problem) }))
+    }
+    if (!isCluster(client)) return { listing: yield* listServer(client, prefix, limit), nodes: 1 }
+    const masters = yield* mastersOf(client)
+    // Each master with its own node client: SCAN and the tag's scripts run on the node that has the keys.
+    const parts = yield* Effect.forEach(masters, (node) => listServer(node, prefix, limit), { concurrency: "unbounded" })
+    return { listing: merge(parts, limit), nodes: masters.length }
   }).pipe(
     Effect.timeoutFail({
       duration: LIST_BOUND,
@@ -240,3 +290,12 @@ export const list = (client: Redis, options?: ListOptions): Effect.Effect<Listin
     })
   )
 }
+
+/**
+ * Every lock name held or waited for and every semaphore in use under the prefix, on the server
+ * `client` talks to, or with a Cluster on every master (its node clients, once the Cluster is
+ * ready), merged: names found with SCAN, each read with its own scripts on the node that found
+ * it. Names are read one by one, not at one instant; `limit` caps each merged kind.
+ */
+export const list = (client: Redis | Cluster, options?: ListOptions): Effect.Effect<Listing, LockBackendError> =>
+  Effect.map(listNodes(client, options), (found) => found.listing)
