@@ -14,15 +14,12 @@ import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import * as RedisLease from "effect-lock/RedisLease"
 import * as Keys from "effect-lock/internal/redis/keys"
 import { Cluster, Redis } from "ioredis"
-import { execFile } from "node:child_process"
-import * as Path from "node:path"
-import { fileURLToPath } from "node:url"
 import { afterAll, beforeAll } from "vitest"
-import { nodeArgsFor } from "../tools/children.js"
 import { freshName } from "./support/contract.js"
 import { eventually, waitFor } from "./support/eventually.js"
 import { frozen } from "./support/freeze.js"
 import { hasRedisCli, noRedisServer, startRedisCluster, type TestCluster } from "./support/redis.js"
+import { runCli } from "./support/cli.js"
 
 const skip = noRedisServer() || !hasRedisCli()
 if (!hasRedisCli()) console.warn("redis-cli not found on PATH; skipping the RedisLease Cluster tests (it creates the cluster)")
@@ -69,23 +66,7 @@ const nodeOf = (client: Cluster, name: string) =>
     return slots.find(([from, to]) => slot >= from && slot <= to)?.[2][1]
   })
 
-const root = fileURLToPath(new URL("..", import.meta.url))
-
-/** `effect-lock ...args` as a child process, with no server URL from the environment. */
-const cli = (args: ReadonlyArray<string>) =>
-  Effect.async<{ readonly code: number | null; readonly stdout: string; readonly stderr: string }>((resume) => {
-    const { DATABASE_URL: _d, REDIS_URL: _r, EFFECT_LOCK_REDIS_URL: _e, ...env } = process.env
-    const child = execFile(
-      process.execPath,
-      [...nodeArgsFor(Path.join(root, "src/bin/effect-lock.ts")), ...args],
-      { cwd: root, env, timeout: 30_000 },
-      (error, stdout, stderr) => {
-        const code = error === null ? 0 : typeof error.code === "number" ? error.code : null
-        resume(Effect.succeed({ code, stdout, stderr }))
-      }
-    )
-    return Effect.sync(() => child.kill())
-  })
+const cli = runCli
 
 /** 12 names of a process's own, held by it, whose keys are on every one of the 3 masters; their tokens by name. */
 const holdOnEveryNode = (owner: Effect.Effect.Success<ReturnType<typeof processOn>>, base: string) =>

@@ -12,19 +12,15 @@ import * as Keys from "effect-lock/internal/redis/keys"
 import * as Scripts from "effect-lock/internal/redis/scripts"
 import * as RedisLease from "effect-lock/RedisLease"
 import { Redis } from "ioredis"
-import { execFile } from "node:child_process"
-import * as Path from "node:path"
-import { fileURLToPath } from "node:url"
 import { afterAll, vi } from "vitest"
 import { main, parseArgs } from "../src/bin/inspect.js"
-import { nodeArgsFor } from "../tools/children.js"
 import { eventually } from "./support/eventually.js"
 import { describeWithRedis, useRedis } from "./support/redis.js"
+import { runCli } from "./support/cli.js"
 
 // First, so that its afterAll (stopping the server) runs after every layer and client is closed.
 const redis = useRedis()
 
-const root = fileURLToPath(new URL("..", import.meta.url))
 // A prefix of this run's own: on a shared REDIS_URL server, other runs' keys stay out of the report.
 const PREFIX = `cli-test-${process.pid}:`
 
@@ -34,27 +30,7 @@ afterAll(async () => {
   await client?.quit().catch(() => client?.disconnect())
 })
 
-interface Run {
-  readonly code: number | null
-  readonly stdout: string
-  readonly stderr: string
-}
-
-/** `effect-lock ...args` as a child process, with no server URL from the environment. */
-const cli = (args: ReadonlyArray<string>): Effect.Effect<Run> =>
-  Effect.async<Run>((resume) => {
-    const { DATABASE_URL: _d, REDIS_URL: _r, EFFECT_LOCK_REDIS_URL: _e, ...env } = process.env
-    const child = execFile(
-      process.execPath,
-      [...nodeArgsFor(Path.join(root, "src/bin/effect-lock.ts")), ...args],
-      { cwd: root, env, timeout: 30_000 },
-      (error, stdout, stderr) => {
-        const code = error === null ? 0 : typeof error.code === "number" ? error.code : null
-        resume(Effect.succeed({ code, stdout, stderr }))
-      }
-    )
-    return Effect.sync(() => child.kill())
-  })
+const cli = runCli
 
 /** `main` in process, with stderr captured. */
 const inProcess = (args: ReadonlyArray<string>, deps?: Parameters<typeof main>[2]) =>

@@ -3,40 +3,14 @@ import { Context, Effect, Either, Layer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
 import * as PgLease from "effect-lock/PgLease"
-import { execFile } from "node:child_process"
-import { fileURLToPath } from "node:url"
 import { main, parseArgs } from "../src/bin/inspect.js"
 import { PgTest, useTestDatabase } from "./support/pg.js"
-import * as Path from "node:path"
-import { nodeArgsFor } from "../tools/children.js"
+import { runCli } from "./support/cli.js"
 
 // First, so that its afterAll (no advisory locks, no held leases; drop) runs after every layer is closed.
 const db = useTestDatabase("cli")
 
-const root = fileURLToPath(new URL("..", import.meta.url))
-
-interface Run {
-  readonly code: number | null
-  readonly stdout: string
-  readonly stderr: string
-}
-
-/** `effect-lock ...args` as a child process, the way `npx effect-lock` runs the built file. */
-const cli = (args: ReadonlyArray<string>): Effect.Effect<Run> =>
-  Effect.async<Run>((resume) => {
-    // No DATABASE_URL from the environment: every run says which database it means.
-    const { DATABASE_URL: _ignored, ...env } = process.env
-    const child = execFile(
-      process.execPath,
-      [...nodeArgsFor(Path.join(root, "src/bin/effect-lock.ts")), ...args],
-      { cwd: root, env, timeout: 30_000 },
-      (error, stdout, stderr) => {
-        const code = error === null ? 0 : typeof error.code === "number" ? error.code : null
-        resume(Effect.succeed({ code, stdout, stderr }))
-      }
-    )
-    return Effect.sync(() => child.kill())
-  })
+const cli = runCli
 
 const advisory = (applicationName: string) =>
   Layer.build(PgAdvisory.layer({ url: db.url, applicationName })).pipe(
