@@ -1,5 +1,5 @@
 /**
- * The options PgLease and SqliteLease share, resolved once for both: their defaults, the
+ * The options the lease stores (PgLease, SqliteLease, RedisLease) share, resolved once for both: their defaults, the
  * configuration errors that name the backend and the option, the tables from a user-given name,
  * and the `defaults` record each public module shows.
  */
@@ -47,6 +47,25 @@ export interface Resolver<T> {
   readonly sweepInterval: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
   /** `ttl`: a positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here. */
   readonly ttl: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
+  /** The engine's times of a store whose waiters are woken by a listener (PgLease, RedisLease), in the order they are checked. */
+  readonly timings: (
+    options: ListeningOptions | undefined,
+    defaults: { readonly poll: Duration.Duration; readonly check: Duration.Duration; readonly sweep?: Duration.Duration }
+  ) => Effect.Effect<Timings, LockBackendError>
+}
+
+/** The options of a store with a wake-up listener whose health is checked. */
+export interface ListeningOptions extends CommonOptions {
+  readonly listenCheckInterval?: Duration.DurationInput | undefined
+}
+
+/** The lease engine's times, validated. */
+export interface Timings {
+  readonly statementTimeout: Duration.Duration
+  readonly defaultTtl: Duration.Duration
+  readonly pollInterval: Duration.Duration
+  readonly checkInterval: Duration.Duration
+  readonly sweepInterval: Duration.Duration
 }
 
 /** The resolver of the store `backend` (its name in errors), whose tables `parseTables` reads. */
@@ -54,6 +73,11 @@ export const resolver = <T>(backend: string, parseTables: (input: string) => T |
   const configError = (reason: string) => new LockBackendError({ operation: "configure", cause: new Error(`${backend}: ${reason}`) })
   const duration: Resolver<T>["duration"] = (option, input, fallback, rules) =>
     Either.mapLeft(durationOption(option, input, fallback, rules), configError)
+  const statementTimeout: Resolver<T>["statementTimeout"] = (options) =>
+    duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER)
+  const ttl: Resolver<T>["ttl"] = (options) => duration("ttl", options?.ttl, DEFAULT_TTL)
+  const sweepInterval: Resolver<T>["sweepInterval"] = (options) =>
+    duration("sweepInterval", options?.sweepInterval, DEFAULT_SWEEP_INTERVAL, { ...TIMER, allowZero: true })
   return {
     configError,
     resolveTables: (table) => {
@@ -61,10 +85,20 @@ export const resolver = <T>(backend: string, parseTables: (input: string) => T |
       return typeof parsed === "string" ? Effect.fail(configError(parsed)) : Effect.succeed(parsed)
     },
     duration,
-    statementTimeout: (options) => duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER),
-    ttl: (options) => duration("ttl", options?.ttl, DEFAULT_TTL),
-    sweepInterval: (options) =>
-      duration("sweepInterval", options?.sweepInterval, DEFAULT_SWEEP_INTERVAL, { ...TIMER, allowZero: true })
+    statementTimeout,
+    ttl,
+    sweepInterval,
+    timings: (options, defaults) =>
+      Effect.all({
+        statementTimeout: statementTimeout(options),
+        defaultTtl: ttl(options),
+        pollInterval: duration("pollInterval", options?.pollInterval, defaults.poll, TIMER),
+        checkInterval: duration("listenCheckInterval", options?.listenCheckInterval, defaults.check, TIMER),
+        sweepInterval: duration("sweepInterval", options?.sweepInterval, defaults.sweep ?? DEFAULT_SWEEP_INTERVAL, {
+          ...TIMER,
+          allowZero: true
+        })
+      })
   }
 }
 

@@ -82,11 +82,8 @@ export const makeBackend = (
       return yield* options.configError("redis.keyPrefix is not supported: use the prefix option")
     }
     // All before any connection is opened: a bad option fails the build at once.
-    const statementTimeout = yield* options.statementTimeout(input)
-    const defaultTtl = yield* options.ttl(input)
-    const pollInterval = yield* options.duration("pollInterval", input?.pollInterval, DEFAULT_POLL, TIMER)
-    const checkInterval = yield* options.duration("listenCheckInterval", input?.listenCheckInterval, DEFAULT_CHECK, TIMER)
-    const sweepInterval = yield* options.duration("sweepInterval", input?.sweepInterval, DEFAULT_SWEEP_INTERVAL, { ...TIMER, allowZero: true })
+    const timings = yield* options.timings(input, { poll: DEFAULT_POLL, check: DEFAULT_CHECK, sweep: DEFAULT_SWEEP_INTERVAL })
+    const { checkInterval, statementTimeout } = timings
     const application = input?.applicationName ?? LeaseOptions.DEFAULT_APPLICATION
     const replicas = yield* replicaWait(input, statementTimeout)
     const Ctor = yield* (importer === undefined ? Lane.load : Lane.loadWith(importer))
@@ -112,15 +109,11 @@ export const makeBackend = (
       subscribeBound: statementTimeout
     }, owner)
     const backend = yield* Engine.make(lane, {
+      ...timings,
       application,
       host: Os.hostname(),
-      statementTimeout,
-      defaultTtl,
-      pollInterval,
-      checkInterval,
       // Nothing to create: keys come into being with their first write.
-      createTable: false,
-      sweepInterval
+      createTable: false
     }, Dialect.dialect(prefix, channel), hub, owner)
     return backend
   })

@@ -25,11 +25,10 @@ import * as Dialect from "./dialect.js"
 import * as Lane from "./lane.js"
 import * as Sql from "./sql.js"
 import * as Wake from "./wake.js"
-import { TIMER } from "../../core/validate.js"
 import * as Owner from "../../runtime/owner.js"
 
 /** The options of `PgLease.layer`; documented there. */
-export interface Options extends LeaseOptions.CommonOptions {
+export interface Options extends LeaseOptions.ListeningOptions {
   readonly pool?: "own" | "application" | undefined
   readonly connections?: number | undefined
   readonly listen?: boolean | "auto" | undefined
@@ -67,11 +66,8 @@ export const makeBackend = (
       return yield* options.configError(`connections must be a whole number of at least 1, got ${String(connections)}`)
     }
     // All before any connection is opened: a bad option fails the build at once.
-    const statementTimeout = yield* options.statementTimeout(input)
-    const defaultTtl = yield* options.ttl(input)
-    const pollInterval = yield* options.duration("pollInterval", input?.pollInterval, DEFAULT_POLL, TIMER)
-    const checkInterval = yield* options.duration("listenCheckInterval", input?.listenCheckInterval, DEFAULT_CHECK, TIMER)
-    const sweepInterval = yield* options.sweepInterval(input)
+    const timings = yield* options.timings(input, { poll: DEFAULT_POLL, check: DEFAULT_CHECK })
+    const { checkInterval, statementTimeout } = timings
     const sql = yield* SqlClientTag
     const pg = yield* Effect.serviceOption(PgClientTag)
     const pool = input?.pool ?? (Option.isSome(pg) ? "own" : "application")
@@ -101,13 +97,9 @@ export const makeBackend = (
     }, owner)
     // The tables are created on the first acquire, not here, so an application can start while the database is down.
     return yield* Engine.make(lane, {
+      ...timings,
       application,
       host: Os.hostname(),
-      statementTimeout,
-      defaultTtl,
-      pollInterval,
-      checkInterval,
-      createTable: input?.createTable !== false,
-      sweepInterval
+      createTable: input?.createTable !== false
     }, Dialect.dialect(tables, channel), hub, owner)
   })
