@@ -1,19 +1,28 @@
 /**
- * `npx tsx --import ./bench/lib/built.mjs bench/profile.ts [--seconds=S] [--only=<subject>[,<subject>]]`
+ * `npx tsx --import ./bench/lib/built.mjs bench/profile.ts [--seconds=S] [--only=<pair>[,<pair>]]`
+ * (pairs: pg-advisory, pg-lease, xact, xact-16, pg-lease-16, memory, handoff-advisory,
+ * handoff-lease, redis, redis-16, handoff-redis; default all)
  *
- * Where a lock cycle's time goes. Each subject (a backend's uncontended loop by one worker, or a
- * handoff between 8 contenders) runs for S seconds (default 5) with V8's CPU profiler on, started
- * after the subject is opened and warmed up, so the profile holds the loop only. For every
- * subject it prints, per cycle: wall time, the CPU this process spent (profile samples that are
- * not idle), and that CPU split by where it ran — the pg driver, Effect's runtime, effect-lock's
- * own code, Node's internals, the garbage collector. Wall time not spent on CPU here is time
- * waiting: for the server, for the network, or for a timer or scheduler hop.
+ * Where a lock cycle's time goes. Each subject (a backend's uncontended loop by one worker, or by
+ * 16 for the `-16` pairs, or a handoff between 8 contenders) runs for S seconds (default 5) with
+ * V8's CPU profiler on, started after the subject is opened and warmed up, so the profile holds
+ * the loop only. For every subject it prints, per cycle: wall time, the CPU this process spent
+ * (profile samples that are not idle), and that CPU split by where it ran — the driver (the
+ * column "pg driver": node-postgres, or ioredis for the Redis pairs), Effect's runtime,
+ * effect-lock's own code, Node's internals, the garbage collector. Wall time not spent on CPU
+ * here is time waiting: for the server, for the network, or for a timer or scheduler hop.
  *
- * Each subject runs next to its raw floor (the same statements sent by raw node-postgres), so
- * the difference is the library's. The `.cpuprofile` files go to `bench/results/profiles/`
- * (git-ignored), for Chrome DevTools or `npx speedscope`.
+ * Each subject runs next to its raw floor (the same statements sent by raw node-postgres; for
+ * Redis, the library's own Lua scripts sent by raw ioredis as EVALSHA — the subjects of the
+ * bench's `redis` scenario), so the difference is the library's. The PostgreSQL pairs run on a
+ * scratch database, the Redis pairs on one Redis (`startRedis`: EFFECT_LOCK_REDIS_URL /
+ * REDIS_URL, else an own `redis-server`), each started only when a pair of it is selected;
+ * without a Redis the Redis pairs are skipped, with the reason. The `.cpuprofile` files go to
+ * `bench/results/profiles/` (git-ignored), for Chrome DevTools or `npx speedscope`.
  */
+import { INSTALL_HINT, redisAvailable, startRedis } from "../tools/redisServer.js"
 import { pgAdvisoryHandoff, pgLeaseHandoff, rawHandoff } from "./scenarios/handoff.js"
+import { handoffSpecs as redisHandoffSpecs, own as ownRedis } from "./scenarios/redis.js"
 import { own } from "./scenarios/uncontended.js"
 import { type Database, runMain, withScratchDatabase } from "./lib/postgres.js"
 import { OUT_DIR, print, profiled } from "./lib/profiling.js"
@@ -23,10 +32,11 @@ const arg = (name: string): string | undefined => process.argv.find((a) => a.sta
 const seconds = Number(arg("seconds") ?? "5")
 const only = arg("only")?.split(",")
 
-interface Pair {
+/** A subject and its raw floor, built on `On` (the scratch database, or the Redis URL). */
+interface Pair<On = Database> {
   readonly name: string
-  readonly subject: (database: Database, ms: number) => Subject<unknown>
-  readonly floor: (database: Database, ms: number) => Subject<unknown>
+  readonly subject: (on: On, ms: number) => Subject<unknown>
+  readonly floor: (on: On, ms: number) => Subject<unknown>
   readonly cycles: (result: unknown) => number
 }
 
@@ -44,14 +54,44 @@ const PAIRS: ReadonlyArray<Pair> = [
   { name: "handoff-lease", subject: (db, ms) => pgLeaseHandoff(db, ms, true), floor: (db, ms) => rawHandoff(db, ms, true), cycles: grants }
 ]
 
-runMain(() =>
-  withScratchDatabase("profile", async (database) => {
-    for (const pair of PAIRS) {
-      if (only !== undefined && !only.includes(pair.name)) continue
-      const ms = seconds * 1000
-      print(`${pair.name}, raw floor`, (await profiled(pair.floor(database, ms), pair.cycles))[0]!)
-      print(`${pair.name}, effect-lock`, (await profiled(pair.subject(database, ms), pair.cycles))[0]!)
+/** The Redis handoff rows of `scenarios/redis.ts`, by id ("raw" or "redis-lease-8"). */
+const redisHandoff = (url: string, ms: number, id: "raw" | "redis-lease-8"): Subject<unknown> => {
+  const spec = redisHandoffSpecs({ url }, ms).find((s) => s.id === id)
+  if (spec === undefined) throw new Error(`scenarios/redis.ts has no handoff row ${id}`)
+  return spec.subject
+}
+
+const REDIS_PAIRS: ReadonlyArray<Pair<string>> = [
+  { name: "redis", subject: (url, ms) => ownRedis("redisLeaseSubject", url, 1, ms), floor: (url, ms) => ownRedis("rawRedisLease", url, 1, ms), cycles: throughput },
+  { name: "redis-16", subject: (url, ms) => ownRedis("redisLeaseSubject", url, 16, ms), floor: (url, ms) => ownRedis("rawRedisLease", url, 16, ms), cycles: throughput },
+  { name: "handoff-redis", subject: (url, ms) => redisHandoff(url, ms, "redis-lease-8"), floor: (url, ms) => redisHandoff(url, ms, "raw"), cycles: grants }
+]
+
+const selected = <On>(pairs: ReadonlyArray<Pair<On>>): ReadonlyArray<Pair<On>> => pairs.filter((pair) => only === undefined || only.includes(pair.name))
+
+const profilePairs = async <On>(pairs: ReadonlyArray<Pair<On>>, on: On): Promise<void> => {
+  const ms = seconds * 1000
+  for (const pair of pairs) {
+    print(`${pair.name}, raw floor`, (await profiled(pair.floor(on, ms), pair.cycles))[0]!)
+    print(`${pair.name}, effect-lock`, (await profiled(pair.subject(on, ms), pair.cycles))[0]!)
+  }
+}
+
+runMain(async () => {
+  const pgPairs = selected(PAIRS)
+  const redisPairs = selected(REDIS_PAIRS)
+  if (pgPairs.length > 0) await withScratchDatabase("profile", (database) => profilePairs(pgPairs, database))
+  if (redisPairs.length > 0) {
+    if (!redisAvailable()) {
+      console.log(`\nRedis pairs (${redisPairs.map((pair) => pair.name).join(", ")}) skipped: ${INSTALL_HINT}`)
+    } else {
+      const server = await startRedis()
+      try {
+        await profilePairs(redisPairs, server.url)
+      } finally {
+        await server.stop()
+      }
     }
-    console.log(`\nprofiles written to ${OUT_DIR}`)
-  })
-)
+  }
+  console.log(`\nprofiles written to ${OUT_DIR}`)
+})

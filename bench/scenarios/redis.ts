@@ -220,8 +220,8 @@ export const FACTORIES = {
   redlockSubject: (_: unknown, url: string, c: number, ms: number) => redlockSubject(url, c, ms)
 }
 
-/** The row of `FACTORIES[factory]` in a process of its own (see `uncontended.ts`), unless BENCH_IN_PROCESS=1. */
-const own = (factory: keyof typeof FACTORIES, url: string, c: number, ms: number): Subject<ThroughputSample> => {
+/** The row of `FACTORIES[factory]` in a process of its own (see `uncontended.ts`), unless BENCH_IN_PROCESS=1. Also `bench/profile.ts`'s. */
+export const own = (factory: keyof typeof FACTORIES, url: string, c: number, ms: number): Subject<ThroughputSample> => {
   const local = FACTORIES[factory](undefined, url, c, ms)
   return IN_PROCESS ? local : isolated(local, { module: import.meta.url, factory, database: undefined, args: [url, c, ms] })
 }
@@ -315,7 +315,8 @@ const rawHandoff = (url: string, durationMs: number): Subject<HandoffRound> => (
   }
 })
 
-const handoffSpecs = (redis: string | { readonly url: string }, ms: number): Array<HandoffSpec> => [
+/** The handoff rows (ids "raw" and "redis-lease-8"); `bench/profile.ts` profiles their subjects too. */
+export const handoffSpecs = (redis: string | { readonly url: string }, ms: number): Array<HandoffSpec> => [
   {
     id: "raw",
     label: "raw ioredis: RedisLease's scripts, waiters woken on the channel",
