@@ -7,6 +7,8 @@
  * app of the PostgreSQL line then runs the pg line too, as the README tells a user of PgLease and
  * PgAdvisory.layer both: a TypeScript consumer is type-checked against the installed types
  * (NodeNext) and holds locks of both while the installed `npx effect-lock inspect --json` sees them.
+ * The Redis line runs in the MemoryBackend line's app after that line was checked: two RedisLease
+ * grants against the test's redis-server, and `npx effect-lock inspect` without @effect/platform.
  *
  * The peer ranges refuse an install that mixes in Effect 4: npm fails it at install time with its
  * ERESOLVE peer message, and nothing is installed that could load half-working.
@@ -470,16 +472,27 @@ const checkLine = async (line: InstallLine, app: string, index: number): Promise
 /** The README's PostgreSQL lines: on your SqlClient (PgLease …), and pg for PgAdvisory.layer. */
 const leaseLine = installLines.find((line) => names(line, "@effect/sql-pg"))
 const advisoryLine = installLines.find((line) => names(line, "pg"))
+/** The Redis line goes on in the app of the MemoryBackend line (effect-lock and effect already there): one npm install fewer beside the others. */
+const redisLine = installLines.find((line) => names(line, "ioredis"))
+const memoryLine = installLines.find((line) => line.names.length === 2 && names(line, "effect"))
 
 describe.concurrent("the packed package, installed by the README's lines into an empty ESM app", () => {
-  // The PostgreSQL line is checked in the app of the test below, which goes on with the pg line.
+  // The PostgreSQL line is checked in the app of the test below, which goes on with the pg line;
+  // the Redis line in the MemoryBackend line's app, once that line has been checked on its own.
+  const goesOn = memoryLine !== undefined && redisLine !== undefined
   it.each(
-    installLines.flatMap((line, index) => (line === leaseLine ? [] : [[line.command, line, index] as const]))
+    installLines.flatMap((line, index) =>
+      line === leaseLine || (goesOn && line === redisLine) ? [] : [[line.command, line, index] as const]
+    )
   )("%s: installs, with every peer valid, and runs", async (_, line, index) => {
     const app = makeApp(`line-${index}`, {})
     await runLine(line, app)
     await checkLine(line, app, index)
-  }, INSTALL_TIMEOUT_MS + 3 * STEP_TIMEOUT_MS)
+    if (goesOn && line === memoryLine) {
+      await runLine(redisLine, app)
+      await checkLine(redisLine, app, installLines.indexOf(redisLine))
+    }
+  }, 2 * INSTALL_TIMEOUT_MS + 6 * STEP_TIMEOUT_MS)
 
   it("the PostgreSQL line installs and runs; with the pg line too (PgLease and PgAdvisory.layer), a consumer type-checks (NodeNext), runs effect-lock and effect-lock/PgAdvisory, and npx effect-lock inspect --json sees the locks", async () => {
     if (leaseLine === undefined || advisoryLine === undefined) {
