@@ -51,9 +51,10 @@ export const claim = (request: PermitRequest, owner: number, counter: Queue.Toke
 
 /** The grant of permits: a memory grant with its permits and their tokens. */
 export const toGrant = (grant: Queue.MemoryGrant, holder: Queue.Holder): MemoryPermitGrant => ({
-  ...grant,
   permits: holder.units,
-  tokens: holder.tokens
+  tokens: holder.tokens,
+  // Spread last: V8 builds `{ ...x, a, b }` (x non-empty) microseconds slower than `{ a, b, ...x }` (bench/README.md).
+  ...grant
 })
 
 /** Every holder and waiter of a name agrees on its limit (a name nobody used took the request's). */
