@@ -98,11 +98,23 @@ const advisoryNode = (db: UsedTestDatabase) =>
 const query = <R extends pg.QueryResultRow>(db: UsedTestDatabase, text: string, values: ReadonlyArray<unknown> = []) =>
   Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((result) => result.rows)))
 
+/**
+ * The test's own reads of the store, at READ COMMITTED: they watch the backends, and under
+ * SERIALIZABLE even a read-only probe can be refused (40001) by the churn it watches.
+ */
+const observe = <R extends pg.QueryResultRow>(db: UsedTestDatabase, text: string, values: ReadonlyArray<unknown> = []) =>
+  Effect.promise(() =>
+    withClient(db.url, async (client) => {
+      await client.query("set session characteristics as transaction isolation level read committed")
+      return (await client.query<R>(text, [...values])).rows
+    })
+  )
+
 /** Requests of `name` waiting in the store: PgLease's live places, PgAdvisory's not-granted requests in pg_locks. */
 const waitingIn = (db: UsedTestDatabase, backend: "lease" | "advisory", name: string) =>
   backend === "lease"
     ? Effect.map(
-      query<{ n: number }>(
+      observe<{ n: number }>(
         db,
         `select count(*)::int as n from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null and expires_at > now()`,
         [name]
@@ -110,7 +122,7 @@ const waitingIn = (db: UsedTestDatabase, backend: "lease" | "advisory", name: st
       (rows) => rows[0]!.n
     )
     : Effect.map(
-      query<{ n: number }>(
+      observe<{ n: number }>(
         db,
         `select count(*)::int as n from pg_locks where locktype = 'advisory' and not granted and objsubid = 1
            and classid = $1 and objid = $2 and database = (select oid from pg_database where datname = current_database())`,
@@ -246,7 +258,7 @@ for (const { db, level } of databases) {
         const churning = yield* Effect.fork(churn)
         yield* Effect.forEach(idle, (name) => Effect.zipRight(once(lease, name), once(advisory, name)), { concurrency: 8, discard: true })
         const left = Effect.map(
-          query<{ n: number }>(
+          observe<{ n: number }>(
             db,
             `select (select count(*) from ${PgLease.DEFAULT_TABLE} where name like $1)
                + (select count(*) from ${PgLease.DEFAULT_TABLE}_sem where name like $1)
