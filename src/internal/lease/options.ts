@@ -43,8 +43,8 @@ export interface Resolver<T> {
   ) => Effect.Effect<Duration.Duration, LockBackendError>
   /** `statementTimeout`, a bound on timers like every interval option. */
   readonly statementTimeout: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
-  /** `sweepInterval`: how often idle names' rows are deleted; zero turns the sweep off. */
-  readonly sweepInterval: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
+  /** `sweepInterval`: how often idle names' rows are deleted (default `fallback`, else the lease stores'); zero turns the sweep off. */
+  readonly sweepInterval: (options: CommonOptions | undefined, fallback?: Duration.Duration) => Effect.Effect<Duration.Duration, LockBackendError>
   /** `ttl`: a positive ttl below the floor or above the ceiling is clamped by DistributedLock, so no max here. */
   readonly ttl: (options: CommonOptions | undefined) => Effect.Effect<Duration.Duration, LockBackendError>
   /** The engine's times of a store whose waiters are woken by a listener (PgLease, RedisLease), in the order they are checked. */
@@ -76,8 +76,8 @@ export const resolver = <T>(backend: string, parseTables: (input: string) => T |
   const statementTimeout: Resolver<T>["statementTimeout"] = (options) =>
     duration("statementTimeout", options?.statementTimeout, DEFAULT_STATEMENT_TIMEOUT, TIMER)
   const ttl: Resolver<T>["ttl"] = (options) => duration("ttl", options?.ttl, DEFAULT_TTL)
-  const sweepInterval: Resolver<T>["sweepInterval"] = (options) =>
-    duration("sweepInterval", options?.sweepInterval, DEFAULT_SWEEP_INTERVAL, { ...TIMER, allowZero: true })
+  const sweepInterval: Resolver<T>["sweepInterval"] = (options, fallback = DEFAULT_SWEEP_INTERVAL) =>
+    duration("sweepInterval", options?.sweepInterval, fallback, { ...TIMER, allowZero: true })
   return {
     configError,
     resolveTables: (table) => {
@@ -94,10 +94,7 @@ export const resolver = <T>(backend: string, parseTables: (input: string) => T |
         defaultTtl: ttl(options),
         pollInterval: duration("pollInterval", options?.pollInterval, defaults.poll, TIMER),
         checkInterval: duration("listenCheckInterval", options?.listenCheckInterval, defaults.check, TIMER),
-        sweepInterval: duration("sweepInterval", options?.sweepInterval, defaults.sweep ?? DEFAULT_SWEEP_INTERVAL, {
-          ...TIMER,
-          allowZero: true
-        })
+        sweepInterval: sweepInterval(options, defaults.sweep)
       })
   }
 }
