@@ -512,25 +512,30 @@ const loadIoredis = (deps: Deps): Effect.Effect<Ioredis, Failed> =>
     catch: () => new Failed("inspecting Redis needs the ioredis package: npm install ioredis")
   })
 
-/** A connected client, quit when the scope closes; fails with `cannot connect` as the postgres path does. */
-const connectRedis = (Redis: RedisCtor, url: string, where: string) =>
+/** What `open` needs of an ioredis client: a `Redis` or a `Cluster`. */
+interface Connectable {
+  readonly status: string
+  connect(): Promise<unknown>
+  disconnect(): void
+  on(event: string, listener: (error: unknown) => void): unknown
+}
+
+/**
+ * A lazy client `make` builds, connected within the connect bound and disconnected when the scope
+ * closes; a failure names `target` and the last error the client reported (`errorEvents`).
+ */
+const open = <C extends Connectable>(make: () => C, errorEvents: ReadonlyArray<string>, target: string, late: string) =>
   Effect.gen(function*() {
     let lastError: unknown
     const client = yield* Effect.acquireRelease(
       Effect.sync(() => {
-        const made = new Redis(url, {
-          lazyConnect: true,
-          connectionName: APPLICATION_NAME,
-          connectTimeout: Duration.toMillis(CONNECT_TIMEOUT),
-          // One try, no reconnects, no queue: an unreachable server is one failure, not a retry loop.
-          retryStrategy: () => null,
-          maxRetriesPerRequest: 0,
-          enableOfflineQueue: false
-        })
+        const made = make()
         // Without a listener ioredis prints every connection error itself; the last one says why.
-        made.on("error", (error: unknown) => {
-          lastError = error
-        })
+        for (const event of errorEvents) {
+          made.on(event, (error: unknown) => {
+            lastError = error
+          })
+        }
         return made
       }),
       // disconnect, not quit: nothing was written, and quit would wait on a frozen server. Not on
@@ -539,15 +544,32 @@ const connectRedis = (Redis: RedisCtor, url: string, where: string) =>
     )
     yield* Effect.tryPromise({
       try: () => client.connect(),
-      catch: (error) => new Failed(`cannot connect to ${where}: ${reason(lastError ?? error)}`)
+      catch: (error) => new Failed(`cannot connect to ${target}: ${reason(lastError ?? error)}`)
     }).pipe(
       Effect.timeoutFail({
         duration: CONNECT_TIMEOUT,
-        onTimeout: () => new Failed(`cannot connect to ${where}: no answer within ${Duration.format(CONNECT_TIMEOUT)}`)
+        onTimeout: () => new Failed(`cannot connect to ${target}: ${late} within ${Duration.format(CONNECT_TIMEOUT)}`)
       })
     )
     return client
   })
+
+const connectRedis = (Redis: RedisCtor, url: string, where: string) =>
+  open(
+    () =>
+      new Redis(url, {
+        lazyConnect: true,
+        connectionName: APPLICATION_NAME,
+        connectTimeout: Duration.toMillis(CONNECT_TIMEOUT),
+        // One try, no reconnects, no queue: an unreachable server is one failure, not a retry loop.
+        retryStrategy: () => null,
+        maxRetriesPerRequest: 0,
+        enableOfflineQueue: false
+      }),
+    ["error"],
+    where,
+    "no answer"
+  )
 
 /** Whether the server is a Cluster node (`INFO cluster` says `cluster_enabled:1`), asked within the connect bound. */
 const clusterEnabled = (client: Redis, where: string) =>
@@ -572,48 +594,29 @@ const clusterEnabled = (client: Redis, where: string) =>
  * A Cluster seeded with the connected server's host and port and its credentials and TLS (as
  * ioredis parsed them from the URL), ready (slots known), disconnected when the scope closes.
  */
-const connectCluster = (ClusterClient: ClusterCtor, seed: Redis, where: string) =>
-  Effect.gen(function*() {
-    let lastError: unknown
-    const { host, port, username, password, tls } = seed.options
-    const cluster = yield* Effect.acquireRelease(
-      Effect.sync(() => {
-        const made = new ClusterClient([{ host: host ?? "localhost", port: port ?? 6379 }], {
-          lazyConnect: true,
-          // As the plain client: one try, no reconnects, no queue.
-          clusterRetryStrategy: () => null,
-          enableOfflineQueue: false,
-          redisOptions: {
-            username,
-            password,
-            tls,
-            connectionName: APPLICATION_NAME,
-            connectTimeout: Duration.toMillis(CONNECT_TIMEOUT),
-            maxRetriesPerRequest: 0
-          }
-        })
-        const remember = (error: unknown) => {
-          lastError = error
+const connectCluster = (ClusterClient: ClusterCtor, seed: Redis, where: string) => {
+  const { host, port, username, password, tls } = seed.options
+  return open(
+    () =>
+      new ClusterClient([{ host: host ?? "localhost", port: port ?? 6379 }], {
+        lazyConnect: true,
+        // As the plain client: one try, no reconnects, no queue.
+        clusterRetryStrategy: () => null,
+        enableOfflineQueue: false,
+        redisOptions: {
+          username,
+          password,
+          tls,
+          connectionName: APPLICATION_NAME,
+          connectTimeout: Duration.toMillis(CONNECT_TIMEOUT),
+          maxRetriesPerRequest: 0
         }
-        made.on("error", remember)
-        made.on("node error", remember)
-        return made
       }),
-      // disconnect, as the plain client's; not on an ended Cluster (nothing left to close).
-      (made) => Effect.sync(() => made.status === "end" ? undefined : made.disconnect())
-    )
-    yield* Effect.tryPromise({
-      try: () => cluster.connect(),
-      catch: (error) => new Failed(`cannot connect to the Cluster of ${where}: ${reason(lastError ?? error)}`)
-    }).pipe(
-      Effect.timeoutFail({
-        duration: CONNECT_TIMEOUT,
-        onTimeout: () =>
-          new Failed(`cannot connect to the Cluster of ${where}: not ready within ${Duration.format(CONNECT_TIMEOUT)}`)
-      })
-    )
-    return cluster
-  })
+    ["error", "node error"],
+    `the Cluster of ${where}`,
+    "not ready"
+  )
+}
 
 const inspectRedis = (command: Extract<Command, { _tag: "InspectRedis" }>, deps: Deps): Effect.Effect<number> => {
   const where = redactUrl(Redacted.value(command.url))
