@@ -559,7 +559,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
     Effect.gen(function*() {
       const app = "pglease-frozen-renewal"
       const env = yield* poolOn(() => db.url, app)
-      const ttl = Duration.seconds(2)
+      // 5 s: the renewal that replaces the stuck one has ttl × (1 − 1/3 − 1/5) left to connect and
+      // answer; with 2 s that was 270 ms, and in a CI run beside tsc and npm installs it took longer.
+      const ttl = Duration.seconds(5)
       const service = yield* processOn(env, { ttl })
       const name = freshName("frozen")
       const lease = yield* service.acquire(name, { ttl })
@@ -575,7 +577,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const pid = (yield* renewer)!
       process.kill(pid, "SIGSTOP")
       yield* Effect.addFinalizer(() => Effect.sync(() => process.kill(pid, "SIGCONT")))
-      // Three ttls with that backend frozen: the renewal sent to it hangs until its budget, its
+      // Two ttls with that backend frozen: the renewal sent to it hangs until its budget, its
       // connection is destroyed, and the next renewal goes out on a fresh one.
       const frozenFrom = Date.now()
       yield* waitFor(
@@ -587,9 +589,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           ),
           (rows) => rows[0]!.n > 0
         ),
-        Duration.seconds(5)
+        Duration.seconds(10)
       )
-      yield* Effect.sleep(Duration.millis(Math.max(0, frozenFrom + 3 * 2_000 - Date.now())))
+      yield* Effect.sleep(Duration.millis(Math.max(0, frozenFrom + 2 * Duration.toMillis(ttl) - Date.now())))
       expect(yield* lease.isHeld).toBe(true)
       const row = yield* rowOf(name)
       expect(row).toMatchObject({ token: String(lease.token) })
