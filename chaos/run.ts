@@ -20,6 +20,15 @@ import { makeFleet } from "./fleet.js"
 import { deriveSeed, makePrng } from "./prng.js"
 import { type Backend, type BrokenWorker, DRIVER_APPLICATION, LOCK_NAME, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
 
+/**
+ * A commit of a write that began after `endedAt`: the recovery the checker counts (it takes commit
+ * times). A `wrote` printed after the fault ended may be of a write that committed before it: the
+ * next fault would then be injected into the recovery still under way, and make it late.
+ */
+const wroteAfter = (events: ReadonlyArray<Stamped>, endedAt: number) => (event: Stamped): boolean =>
+  event.e === "wrote" &&
+  events.some((began) => began.e === "writing" && began.acq === event.acq && began.round === event.round && began.t > endedAt)
+
 export interface ChaosOptions {
   readonly backends: ReadonlyArray<Backend>
   /** Fault injection time per backend; the last fault's recovery may run past it, and every kind is injected at least once. */
@@ -285,8 +294,8 @@ const runBackend = async (
         if (fault.skipped !== undefined) {
           log(`${stamp()} ${backend}: ${kind} skipped: ${fault.skipped}`)
         } else {
-          const recovered = fleet.events.find((e) => e.e === "wrote" && e.t > fault.endedAt) ??
-            (await fleet.waitFor((e) => e.e === "wrote" && e.t > fault.endedAt, fault.boundMs))
+          const recovered = fleet.events.find(wroteAfter(fleet.events, fault.endedAt)) ??
+            (await fleet.waitFor(wroteAfter(fleet.events, fault.endedAt), fault.boundMs))
           const after = recovered === undefined ? `NO write within ${fault.boundMs} ms` : `next write after ${recovered.t - fault.endedAt} ms`
           log(`${stamp()} ${backend}: ${kind}: ${fault.detail}${fault.holder === undefined ? "" : ` [holder ${fault.holder.acq}]`}; ${after}`)
         }
