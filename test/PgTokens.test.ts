@@ -88,7 +88,8 @@ const tokenBook = () => {
   }
 }
 
-describe("PostgreSQL: one token sequence, no row for an idle name", () => {
+// Side by side: each test has tables (and advisory names) of its own, and mostly waits for sweeps.
+describe.concurrent("PostgreSQL: one token sequence, no row for an idle name", () => {
   it.scopedLive("PgLease: idle names leave no row (lease, queue, semaphore tables); held and waited names keep theirs; next grants get larger tokens", () =>
     Effect.gen(function*() {
       const table = "pg_tokens_idle"

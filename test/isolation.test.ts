@@ -134,8 +134,10 @@ const waitingIn = (db: UsedTestDatabase, backend: "lease" | "advisory", name: st
       (rows) => rows[0]!.n
     )
 
+// The two databases side by side (each its own tables, sessions and application names); within
+// one, a test at a time: each loads it with several processes' worth of contention.
 for (const { db, level } of databases) {
-  describe(`default_transaction_isolation = '${level}'`, () => {
+  describe.concurrent(`default_transaction_isolation = '${level}'`, () => describe.sequential("a test at a time", () => {
     it.effect("the database's default applies to new sessions", () =>
       Effect.gen(function*() {
         const rows = yield* query<{ level: string }>(db, "select current_setting('transaction_isolation') as level")
@@ -387,7 +389,7 @@ for (const { db, level } of databases) {
           Effect.map(
             Effect.promise(() =>
               blocker.query<{ n: number }>(
-                "select count(*)::int as n from pg_stat_activity where application_name = 'iso-fence' and wait_event_type = 'Lock'"
+                "select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = 'iso-fence' and wait_event_type = 'Lock'"
               )
             ),
             ({ rows }) => rows[0]!.n >= names.length
@@ -399,5 +401,5 @@ for (const { db, level } of databases) {
         expect(revoked.flatMap((r) => (r._tag === "Left" ? [String(r.left.cause)] : []))).toEqual([])
         expect(revoked.every((r) => r._tag === "Right" && r.right === true)).toBe(true)
       }), 30_000)
-  })
+  }))
 }

@@ -140,6 +140,9 @@ export const stall = (millis: number): Effect.Effect<number> =>
  * than a lease's safe time costs nothing; one longer declares the lease lost right after it,
  * before a guarded body runs another step.
  */
+/** Past a 1 s lease's whole ttl, well under a 15 s lease's safe time; every ms of it is busy CPU. */
+const STALL_MS = 1_500
+
 export const stallSuite = (
   label: string,
   make: Effect.Effect<DistributedLock.Service, unknown, Scope.Scope>,
@@ -158,7 +161,7 @@ export const stallSuite = (
     })
 
   describe(`${label}: event-loop stalls`, () => {
-    it.scopedLive("a 2.5 s stall of the whole process with a 15 s lease loses nothing", () =>
+    it.scopedLive("a 1.5 s stall of the whole process with a 15 s lease loses nothing", () =>
       Effect.gen(function*() {
         const service = yield* make
         const name = freshName("stall-short")
@@ -167,7 +170,7 @@ export const stallSuite = (
         const lease = yield* service.acquire(name, { ttl: Duration.seconds(15) })
         const body = yield* Effect.fork(DistributedLock.guard(lease, recordingBody(steps, stop)))
         yield* waitUntil("live", "the body ran a few steps", Effect.sync(() => steps.length >= 3))
-        const stallEnded = yield* stall(2_500)
+        const stallEnded = yield* stall(STALL_MS)
         // The body goes on after the stall, on a lease that is still safe.
         yield* waitUntil("live", "the body ran steps after the stall", Effect.sync(() => steps.filter((t) => t > stallEnded).length >= 3))
         yield* Deferred.succeed(stop, undefined)
@@ -176,7 +179,7 @@ export const stallSuite = (
         expect(yield* lease.isHeld).toBe(true)
       }), 30_000)
 
-    leaseOnly("a 2.5 s stall past a 1 s lease's safe time fails the body with LockLost before its next step", () =>
+    leaseOnly("a 1.5 s stall past a 1 s lease's safe time fails the body with LockLost before its next step", () =>
       Effect.gen(function*() {
         const service = yield* make
         const name = freshName("stall-long")
@@ -185,7 +188,7 @@ export const stallSuite = (
         const lease = yield* service.acquire(name, { ttl: Duration.seconds(1) })
         const body = yield* Effect.fork(DistributedLock.guard(lease, recordingBody(steps, stop)))
         yield* waitUntil("live", "the body ran a few steps", Effect.sync(() => steps.length >= 3))
-        const stallEnded = yield* stall(2_500)
+        const stallEnded = yield* stall(STALL_MS)
         const error = yield* Effect.flip(Fiber.join(body))
         expect(error).toMatchObject({ _tag: "LockLost", name, token: lease.token })
         // The promise: not a single step of the body after the stall ended.
@@ -200,7 +203,7 @@ export const stallSuite = (
         const lease = yield* service.acquire(name, { ttl: Duration.seconds(1) })
         // No resumption between the stall and the steps after it: only a check per operation sees them.
         const body = Effect.gen(function*() {
-          yield* stall(2_500)
+          yield* stall(STALL_MS)
           for (let i = 0; i < 100; i++) yield* Effect.sync(() => steps.push(performance.now()))
         })
         const exit = yield* Effect.exit(DistributedLock.guard(lease, body))
