@@ -137,7 +137,8 @@ const waitingIn = (db: UsedTestDatabase, backend: "lease" | "advisory", name: st
 // The two databases side by side (each its own tables, sessions and application names); within
 // one, a test at a time: each loads it with several processes' worth of contention.
 for (const { db, level } of databases) {
-  describe.concurrent(`default_transaction_isolation = '${level}'`, () => describe.sequential("a test at a time", () => {
+  describe.concurrent(`default_transaction_isolation = '${level}'`, () => {
+    describe.sequential("a test at a time", () => {
     it.effect("the database's default applies to new sessions", () =>
       Effect.gen(function*() {
         const rows = yield* query<{ level: string }>(db, "select current_setting('transaction_isolation') as level")
@@ -401,5 +402,6 @@ for (const { db, level } of databases) {
         expect(revoked.flatMap((r) => (r._tag === "Left" ? [String(r.left.cause)] : []))).toEqual([])
         expect(revoked.every((r) => r._tag === "Right" && r.right === true)).toBe(true)
       }), 30_000)
-  }))
+    })
+  })
 }
