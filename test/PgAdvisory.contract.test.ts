@@ -9,6 +9,7 @@
  */
 import { Duration, Effect } from "effect"
 import * as PgAdvisory from "../src/PgAdvisory.js"
+import { WAIT_SLICE_MS } from "../src/internal/advisory/wait.js"
 import { contractSuite } from "./support/contract.js"
 import { useTestDatabase, withClient } from "./support/pg.js"
 
@@ -52,6 +53,8 @@ contractSuite("PgAdvisory", {
   waiting: (name) => Effect.map(requests(name, false), (n) => n > 0),
   waitingCount: (name) => requests(name, false),
   sessionBound: true,
+  // A lock wait at the server runs in slices; at a slice's end the waiter queues again, at the back.
+  orderWithin: Duration.millis(WAIT_SLICE_MS),
   revoke: terminateHolders,
   advance: (duration) => Effect.sleep(duration),
   maxNameBytes: 1024,
