@@ -1,5 +1,5 @@
 /**
- * `npx tsx --import ./bench/lib/built.mjs bench/profile.ts [--seconds=S] [--only=<pair>[,<pair>]]`
+ * `npx tsx --import ./bench/lib/built.mjs bench/profile.ts [--seconds=S] [--only=<pair>[,<pair>]] [--allocations]`
  * (pairs: pg-advisory, pg-lease, xact, xact-16, pg-lease-16, memory, handoff-advisory,
  * handoff-lease, redis, redis-16, handoff-redis; default all)
  *
@@ -19,18 +19,24 @@
  * REDIS_URL, else an own `redis-server`), each started only when a pair of it is selected;
  * without a Redis the Redis pairs are skipped, with the reason. The `.cpuprofile` files go to
  * `bench/results/profiles/` (git-ignored), for Chrome DevTools or `npx speedscope`.
+ *
+ * With `--allocations` it samples allocations instead (V8's sampling heap profiler, objects freed
+ * by either collector included): bytes allocated per cycle, by the same places, and the functions
+ * that allocated most.
  */
 import { INSTALL_HINT, redisAvailable, startRedis } from "../tools/redisServer.js"
 import { pgAdvisoryHandoff, pgLeaseHandoff, rawHandoff } from "./scenarios/handoff.js"
 import { handoffSpecs as redisHandoffSpecs, own as ownRedis } from "./scenarios/redis.js"
 import { own } from "./scenarios/uncontended.js"
 import { type Database, runMain, withScratchDatabase } from "./lib/postgres.js"
-import { OUT_DIR, print, profiled } from "./lib/profiling.js"
+import { allocations, OUT_DIR, print, printAllocations, profiled } from "./lib/profiling.js"
 import type { Subject } from "./lib/rounds.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
 const seconds = Number(arg("seconds") ?? "5")
 const only = arg("only")?.split(",")
+/** `--allocations`: bytes allocated per cycle (V8's sampling heap profiler) instead of CPU. */
+const countAllocations = process.argv.includes("--allocations")
 
 /** A subject and its raw floor, built on `On` (the scratch database, or the Redis URL). */
 interface Pair<On = Database> {
@@ -72,6 +78,11 @@ const selected = <On>(pairs: ReadonlyArray<Pair<On>>): ReadonlyArray<Pair<On>> =
 const profilePairs = async <On>(pairs: ReadonlyArray<Pair<On>>, on: On): Promise<void> => {
   const ms = seconds * 1000
   for (const pair of pairs) {
+    if (countAllocations) {
+      printAllocations(`${pair.name}, raw floor`, await allocations(pair.floor(on, ms), pair.cycles))
+      printAllocations(`${pair.name}, effect-lock`, await allocations(pair.subject(on, ms), pair.cycles))
+      continue
+    }
     print(`${pair.name}, raw floor`, (await profiled(pair.floor(on, ms), pair.cycles))[0]!)
     print(`${pair.name}, effect-lock`, (await profiled(pair.subject(on, ms), pair.cycles))[0]!)
   }

@@ -15,7 +15,7 @@ import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
 import type { ThroughputSample } from "./loops.js"
 import type { Database } from "./postgres.js"
-import type { Profiled } from "./profiling.js"
+import type { Allocated, Profiled } from "./profiling.js"
 import type { Subject, Trial } from "./rounds.js"
 import { countLogLines } from "./runtime.js"
 import { Samples } from "./stats.js"
@@ -36,6 +36,8 @@ export interface Recipe {
 /** A trial that can also profile one round where it runs (see `profiling.ts`). */
 export interface ProfilingTrial<R> extends Trial<R> {
   readonly profile?: () => Promise<Profiled>
+  /** Samples one round's allocations where it runs (see `profiling.ts`). */
+  readonly allocations?: () => Promise<Allocated>
 }
 
 interface Answer {
@@ -43,6 +45,7 @@ interface Answer {
   readonly error?: string
   readonly sample?: { readonly cycles: number; readonly seconds: number; readonly latencies: Array<number> }
   readonly profiled?: Profiled
+  readonly allocated?: Allocated
   readonly logLines?: number
 }
 
@@ -92,6 +95,7 @@ export const isolated = (subject: Subject<ThroughputSample>, recipe: Recipe): Su
     return {
       run: async (round) => revive((await ask({ op: "run", warmup: round.warmup })).sample!),
       profile: async () => (await ask({ op: "profile" })).profiled!,
+      allocations: async () => (await ask({ op: "allocations" })).allocated!,
       close: async () => {
         const answer = await ask({ op: "close" }).catch(() => undefined)
         countLogLines(answer?.logLines ?? 0)

@@ -5,7 +5,7 @@
 import * as Readline from "node:readline"
 import { ANSWER_MARK, type Recipe } from "./isolated.js"
 import type { ThroughputSample } from "./loops.js"
-import { profileRound } from "./profiling.js"
+import { allocationRound, profileRound } from "./profiling.js"
 import { reasonOf, type Subject, type Trial } from "./rounds.js"
 import { libraryLogLines } from "./runtime.js"
 
@@ -36,6 +36,9 @@ for await (const line of commands) {
     } else if (command.op === "profile") {
       const run = trial!.run
       answer({ ok: true, profiled: await profileRound(subject.id, () => run({ warmup: false }), (sample) => sample.cycles) })
+    } else if (command.op === "allocations") {
+      const run = trial!.run
+      answer({ ok: true, allocated: await allocationRound(subject.id, () => run({ warmup: false }), (sample) => sample.cycles) })
     } else if (command.op === "close") {
       closing = true
       await trial?.close()

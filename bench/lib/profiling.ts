@@ -142,3 +142,93 @@ export const print = (label: string, p: Profiled): void => {
   console.log(`  top self time: ${top.map(([name, ms]) => `${name} ${perCycle(ms)}`).join("; ")}`)
 }
 
+
+/** What one round allocated, from V8's sampling heap profiler: bytes per place and the top allocating functions. */
+export interface Allocated {
+  readonly id: string
+  readonly cycles: number
+  readonly wallMs: number
+  /** Estimated bytes allocated during the round (collected objects included), by place. */
+  readonly bytes: Partial<Record<Where, number>>
+  /** The functions that allocated most, with their bytes, largest first. */
+  readonly top: ReadonlyArray<readonly [string, number]>
+  /** The same, of effect-lock's own functions only. */
+  readonly topOwn: ReadonlyArray<readonly [string, number]>
+}
+
+interface HeapNode {
+  readonly callFrame: { readonly functionName: string; readonly url: string }
+  readonly selfSize: number
+  readonly children: ReadonlyArray<HeapNode>
+}
+
+/**
+ * One round of an open subject under V8's sampling heap profiler, keeping the samples of objects
+ * that the young and old generation collections freed meanwhile: each node's `selfSize` is then
+ * an estimate of all the bytes allocated there during the round, not only of those still alive.
+ * A sample every 512 bytes on average: a cycle's few kilobytes get several samples each.
+ */
+export const allocationRound = async <R>(
+  id: string,
+  run: () => Promise<R>,
+  cyclesOf: (result: R) => number
+): Promise<Allocated> => {
+  const session = new Inspector.Session()
+  session.connect()
+  try {
+    await session.post("HeapProfiler.enable")
+    await session.post("HeapProfiler.startSampling", {
+      samplingInterval: 512,
+      includeObjectsCollectedByMajorGC: true,
+      includeObjectsCollectedByMinorGC: true
+    })
+    const started = performance.now()
+    const result = await run()
+    const wallMs = performance.now() - started
+    const { profile } = (await session.post("HeapProfiler.stopSampling")) as unknown as { profile: { head: HeapNode } }
+    const bytes: Partial<Record<Where, number>> = {}
+    const byFunction = new Map<string, number>()
+    const byOwnFunction = new Map<string, number>()
+    const walk = (node: HeapNode) => {
+      if (node.selfSize > 0) {
+        const where = whereOf(node.callFrame)
+        bytes[where] = (bytes[where] ?? 0) + node.selfSize
+        const file = node.callFrame.url.split("/node_modules/").pop()?.split("/src/").pop()?.split("/bench-build/").pop() ?? node.callFrame.url
+        const key = `${node.callFrame.functionName || "(anonymous)"} ${file}`
+        byFunction.set(key, (byFunction.get(key) ?? 0) + node.selfSize)
+        if (where === "effect-lock") {
+          const line = `${key}:${(node.callFrame as { readonly lineNumber?: number }).lineNumber ?? "?"}`
+          byOwnFunction.set(line, (byOwnFunction.get(line) ?? 0) + node.selfSize)
+        }
+      }
+      for (const child of node.children) walk(child)
+    }
+    walk(profile.head)
+    const largest = (map: Map<string, number>) => [...map].sort((a, b) => b[1] - a[1]).slice(0, 10)
+    return { id, cycles: cyclesOf(result), wallMs, bytes, top: largest(byFunction), topOwn: largest(byOwnFunction) }
+  } finally {
+    await session.post("HeapProfiler.disable").catch(() => {})
+    session.disconnect()
+  }
+}
+
+/** Opens `subject`, warms it up, and samples the allocations of one round. */
+export const allocations = async <R>(subject: Subject<R>, cyclesOf: (result: R) => number): Promise<Allocated> => {
+  const trial: ProfilingTrial<R> = await subject.open()
+  try {
+    await trial.run({ warmup: true })
+    return await (trial.allocations ?? (() => allocationRound(subject.id, () => trial.run({ warmup: false }), cyclesOf)))()
+  } finally {
+    await trial.close()
+  }
+}
+
+export const printAllocations = (label: string, a: Allocated): void => {
+  const total = Object.values(a.bytes).reduce((sum, n) => sum + (n ?? 0), 0)
+  const perCycle = (n: number) => `${(n / Math.max(1, a.cycles) / 1024).toFixed(2)} KiB`
+  console.log(`\n${label} (${a.id}): ${a.cycles} cycles in ${(a.wallMs / 1000).toFixed(1)} s`)
+  console.log(`  allocated per cycle: ${perCycle(total)}`)
+  console.log(`  by place: ${PLACES.map((where) => `${where} ${perCycle(a.bytes[where] ?? 0)}`).join(", ")}`)
+  console.log(`  top allocating: ${a.top.map(([name, n]) => `${name} ${perCycle(n)}`).join("; ")}`)
+  if (a.topOwn.length > 0) console.log(`  top in effect-lock (function file:line): ${a.topOwn.map(([name, n]) => `${name} ${perCycle(n)}`).join("; ")}`)
+}
