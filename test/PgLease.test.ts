@@ -663,7 +663,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
   it.scoped("a waiter whose process dies loses its place once the place expires", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      const holder = yield* processOn(env)
+      // The holder only has to outlast the worker's queueing: at the file's 1 s ttl its renewals get
+      // 470 ms, and one lost beside the concurrent tests let the worker take the lock, not a place.
+      const holder = yield* processOn(env, { ttl: Duration.seconds(5) })
       const name = freshName("dead-waiter")
       const holderScope = yield* Scope.make()
       yield* Scope.extend(holder.acquire(name), holderScope)
