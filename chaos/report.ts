@@ -56,7 +56,7 @@ const noLossNote = (kind: FaultKind, backend: Backend): string => {
   return below && above ? "; no loss" : below ? "; no loss below the safe time" : ""
 }
 
-const gitRevision = (): string => {
+export const gitRevision = (): string => {
   try {
     const head = execFileSync("git", ["rev-parse", "--short", "HEAD"], { cwd: ROOT, encoding: "utf8" }).trim()
     const dirty = execFileSync("git", ["status", "--porcelain", "--", "src"], { cwd: ROOT, encoding: "utf8" }).trim() !== ""
@@ -176,7 +176,7 @@ export const renderMarkdown = (run: ChaosRun): string => {
       ]]),
       ["write times", run.server.commitTimestamps ? "commit timestamps (track_commit_timestamp = on)" : "the inserts' clock_timestamp() (commit timestamps off: a lower bound of the commit)"],
       ["clock alignment", clock],
-      ["library", `effect-lock ${gitRevision()}`],
+      ["library", `effect-lock ${run.library}`],
       ["versions", `node ${process.version}, effect ${packageVersion("effect")}, @effect/sql ${packageVersion("@effect/sql")}, @effect/sql-pg ${packageVersion("@effect/sql-pg")}, pg ${packageVersion("pg")}${run.redis === undefined ? "" : `, ioredis ${packageVersion("ioredis")}`}`],
       ["machine", `${cpus.length} × ${cpus[0]?.model ?? "unknown CPU"}, ${(Os.totalmem() / 2 ** 30).toFixed(1)} GiB, ${Os.type()} ${Os.release()}`],
       ["date", new Date().toISOString()]

@@ -15,6 +15,7 @@ import pg from "pg"
 import { type Server, startPostgres, withClient } from "../tools/embeddedPostgres.js"
 import { type RedisServer, startRedis } from "../tools/redisServer.js"
 import { check, type CheckResult, type WriteRow } from "./checker.js"
+import { gitRevision } from "./report.js"
 import { FAULT_KINDS, type FaultContext, type FaultKind, type FaultRecord, inject, makeDeck } from "./faults.js"
 import { makeFleet } from "./fleet.js"
 import { deriveSeed, makePrng } from "./prng.js"
@@ -78,6 +79,8 @@ export interface BackendRun {
 
 export interface ChaosRun {
   readonly seed: number
+  /** The commit the workers ran (short hash, "(src/ modified)" when src/ had changes), read at the start. */
+  readonly library: string
   readonly options: Omit<ChaosOptions, "log">
   readonly server: { readonly embedded: boolean; readonly version: string; readonly commitTimestamps: boolean }
   /** The Redis of the `redis` backend, when it ran. */
@@ -351,6 +354,8 @@ export const resumeFrozenServerProcesses = (): void => frozenByRun.forEach(resum
  * PostgreSQL keeps its rows; a restart without persistence loses every lease by design).
  */
 export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
+  // Read before the workers start: the report is written minutes later, when HEAD may have moved.
+  const library = gitRevision()
   const redisServer = options.backends.includes("redis") ? await startRedis({ aof: true }) : undefined
   const server = await startPostgres().catch(async (error) => {
     await redisServer?.stop()
@@ -371,6 +376,7 @@ export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
     const { log: _log, ...rest } = options
     return {
       seed: options.seed,
+      library,
       options: rest,
       server: { embedded: server.embedded, version: version?.v ?? "unknown", commitTimestamps },
       redis: redisServer === undefined ? undefined : { embedded: redisServer.embedded, version: redisVersion ?? "unknown" },
