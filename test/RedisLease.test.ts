@@ -15,7 +15,9 @@ import * as Scripts from "effect-lock/internal/redis/scripts"
 import { shaOf } from "effect-lock/internal/redis/lane"
 import { Redis } from "ioredis"
 import * as Crypto from "node:crypto"
-import { freshName } from "./support/contract.js"
+import type { Lane } from "effect-lock/internal/lease/lane"
+import { freshName, holdFor } from "./support/contract.js"
+import { withRun } from "./support/laneRun.js"
 import { waitFor } from "./support/eventually.js"
 import { describeWithRedis, useInspector, useRedis } from "./support/redis.js"
 
@@ -80,6 +82,31 @@ describeWithRedis("RedisLease", () => {
   })
 
   describe("waiting order", () => {
+    it.scopedLive("a waiter sends one attempt to take its place and one when woken: no look again (a script sees every place taken before it)", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-attempts")
+        const attempts: Array<number> = []
+        // The waiter's lane, its acquire scripts for `name` counted as they are sent.
+        const counting = (lane: Lane) =>
+          withRun(lane, (operation, about, text, params, bound) => {
+            if (operation === "acquire" && about === name) attempts.push(performance.now())
+            return lane.run(operation, about, text, params, bound)
+          })
+        const holder = yield* node()
+        const waiter = yield* Effect.flatMap(Make.makeBackend({ url: redis.url(), ttl: TTL }, counting), (backend) => DistributedLock.make(backend))
+        const letGo = yield* holdFor(holder, name)
+        const waiting = yield* Effect.fork(Effect.scoped(waiter.acquire(name, { timeout: Duration.seconds(10) })))
+        yield* waitFor("the waiter's place", Effect.map(command<number>("ZCARD", Keys.lockKeys(Keys.DEFAULT_PREFIX, name).queue), (n) => n === 1), Duration.seconds(5))
+        // Long enough for any look again (a few statement times) to have been sent.
+        const placed = attempts.length
+        yield* Effect.sleep(Duration.millis(300))
+        expect(attempts.length).toBe(placed)
+        yield* letGo
+        yield* Fiber.join(waiting)
+        // The place, then the grant after the release's wake-up.
+        expect(attempts).toHaveLength(2)
+      }))
+
     it.scopedLive("a try never overtakes a live waiter's place, and a dead waiter's place runs out", () =>
       Effect.gen(function*() {
         const a = yield* node()

@@ -51,6 +51,12 @@ export interface Settings extends Attempt.AttemptSettings {
   readonly createTable: boolean
   /** How often idle names' rows are swept (zero: never). */
   readonly sweepInterval: Duration.Duration
+  /**
+   * Whether every give-back sees every place committed before it (one atomic script at a time, as
+   * on Redis): then a waiter needs no look again after taking its place. Default false: a SQL
+   * release's snapshot can predate a place committed while it runs.
+   */
+  readonly placesSeenByEveryRelease?: boolean | undefined
 }
 
 /**
@@ -155,8 +161,11 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
         if (!isBusy(result)) return result
         // A release that started before this request's place was committed cannot see it, so
         // it wakes nobody for it: after taking its place, a waiter looks again once such a
-        // release has had time to commit (a few of its own statement times).
-        const followUp = first ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS) : undefined
+        // release has had time to commit (a few of its own statement times). Not where every
+        // release sees every committed place: its wake-up is on the way (subscribed before).
+        const followUp = first && settings.placesSeenByEveryRelease !== true
+          ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS)
+          : undefined
         first = false
         const delay = Duration.min(yield* sleepFor(result.wakeAt, request.deadline), followUp ?? Duration.infinity)
         // Only waits are interruptible or cut at the deadline; they grant nothing.

@@ -113,7 +113,10 @@ export const makeBackend = (
       application,
       host: Os.hostname(),
       // Nothing to create: keys come into being with their first write.
-      createTable: false
+      createTable: false,
+      // Scripts run one at a time: a release sees every place taken before it, and its PUBLISH
+      // reaches a waiter subscribed before its first try. No look again after taking a place.
+      placesSeenByEveryRelease: true
     }, Dialect.dialect(prefix, channel), hub, owner)
     return backend
   })
