@@ -81,15 +81,20 @@ export const summarize = (profile: CpuProfile) => {
   return { byWhere, top }
 }
 
-/** One round of an open subject with the profiler on. */
-export const profileRound = async <R>(
-  id: string,
-  run: () => Promise<R>,
-  cyclesOf: (result: R) => number
-): Promise<Profiled> => {
+/** `use` with an inspector session of this process, disconnected after. */
+const withSession = async <A>(use: (session: Inspector.Session) => Promise<A>): Promise<A> => {
   const session = new Inspector.Session()
   session.connect()
   try {
+    return await use(session)
+  } finally {
+    session.disconnect()
+  }
+}
+
+/** One round of an open subject with the profiler on. */
+export const profileRound = <R>(id: string, run: () => Promise<R>, cyclesOf: (result: R) => number): Promise<Profiled> =>
+  withSession(async (session) => {
     await session.post("Profiler.enable")
     await session.post("Profiler.setSamplingInterval", { interval: 100 })
     await session.post("Profiler.start")
@@ -98,10 +103,7 @@ export const profileRound = async <R>(
     const wallMs = performance.now() - started
     const { profile } = (await session.post("Profiler.stop")) as unknown as { profile: CpuProfile }
     return { id, cycles: cyclesOf(result), wallMs, profile }
-  } finally {
-    session.disconnect()
-  }
-}
+  })
 
 /**
  * Opens `subject`, warms it up, and profiles `rounds` rounds of it (each its own profile); the last
@@ -168,14 +170,8 @@ interface HeapNode {
  * an estimate of all the bytes allocated there during the round, not only of those still alive.
  * A sample every 512 bytes on average: a cycle's few kilobytes get several samples each.
  */
-export const allocationRound = async <R>(
-  id: string,
-  run: () => Promise<R>,
-  cyclesOf: (result: R) => number
-): Promise<Allocated> => {
-  const session = new Inspector.Session()
-  session.connect()
-  try {
+export const allocationRound = <R>(id: string, run: () => Promise<R>, cyclesOf: (result: R) => number): Promise<Allocated> =>
+  withSession(async (session) => {
     await session.post("HeapProfiler.enable")
     await session.post("HeapProfiler.startSampling", {
       samplingInterval: 512,
@@ -205,12 +201,9 @@ export const allocationRound = async <R>(
     }
     walk(profile.head)
     const largest = (map: Map<string, number>) => [...map].sort((a, b) => b[1] - a[1]).slice(0, 10)
+    await session.post("HeapProfiler.disable")
     return { id, cycles: cyclesOf(result), wallMs, bytes, top: largest(byFunction), topOwn: largest(byOwnFunction) }
-  } finally {
-    await session.post("HeapProfiler.disable").catch(() => {})
-    session.disconnect()
-  }
-}
+  })
 
 /** Opens `subject`, warms it up, and samples the allocations of one round. */
 export const allocations = async <R>(subject: Subject<R>, cyclesOf: (result: R) => number): Promise<Allocated> => {
