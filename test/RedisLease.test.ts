@@ -92,8 +92,13 @@ describeWithRedis("RedisLease", () => {
             if (operation === "acquire" && about === name) attempts.push(performance.now())
             return lane.run(operation, about, text, params, bound)
           })
-        const holder = yield* node()
-        const waiter = yield* Effect.flatMap(Make.makeBackend({ url: redis.url(), ttl: TTL }, counting), (backend) => DistributedLock.make(backend))
+        // Nothing else may bring the waiter back within the window: the holder's lease far from
+        // running out (a waiter retries when it could), polls (before wake-ups are proven) 10 s apart.
+        const holder = yield* node({ ttl: Duration.seconds(30) })
+        const waiter = yield* Effect.flatMap(
+          Make.makeBackend({ url: redis.url(), ttl: TTL, pollInterval: Duration.seconds(10) }, counting),
+          (backend) => DistributedLock.make(backend)
+        )
         const letGo = yield* holdFor(holder, name)
         const waiting = yield* Effect.fork(Effect.scoped(waiter.acquire(name, { timeout: Duration.seconds(10) })))
         yield* waitFor("the waiter's place", Effect.map(command<number>("ZCARD", Keys.lockKeys(Keys.DEFAULT_PREFIX, name).queue), (n) => n === 1), Duration.seconds(5))
