@@ -414,11 +414,13 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const holder = yield* hold(a, name, { limit: 2 })
         // The small waiter's process has its connection open before the big one's timeout runs.
         yield* Effect.scoped(c.tryAcquire(freshName("warm"), { limit: 1 }))
-        const big = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 2, permits: 2, timeout: Duration.seconds(1) })))
+        // 3 s: both must be seen queued before it runs out. With 1 s, on a loaded machine in a fresh
+        // clone, the big wait timed out before the small one's place was seen ([2, 1] never came).
+        const big = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 2, permits: 2, timeout: Duration.seconds(3) })))
         yield* waitingAre(name, [2])
         const small = yield* Effect.fork(Effect.scoped(Effect.zipRight(c.acquire(name, { limit: 2 }), Effect.never)))
         yield* waitingAre(name, [2, 1])
-        yield* target.advance(Duration.millis(1_100))
+        yield* target.advance(Duration.millis(3_100))
         const error = yield* Effect.flip(Fiber.join(big))
         expect(error).toMatchObject({ _tag: "LockTimeout", name })
         // The place was given up, not left to expire: the single permit free goes to the waiter behind.
