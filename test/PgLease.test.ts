@@ -591,7 +591,16 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         ),
         Duration.seconds(10)
       )
-      yield* Effect.sleep(Duration.millis(Math.max(0, frozenFrom + 2 * Duration.toMillis(ttl) - Date.now())))
+      // Kept across two ttls: a renewal confirmed more than one ttl after the freeze began (the
+      // row's expiry, on the server's clock, past two ttls from it; one machine, one clock).
+      yield* waitFor(
+        "the row renewed past two ttls from the freeze",
+        Effect.map(
+          query<{ expires: number }>(`select (extract(epoch from expires_at) * 1000)::float8 as expires from ${PgLease.DEFAULT_TABLE} where name = $1`, [name]),
+          (rows) => (rows[0]?.expires ?? 0) > frozenFrom + 2 * Duration.toMillis(ttl)
+        ),
+        Duration.seconds(15)
+      )
       expect(yield* lease.isHeld).toBe(true)
       const row = yield* rowOf(name)
       expect(row).toMatchObject({ token: String(lease.token) })
