@@ -223,7 +223,14 @@ describe("DistributedSemaphore on PgAdvisory", () => {
         const random = seededRandom(seed)
         const apps = Array.from({ length: LAYERS }, (_, i) => `sem-limit-${budget ?? "default"}-${i}`)
         const services = yield* Effect.forEach(apps, (app) => node(app))
-        const probe = occupancy(LIMIT, Effect.zipRight(yieldTimes(3), Effect.sleep("2 millis")))
+        // Held until every permit is in use, at most 20 ms: requests take 1 or 2 permits, so the limit
+        // is reached only by two holders at once, and a grant across layers can take longer than a
+        // short body on a loaded machine (a fixed 2 ms body saw at most 2 of 3 there).
+        const untilFull = Effect.sleep("1 millis").pipe(
+          Effect.repeat({ while: () => probe.held() < LIMIT }),
+          Effect.timeoutOption("20 millis")
+        )
+        const probe = occupancy(LIMIT, Effect.zipRight(yieldTimes(3), untilFull))
         const plans = Array.from(
           { length: LAYERS * FIBERS_PER_LAYER },
           () => Array.from({ length: ROUNDS }, () => 1 + Math.floor(random() * 2))

@@ -324,8 +324,11 @@ for (const { db, level } of databases) {
               await client.query("begin isolation level read committed")
               await client.query(`update ${PgLease.DEFAULT_TABLE} set token = token where name = $1`, [lockName])
               await client.query(`update ${PgLease.DEFAULT_TABLE}_sem set token = token where name = $1`, [semName])
-              // Held until a renewal waits behind it, at most 100 ms (a renewal must not be late for it).
-              const waitUntil = Date.now() + 100
+              // Held until a renewal waits behind it. Until one was refused, at most 1.2 s, past the
+              // renewal interval (ttl/3), so the race happens on purpose: 100 ms windows between
+              // which a loaded machine spent as long missed every renewal for 6 s. Afterwards at most
+              // 100 ms: the renewal's tries then must not be late for it.
+              const waitUntil = Date.now() + (refused() ? 100 : 1_200)
               while (Date.now() < waitUntil) {
                 const waiting = await client.query<{ n: number }>(
                   `select count(*)::int as n from pg_stat_activity where datname = current_database()

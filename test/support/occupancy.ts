@@ -19,5 +19,5 @@ export const occupancy = (limit: number, inside: Effect.Effect<unknown>) => {
       () => inside,
       () => Effect.sync(() => (held -= permits))
     )
-  return { body, most: () => most, violations: () => violations }
+  return { body, held: () => held, most: () => most, violations: () => violations }
 }
