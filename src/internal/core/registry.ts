@@ -26,8 +26,16 @@ export const SAFETY_FRACTION = 1 / 5
 const COALESCE_FRACTION = 1 / 12
 /** Renewal batches in flight at once (each is one backend call, e.g. one statement). */
 const RENEW_CONCURRENCY = 4
-/** After a failed renewal, try again after this fraction of the ttl. */
+/** After a failed renewal, try again after this fraction of the ttl (sooner near the store's expiry, below). */
 const RETRY_FRACTION = 1 / 10
+/**
+ * Near the store's expiry a failed renewal is retried after this fraction of the time left, at
+ * least `RETRY_MIN_MS`: the last stretch before the store lets a lease go (a draining lease's
+ * whole chance, `close`) is where a store that recovered still saves it, and one retry every
+ * ttl/10 could miss all of it.
+ */
+const RETRY_LEFT_FRACTION = 1 / 4
+const RETRY_MIN_MS = 25
 /** Longest pause of the renewal loop after a defect before it restarts (it restarts at once the first time). */
 const RESTART_PAUSE_MAX_MS = 1_000
 /**
@@ -438,7 +446,8 @@ export const makeRegistry = <G extends Grant>(
     const applyOutcome = (held: Held<G>, outcome: RenewOutcome | undefined, startedAt: number): Effect.Effect<void> => {
       if (!kept(held)) return Effect.void
       if (outcome === undefined) {
-        held.renewAt = startedAt + held.ttlMillis * RETRY_FRACTION
+        const left = held.validUntil === undefined ? Number.POSITIVE_INFINITY : held.validUntil - startedAt
+        held.renewAt = startedAt + Math.max(RETRY_MIN_MS, Math.min(held.ttlMillis * RETRY_FRACTION, left * RETRY_LEFT_FRACTION))
         return Effect.void
       }
       if (outcome._tag === "Lost") {
