@@ -11,7 +11,6 @@ import { Effect, Layer, Redacted } from "effect"
 import * as Crypto from "node:crypto"
 import pg from "pg"
 import { afterAll, beforeAll, inject } from "vitest"
-import { withClient as withRawClient } from "../../tools/embeddedPostgres.js"
 
 /** application_name of the harness's own raw sessions, so tests can tell them apart from the library's. */
 export const HARNESS_APPLICATION_NAME = "effect-lock-test-harness"
@@ -30,9 +29,58 @@ export const adminUrl = (): string => {
   return url
 }
 
-/** Runs `f` on a fresh raw `pg.Client` (named as the harness) and always closes it. */
-export const withClient = <A>(url: string, f: (client: pg.Client) => Promise<A>): Promise<A> =>
-  withRawClient(url, HARNESS_APPLICATION_NAME, f)
+/**
+ * The harness's kept sessions, per URL. A new session costs this test server about 17 ms of its
+ * own CPU (a backend's start-up, mostly page faults on this VM) and the client its SCRAM exchange;
+ * the suite's probes and polls opened about a thousand of them per run. Idle ones close after
+ * `HARNESS_IDLE_MS`, and those a server restart or a terminate kills leave the pool on their error.
+ */
+const harnessPools = new Map<string, pg.Pool>()
+const HARNESS_IDLE_MS = 1_000
+/** How long the reset of a session handed back may take before the session is closed instead. */
+const HARNESS_RESET_MS = 2_000
+
+/** Never a bound on the harness's concurrency (a session may wait on a lock while others poll). */
+const harnessPool = (url: string): pg.Pool => {
+  let pool = harnessPools.get(url)
+  if (pool === undefined) {
+    pool = new pg.Pool({ connectionString: url, application_name: HARNESS_APPLICATION_NAME, max: 64, idleTimeoutMillis: HARNESS_IDLE_MS, allowExitOnIdle: true })
+    // An idle session killed (restart, terminate, drop database) is dropped by the pool; no crash.
+    pool.on("error", () => {})
+    // A session killed while checked out errors on the client; the caller sees its query fail.
+    pool.on("connect", (client) => client.on("error", () => {}))
+    harnessPools.set(url, pool)
+  }
+  return pool
+}
+
+/** Closes the kept sessions of `url` (before its database is dropped). */
+const closeHarnessPool = async (url: string): Promise<void> => {
+  const pool = harnessPools.get(url)
+  harnessPools.delete(url)
+  await pool?.end().catch(() => {})
+}
+
+/**
+ * Runs `f` on a raw session (named as the harness), as a fresh one: a kept session is handed back
+ * only after `f` succeeded and `DISCARD ALL` reset it (advisory locks, LISTEN, settings, prepared
+ * statements); a session left in a transaction, mid-query or in error is closed, as before.
+ */
+export const withClient = async <A>(url: string, f: (client: pg.Client) => Promise<A>): Promise<A> => {
+  const client = await harnessPool(url).connect()
+  let reusable = false
+  try {
+    const result = await f(client as unknown as pg.Client)
+    reusable = await Promise.race([
+      client.query("discard all").then(() => true, () => false),
+      new Promise<boolean>((resolve) => setTimeout(() => resolve(false), HARNESS_RESET_MS).unref())
+    ])
+    return result
+  } finally {
+    // release(true) closes the session instead of keeping it.
+    client.release(!reusable)
+  }
+}
 
 const databaseUrl = (base: string, database: string): string => {
   const url = new URL(base)
@@ -63,10 +111,12 @@ export const createTestDatabase = async (label: string): Promise<TestDatabase> =
   return {
     name,
     url: databaseUrl(admin, name),
-    drop: () =>
-      withClient(admin, async (client) => {
+    drop: async () => {
+      await closeHarnessPool(databaseUrl(admin, name))
+      await withClient(admin, async (client) => {
         await client.query(`drop database if exists ${client.escapeIdentifier(name)} with (force)`)
       })
+    }
   }
 }
 
