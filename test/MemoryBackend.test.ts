@@ -864,7 +864,8 @@ describe("the renewal loop is supervised", () => {
         const lostAt = yield* Effect.fork(Effect.zipRight(Effect.flip(lease.lost), monotonicMillis))
         yield* TestClock.adjust("3 seconds")
         expect((yield* Fiber.join(lostAt)) - start).toBeLessThanOrEqual(2400)
-        // First attempt at 1,000 ms, then every 300 ms until the deadline at 2,400 ms.
+        // First attempt at 1,000 ms, then ttl/10 apart, sooner near the store's expiry (a quarter of
+        // the time left): 1,000, 1,300, 1,600, 1,900, 2,175 and 2,381 ms, until the deadline at 2,400.
         expect(calls).toBeGreaterThanOrEqual(4)
         expect(calls).toBeLessThanOrEqual(6)
       }

@@ -565,18 +565,31 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const service = yield* processOn(env, { ttl })
       const name = freshName("frozen")
       const lease = yield* service.acquire(name, { ttl })
-      // The backend of the renewal connection: the one whose last statement was a renewal.
+      // The backend of the renewal connection, idle: the one whose last statement was a renewal.
       const renewer = Effect.map(
         query<{ pid: number }>(
-          `select pid from pg_stat_activity where application_name = $1 and query like '%unnest($1::text[]%' order by backend_start`,
+          `select pid from pg_stat_activity where application_name = $1 and query like '%unnest($1::text[]%' and state = 'idle' order by backend_start`,
           [app]
         ),
         (rows) => rows[0]?.pid
       )
-      yield* waitFor("a renewal connection", Effect.map(renewer, (pid) => pid !== undefined), Duration.seconds(5))
-      const pid = (yield* renewer)!
-      process.kill(pid, "SIGSTOP")
-      yield* Effect.addFinalizer(() => Effect.sync(() => process.kill(pid, "SIGCONT")))
+      const stateOf = (pid: number) =>
+        Effect.map(query<{ state: string }>(`select state from pg_stat_activity where pid = $1`, [pid]), (rows) => rows[0]?.state)
+      // Frozen only while idle: a backend stopped inside a statement may hold a buffer lock (of the
+      // lease table, or the token sequence's page) that every other session of this database then
+      // waits for, stalling the tests beside this one. Stopped, its state can no longer change: if
+      // it was caught inside a statement, it is let go and caught again.
+      let pid: number | undefined
+      for (let tries = 0; pid === undefined && tries < 20; tries++) {
+        yield* waitFor("an idle renewal connection", Effect.map(renewer, (p) => p !== undefined), Duration.seconds(5))
+        const candidate = (yield* renewer)!
+        process.kill(candidate, "SIGSTOP")
+        if ((yield* stateOf(candidate)) === "idle") pid = candidate
+        else process.kill(candidate, "SIGCONT")
+      }
+      if (pid === undefined) throw new Error("could not stop the renewal connection while idle")
+      const frozen = pid
+      yield* Effect.addFinalizer(() => Effect.sync(() => process.kill(frozen, "SIGCONT")))
       // Two ttls with that backend frozen: the renewal sent to it hangs until its budget, its
       // connection is destroyed, and the next renewal goes out on a fresh one.
       const frozenFrom = Date.now()

@@ -58,7 +58,9 @@ const harnessPool = (url: string): pg.Pool => {
 const closeHarnessPool = async (url: string): Promise<void> => {
   const pool = harnessPools.get(url)
   harnessPools.delete(url)
-  await pool?.end().catch(() => {})
+  // Bounded: end() waits for sessions still checked out (a test that failed while one waited on a
+  // lock); the forced drop that follows terminates them.
+  await Promise.race([pool?.end().catch(() => {}), new Promise((resolve) => setTimeout(resolve, 2_000).unref())])
 }
 
 /**
@@ -71,10 +73,12 @@ export const withClient = async <A>(url: string, f: (client: pg.Client) => Promi
   let reusable = false
   try {
     const result = await f(client as unknown as pg.Client)
+    let timer: ReturnType<typeof setTimeout> | undefined
     reusable = await Promise.race([
       client.query("discard all").then(() => true, () => false),
-      new Promise<boolean>((resolve) => setTimeout(() => resolve(false), HARNESS_RESET_MS).unref())
+      new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(false), HARNESS_RESET_MS)))
     ])
+    clearTimeout(timer)
     return result
   } finally {
     // release(true) closes the session instead of keeping it.

@@ -56,6 +56,12 @@ export const safetyDeadlineOf = (validUntil: number | undefined, ttlMillis: numb
 const nextRenewAt = (validUntil: number, ttlMillis: number): number =>
   validUntil - ttlMillis + ttlMillis * RENEW_FRACTION
 
+/** When a lease whose renewal failed at `at` is tried again: ttl/10 later, sooner near its expiry. */
+const retryAt = (held: { readonly validUntil?: number | undefined; readonly ttlMillis: number }, at: number): number => {
+  const left = held.validUntil === undefined ? Number.POSITIVE_INFINITY : held.validUntil - at
+  return at + Math.max(RETRY_MIN_MS, Math.min(held.ttlMillis * RETRY_FRACTION, left * RETRY_LEFT_FRACTION))
+}
+
 /** Where a loss found synchronously (by `StallWatch`) is declared. */
 export interface LossSink {
   declareLostNow(held: Held<Grant>, reason: LostReason): void
@@ -446,8 +452,7 @@ export const makeRegistry = <G extends Grant>(
     const applyOutcome = (held: Held<G>, outcome: RenewOutcome | undefined, startedAt: number): Effect.Effect<void> => {
       if (!kept(held)) return Effect.void
       if (outcome === undefined) {
-        const left = held.validUntil === undefined ? Number.POSITIVE_INFINITY : held.validUntil - startedAt
-        held.renewAt = startedAt + Math.max(RETRY_MIN_MS, Math.min(held.ttlMillis * RETRY_FRACTION, left * RETRY_LEFT_FRACTION))
+        held.renewAt = retryAt(held, startedAt)
         return Effect.void
       }
       if (outcome._tag === "Lost") {
@@ -509,7 +514,7 @@ export const makeRegistry = <G extends Grant>(
         Effect.catchAllCause((cause) =>
           Effect.zipRight(
             Effect.sync(() => {
-              for (const h of batch) if (kept(h)) h.renewAt = (Number.isNaN(start) ? 0 : start) + h.ttlMillis * RETRY_FRACTION
+              for (const h of batch) if (kept(h)) h.renewAt = retryAt(h, Number.isNaN(start) ? 0 : start)
             }),
             Effect.logWarning("applying a lease renewal failed; retrying", cause)
           )
@@ -568,7 +573,7 @@ export const makeRegistry = <G extends Grant>(
           Effect.zipRight(
             Effect.sync(() => {
               for (const held of keptLeases()) {
-                if (held.renewing === undefined && held.renewAt <= now) held.renewAt = now + held.ttlMillis * RETRY_FRACTION
+                if (held.renewing === undefined && held.renewAt <= now) held.renewAt = retryAt(held, now)
               }
             }),
             Effect.logError("effect-lock: starting lease renewals failed; retrying", cause).pipe(
