@@ -288,8 +288,12 @@ describe.concurrent("PostgreSQL: one token sequence, no row for an idle name", (
       let oldGrants = 0
       let round = 0
       const deadline = Date.now() + 2_500
-      // Past about a dozen sweeps (every 200 ms): names go idle, are swept, and are granted again by either version.
-      while (Date.now() < deadline) {
+      // Bounded: on a loaded machine 2.5 s held 20 grants of the previous version, not the 21 below.
+      const cap = Date.now() + 15_000
+      const enough = () => oldGrants > 20 && oldOnSwept > 0
+      // Past about a dozen sweeps (every 200 ms): names go idle, are swept, and are granted again by
+      // either version; on until the previous version made enough grants, at most 15 s.
+      while (Date.now() < deadline || (!enough() && Date.now() < cap)) {
         const name = names[Math.floor(random() * names.length)]!
         const useOld = random() < 0.5
         if (random() < 0.5) {
