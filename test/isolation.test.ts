@@ -341,8 +341,8 @@ for (const { db, level } of databases) {
               await client.query("commit")
               await new Promise((resolve) => setTimeout(resolve, 20))
             }
-            // A hold of the lease, not a synchronisation: renewals go on past the refusal.
-            while (Date.now() < start + 2_400) await new Promise((resolve) => setTimeout(resolve, 50))
+            // A hold of the lease to 2.4 s from the start, not a synchronisation: renewals go on past the refusal.
+            await new Promise((resolve) => setTimeout(resolve, Math.max(0, start + 2_400 - Date.now())))
           })
         ).pipe(Effect.ensuring(Deferred.succeed(racing, undefined))))
         const exit = yield* Fiber.await(holder)
