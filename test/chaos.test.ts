@@ -1,4 +1,7 @@
 import { describe, expect, it } from "@effect/vitest"
+import * as Fs from "node:fs"
+import * as Os from "node:os"
+import * as Path from "node:path"
 import { check, type CheckInput, type ViolationKind, type WriteRow } from "../chaos/checker.js"
 import { FAULT_KINDS, type FaultRecord } from "../chaos/faults.js"
 import type { WorkerExit } from "../chaos/fleet.js"
@@ -222,6 +225,16 @@ describe("chaos checker", () => {
 
 // --- a shortened chaos run -------------------------------------------------------------------
 
+/**
+ * A run's logs go to a directory of its own, removed once its checks passed; a failing run keeps
+ * it, and its message names the log file.
+ */
+const withLogDir = async (run: (logDir: string) => Promise<void>): Promise<void> => {
+  const logDir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "effect-lock-chaos-"))
+  await run(logDir)
+  Fs.rmSync(logDir, { recursive: true, force: true })
+}
+
 /** No minimum time: the seed draws one deck (every kind once, about 20 s at a 1 s ttl). */
 const DURATION_MS = 0
 const TTL_MS = 1_000
@@ -237,7 +250,7 @@ const deckSeed = (): number => {
 }
 
 /** One set of workers per backend, one deck of faults. */
-const shortRun = async (backend: Backend) => {
+const shortRun = (backend: Backend) => withLogDir(async (logDir) => {
   const seed = deckSeed()
   console.log(`chaos ${backend}: seed ${seed} (re-run with CHAOS_TEST_SEED=${seed}, or npm run chaos -- --backend ${backend} --minutes 0 --ttl-ms ${TTL_MS} --seed ${seed})`)
   const lines: Array<string> = []
@@ -248,7 +261,7 @@ const shortRun = async (backend: Backend) => {
     workers: DEFAULTS.workers,
     ttlMs: TTL_MS,
     poolSize: DEFAULTS.poolSize,
-    logDir: DEFAULTS.logDir,
+    logDir,
     log: (line) => lines.push(line)
   })
   const result = run.runs[0]!
@@ -261,7 +274,7 @@ const shortRun = async (backend: Backend) => {
   const injected = new Set(result.faults.filter((f) => f.skipped === undefined).map((f) => f.kind))
   expect(FAULT_KINDS.filter((kind) => !injected.has(kind) && !allowedMissing.includes(kind)), context).toEqual([])
   expect(result.check.rounds, context).toBeGreaterThan(7)
-}
+})
 
 // --- the checker stays sharp on a real run ---------------------------------------------------
 
@@ -272,7 +285,7 @@ const shortRun = async (backend: Backend) => {
  * correct program from doing. No faults: the run stops after the first accepted write, which is
  * such a write. By hand: npm run chaos -- --backend pg-lease --minutes 0 --ttl-ms 1000 --broken write-after-loss --no-report
  */
-const brokenRun = async () => {
+const brokenRun = () => withLogDir(async (logDir) => {
   const seed = deckSeed()
   const lines: Array<string> = []
   const run = await runChaos({
@@ -282,7 +295,7 @@ const brokenRun = async () => {
     workers: 2,
     ttlMs: TTL_MS,
     poolSize: DEFAULTS.poolSize,
-    logDir: DEFAULTS.logDir,
+    logDir,
     kinds: [],
     broken: "write-after-loss",
     log: (line) => lines.push(line)
@@ -293,7 +306,7 @@ const brokenRun = async () => {
   expect(afterLoss.length, context).toBeGreaterThan(0)
   // Judged by the stamp the worker put in the row, not by the commit time.
   for (const v of afterLoss) expect(v.detail, context).toMatch(/ began at .* after w\d reported the loss/)
-}
+})
 
 // The backends run side by side (each its own server and workers): the file takes one deck's time.
 describe.concurrent("npm run chaos, shortened", () => {
