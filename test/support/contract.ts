@@ -245,6 +245,18 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
   const isQueued = (faults: Faults, name: string): Effect.Effect<boolean, unknown> =>
     target.waiting === undefined ? Effect.sync(() => waitingFor(faults, name) > 0) : target.waiting(name)
   const queued = (faults: Faults, name: string) => until(`an acquire of "${name}" waits in the backend`, isQueued(faults, name))
+  /**
+   * On real time, a step that must end soon fails naming itself past the live bound, rather than
+   * as the test's anonymous timeout (on the TestClock the step's own bound would be virtual).
+   */
+  const step = <A, E, R>(what: string, self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
+    target.clock === "test"
+      ? self
+      : Effect.flatten(Effect.timeoutTo(self, {
+        duration: LIVE_BOUND,
+        onSuccess: (a): Effect.Effect<A> => Effect.succeed(a),
+        onTimeout: () => Effect.dieMessage(`${what}: not within ${Duration.format(LIVE_BOUND)}`)
+      }))
   /** Some renewal reached the store since `before` renew calls. */
   const renewedSince = (faults: Faults, before: number) =>
     until("a renewal reached the store", Effect.sync(() => faults.renewCalls.length > before))
@@ -349,7 +361,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const holder = yield* Effect.fork(
           Effect.scoped(Effect.zipRight(Effect.zipRight(a.acquire(name), Deferred.succeed(holding, undefined)), release.await))
         )
-        yield* Deferred.await(holding)
+        yield* step("the holder's acquire", Deferred.await(holding))
         const waiter = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name), (l) => l.token)))
         yield* queued(bFaults, name)
         yield* target.advance(Duration.times(target.ttl, 2))
@@ -357,8 +369,8 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect(Option.isNone(yield* Fiber.poll(waiter))).toBe(true)
         expect(yield* isQueued(bFaults, name)).toBe(true)
         yield* release.open
-        yield* Fiber.join(holder)
-        const token = yield* Fiber.join(waiter)
+        yield* step("the holder's release", Fiber.join(holder))
+        const token = yield* step("the waiter's grant after the release", Fiber.join(waiter))
         expect(token > 0n).toBe(true)
       }))
 
