@@ -43,7 +43,7 @@ export interface ProfilingTrial<R> extends Trial<R> {
 interface Answer {
   readonly ok: boolean
   readonly error?: string
-  readonly sample?: { readonly cycles: number; readonly seconds: number; readonly latencies: Array<number> }
+  readonly sample?: { readonly cycles: number; readonly seconds: number; readonly latencies: Array<number>; readonly cpuMs?: number }
   readonly profiled?: Profiled
   readonly allocated?: Allocated
   readonly logLines?: number
@@ -52,7 +52,7 @@ interface Answer {
 const revive = (sample: NonNullable<Answer["sample"]>): ThroughputSample => {
   const latencies = new Samples()
   for (const value of sample.latencies) latencies.push(value)
-  return { cycles: sample.cycles, seconds: sample.seconds, latencies }
+  return { cycles: sample.cycles, seconds: sample.seconds, latencies, ...(sample.cpuMs === undefined ? {} : { cpuMs: sample.cpuMs }) }
 }
 
 /** `subject`, measured in a child process that builds it from `recipe`. */

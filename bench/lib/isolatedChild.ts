@@ -31,8 +31,14 @@ for await (const line of commands) {
       trial = await subject.open()
       answer({ ok: true })
     } else if (command.op === "run") {
+      // The process's own CPU clock over the round: the subject is all this process runs.
+      const before = process.cpuUsage()
       const sample = await trial!.run({ warmup: command.warmup === true })
-      answer({ ok: true, sample: { cycles: sample.cycles, seconds: sample.seconds, latencies: sample.latencies.values() } })
+      const cpu = process.cpuUsage(before)
+      answer({
+        ok: true,
+        sample: { cycles: sample.cycles, seconds: sample.seconds, latencies: sample.latencies.values(), cpuMs: (cpu.user + cpu.system) / 1000 }
+      })
     } else if (command.op === "profile") {
       const run = trial!.run
       answer({ ok: true, profiled: await profileRound(subject.id, () => run({ warmup: false }), (sample) => sample.cycles) })

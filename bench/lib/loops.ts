@@ -12,6 +12,11 @@ export interface ThroughputSample {
   readonly seconds: number
   /** Latency of every cycle, ms. */
   readonly latencies: Samples
+  /**
+   * CPU the measuring process used during the round (user + system, all its threads, from the
+   * kernel's account), ms: set where the round ran in a process of its own (`isolated.ts`).
+   */
+  readonly cpuMs?: number
 }
 
 const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => i)

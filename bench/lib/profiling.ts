@@ -17,6 +17,8 @@ export interface Profiled {
   readonly id: string
   readonly cycles: number
   readonly wallMs: number
+  /** CPU this process used during the round, from the kernel's account (user + system), ms. */
+  readonly processCpuMs: number
   readonly profile: CpuProfile
 }
 
@@ -99,10 +101,12 @@ export const profileRound = <R>(id: string, run: () => Promise<R>, cyclesOf: (re
     await session.post("Profiler.setSamplingInterval", { interval: 100 })
     await session.post("Profiler.start")
     const started = performance.now()
+    const cpuBefore = process.cpuUsage()
     const result = await run()
+    const cpu = process.cpuUsage(cpuBefore)
     const wallMs = performance.now() - started
     const { profile } = (await session.post("Profiler.stop")) as unknown as { profile: CpuProfile }
-    return { id, cycles: cyclesOf(result), wallMs, profile }
+    return { id, cycles: cyclesOf(result), wallMs, processCpuMs: (cpu.user + cpu.system) / 1000, profile }
   })
 
 /**
@@ -139,7 +143,7 @@ export const print = (label: string, p: Profiled): void => {
   const perCycle = (ms: number) => `${((ms * 1000) / Math.max(1, p.cycles)).toFixed(0)} µs`
   const cpu = cpuMs(p)
   console.log(`\n${label} (${p.id}): ${p.cycles} cycles in ${(p.wallMs / 1000).toFixed(1)} s`)
-  console.log(`  per cycle: wall ${perCycle(p.wallMs)}, CPU here ${perCycle(cpu)}, waiting ${perCycle(Math.max(0, p.wallMs - cpu))}`)
+  console.log(`  per cycle: wall ${perCycle(p.wallMs)}, CPU here ${perCycle(cpu)}, waiting ${perCycle(Math.max(0, p.wallMs - cpu))}; the process's CPU clock (profiler running) ${perCycle(p.processCpuMs)}`)
   console.log(`  CPU by place: ${PLACES.map((where) => `${where} ${perCycle(byWhere.get(where) ?? 0)}`).join(", ")}`)
   console.log(`  top self time: ${top.map(([name, ms]) => `${name} ${perCycle(ms)}`).join("; ")}`)
 }
