@@ -6,6 +6,7 @@
 import { describe, expect, it } from "@effect/vitest"
 import { spawnSync } from "node:child_process"
 import { fileURLToPath } from "node:url"
+import { importEntry } from "../tools/children.js"
 
 const repoRoot = fileURLToPath(new URL("..", import.meta.url))
 
@@ -20,17 +21,20 @@ register("data:text/javascript," + encodeURIComponent(
 ))
 `
 
+/** The entry as built for import checks (its packages left to Node), else the source through tsx. */
+const entry = importEntry(repoRoot, "src/PgAdvisory.ts")
+
 const importWithBlocker = (script: string) =>
   spawnSync(
     process.execPath,
-    ["--import", "tsx", "--import", `data:text/javascript,${encodeURIComponent(blocker)}`, "--input-type=module", "-e", script],
+    [...entry.nodeArgs, "--import", `data:text/javascript,${encodeURIComponent(blocker)}`, "--input-type=module", "-e", script],
     { cwd: repoRoot, encoding: "utf8", timeout: 30_000 }
   )
 
 describe("PgAdvisory imports", () => {
   it("importing PgAdvisory loads neither pg nor @effect/sql", () => {
     const run = importWithBlocker(`
-      const PgAdvisory = await import("./src/PgAdvisory.ts")
+      const PgAdvisory = await import(${JSON.stringify(entry.path)})
       console.log("imported", typeof PgAdvisory.layer, String(PgAdvisory.keyOf("x")))
     `)
     expect(run.stderr).not.toMatch(/blocked/)
@@ -40,7 +44,7 @@ describe("PgAdvisory imports", () => {
   it("control: the blocker does refuse pg when a layer is built", () => {
     const run = importWithBlocker(`
       const { Effect, Layer, Exit, Cause } = await import("effect")
-      const PgAdvisory = await import("./src/PgAdvisory.ts")
+      const PgAdvisory = await import(${JSON.stringify(entry.path)})
       const exit = await Effect.runPromiseExit(Effect.scoped(Layer.build(PgAdvisory.layer({ url: "postgres://127.0.0.1:1/x" }))))
       console.log(Exit.isFailure(exit) ? Cause.pretty(exit.cause) : "built")
     `)

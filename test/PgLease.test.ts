@@ -21,6 +21,7 @@ import * as Os from "node:os"
 import * as Path from "node:path"
 import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
+import { importEntry } from "../tools/children.js"
 import pg from "pg"
 import { freshName, withYieldBudget } from "./support/contract.js"
 import { makeFaults, withFaults } from "./support/faults.js"
@@ -1035,17 +1036,19 @@ describe("PgLease import", () => {
 }\n`
         )
         Fs.writeFileSync(Path.join(dir, "register.mjs"), `import { register } from "node:module"\nregister(${JSON.stringify(Url.pathToFileURL(Path.join(dir, "hook.mjs")).href)})\n`)
-        const run = (module: string) =>
+        // The entry as built for import checks (its packages left to Node), else the source through tsx.
+        const entry = importEntry(repoRoot, "src/PgLease.ts")
+        const run = (path: string) =>
           ChildProcess.spawnSync(
             process.execPath,
-            ["--import", "tsx", "--import", Path.join(dir, "register.mjs"), "-e", `await import(${JSON.stringify(Path.join(repoRoot, module))}); console.log("imported")`],
+            [...entry.nodeArgs, "--import", Path.join(dir, "register.mjs"), "--input-type=module", "-e", `await import(${JSON.stringify(path)}); console.log("imported")`],
             { cwd: repoRoot, encoding: "utf8", timeout: 30_000 }
           )
-        const lease = run("src/PgLease.ts")
+        const lease = run(entry.path)
         expect(lease.stderr).not.toContain("loaded at import time")
         expect(lease.stdout).toContain("imported")
         // The hook does catch a module that loads a driver when imported.
-        const control = run("node_modules/@effect/sql-pg/dist/esm/PgClient.js")
+        const control = run(Path.join(repoRoot, "node_modules/@effect/sql-pg/dist/esm/PgClient.js"))
         expect(control.stderr).toContain("loaded at import time")
       } finally {
         Fs.rmSync(dir, { recursive: true, force: true })

@@ -21,6 +21,7 @@ import * as Os from "node:os"
 import * as Path from "node:path"
 import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
+import { importEntry } from "../tools/children.js"
 import { openRaw, useSqliteFile } from "./fixtures/sqlite-db.js"
 import { contractSuite, freshName } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
@@ -507,18 +508,20 @@ describe("SqliteLease import", () => {
 }\n`
         )
         Fs.writeFileSync(Path.join(dir, "register.mjs"), `import { register } from "node:module"\nregister(${JSON.stringify(Url.pathToFileURL(Path.join(dir, "hook.mjs")).href)})\n`)
-        // Asynchronous and side by side: each child spends seconds compiling the sources (tsx).
+        // The entry as built for import checks (its packages left to Node), else the source through tsx.
+        const entry = importEntry(repoRoot, "src/index.ts")
+        // Asynchronous and side by side: each child may spend seconds compiling the sources (tsx).
         const run = (script: string) =>
           new Promise<{ stdout: string; stderr: string }>((resolve, reject) => {
             ChildProcess.execFile(
               process.execPath,
-              ["--import", "tsx", "--import", Path.join(dir, "register.mjs"), "-e", script],
+              [...entry.nodeArgs, "--import", Path.join(dir, "register.mjs"), "--input-type=module", "-e", script],
               { cwd: repoRoot, encoding: "utf8", timeout: 30_000 },
               // A child that exits non-zero still reports what it printed: the assertions read it.
               (error, stdout, stderr) => (error !== null && error.killed ? reject(error) : resolve({ stdout, stderr }))
             )
           })
-        const root = JSON.stringify(Path.join(repoRoot, "src/index.ts"))
+        const root = JSON.stringify(entry.path)
         const [imported, built, control] = await Promise.all([
           run(`await import(${root}); console.log("imported")`),
           // Building the layer is where the driver loads: refused here, it is a clear LockBackendError.

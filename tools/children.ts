@@ -79,5 +79,36 @@ export const buildChildren = async (root: string): Promise<string> => {
     alias: { "effect-lock": Path.join(root, "src") },
     logLevel: "warning"
   })
+  // The import checks' entries: the repository's own modules in one file, every package left an
+  // import of node_modules, so that a child loads exactly the packages the sources import.
+  await esbuild.build({
+    entryPoints: IMPORT_ENTRIES.map((entry) => Path.join(root, entry)),
+    outbase: root,
+    outdir: Path.join(outdir, IMPORTS_DIR),
+    outExtension: { ".js": ".mjs" },
+    bundle: true,
+    platform: "node",
+    format: "esm",
+    target: "node20",
+    packages: "external",
+    logLevel: "warning"
+  })
   return outdir
+}
+
+/** Entries whose imports the tests check (what importing them loads), relative to the root. */
+const IMPORT_ENTRIES = ["src/index.ts", "src/PgAdvisory.ts", "src/PgLease.ts"]
+const IMPORTS_DIR = "imports"
+
+/**
+ * How a child imports `entry` (one of `IMPORT_ENTRIES`) for a check of what importing it loads:
+ * its bundle of the repository's own modules, where every package stays an import that Node
+ * resolves (through the test's own resolve hook), when this run built one; else the source
+ * through tsx, whose loader then also passes every module of every package.
+ */
+export const importEntry = (root: string, entry: string): { readonly nodeArgs: ReadonlyArray<string>; readonly path: string } => {
+  const dir = process.env[CHILDREN_DIR_ENV]
+  const bundle = dir !== undefined && dir !== "" ? bundleOf(Path.join(dir, IMPORTS_DIR), entry) : undefined
+  if (IMPORT_ENTRIES.includes(entry) && bundle !== undefined && Fs.existsSync(bundle)) return { nodeArgs: [], path: bundle }
+  return { nodeArgs: ["--import", "tsx"], path: Path.join(root, entry) }
 }
