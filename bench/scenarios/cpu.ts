@@ -71,8 +71,10 @@ export interface CpuResult {
 const throughputCycles = (result: ThroughputSample) => result.cycles
 const perCycle = (ms: number, n: number) => (ms * 1000) / Math.max(1, n)
 
+type Clock = { readonly cpuUs: number; readonly wallUs: number }
+
 /** One clocked round: the child's own account, or this process's when the subject runs here. */
-const clocked = async (trial: ProfilingTrial<ThroughputSample>): Promise<{ readonly cpuUs: number; readonly wallUs: number }> => {
+const clocked = async (trial: ProfilingTrial<ThroughputSample>): Promise<Clock> => {
   const before = process.cpuUsage()
   const sample = await trial.run({ warmup: false })
   const here = process.cpuUsage(before)
@@ -80,7 +82,7 @@ const clocked = async (trial: ProfilingTrial<ThroughputSample>): Promise<{ reado
   return { cpuUs: perCycle(cpu, sample.cycles), wallUs: perCycle(sample.seconds * 1000, sample.cycles) }
 }
 
-const profiledSide = (id: string, clock: ReadonlyArray<{ readonly cpuUs: number; readonly wallUs: number }>, round: Profiled): CpuSide => {
+const profiledSide = (id: string, clock: ReadonlyArray<Clock>, round: Profiled): CpuSide => {
   const { byWhere } = summarize(round.profile)
   return {
     id,
@@ -91,26 +93,54 @@ const profiledSide = (id: string, clock: ReadonlyArray<{ readonly cpuUs: number;
   }
 }
 
-/** Floor and library opened side by side, warmed up, clocked in alternating order, then each profiled once. */
+const profileOf = (trial: ProfilingTrial<ThroughputSample>, id: string) =>
+  trial.profile?.() ?? profileRound(id, () => trial.run({ warmup: false }), throughputCycles)
+
+/**
+ * Floor and library, each in a process of its own, opened side by side, warmed up, clocked in
+ * alternating order, then each profiled once. Subjects that run in this process
+ * (`BENCH_IN_PROCESS=1`) are measured one after the other instead: one process clock would count
+ * both sides' background work (renewals, keepalives, collections) in each side's rounds.
+ */
 const measurePair = async (floorSubject: Subject<ThroughputSample>, subject: Subject<ThroughputSample>, rounds: number) => {
-  const trials: Array<ProfilingTrial<ThroughputSample>> = []
+  const opened: Array<ProfilingTrial<ThroughputSample>> = []
+  const open = async (s: Subject<ThroughputSample>) => {
+    const trial = (await s.open()) as ProfilingTrial<ThroughputSample>
+    opened.push(trial)
+    return trial
+  }
+  const close = async (trial: ProfilingTrial<ThroughputSample>) => {
+    opened.splice(opened.indexOf(trial), 1)
+    await trial.close()
+  }
   try {
-    for (const s of [floorSubject, subject]) trials.push((await s.open()) as ProfilingTrial<ThroughputSample>)
-    const [floor, library] = trials as [ProfilingTrial<ThroughputSample>, ProfilingTrial<ThroughputSample>]
+    const floor = await open(floorSubject)
+    if (floor.profile === undefined) {
+      const alone = async (trial: ProfilingTrial<ThroughputSample>, id: string): Promise<CpuSide> => {
+        await trial.run({ warmup: true })
+        const clock: Array<Clock> = []
+        for (let r = 0; r < rounds; r++) clock.push(await clocked(trial))
+        const side = profiledSide(id, clock, await profileOf(trial, id))
+        await close(trial)
+        return side
+      }
+      const floorSide = await alone(floor, floorSubject.id)
+      return { floor: floorSide, subject: await alone(await open(subject), subject.id) }
+    }
+    const library = await open(subject)
+    const trials = [floor, library] as const
     for (const trial of trials) await trial.run({ warmup: true })
-    const clocks: [Array<{ cpuUs: number; wallUs: number }>, Array<{ cpuUs: number; wallUs: number }>] = [[], []]
+    const clocks: [Array<Clock>, Array<Clock>] = [[], []]
     for (let r = 0; r < rounds; r++) {
       // No side always first: a round's background load falls on both.
       for (const i of r % 2 === 0 ? [0, 1] : [1, 0]) clocks[i]!.push(await clocked(trials[i]!))
     }
-    const profile = (trial: ProfilingTrial<ThroughputSample>, id: string) =>
-      trial.profile?.() ?? profileRound(id, () => trial.run({ warmup: false }), throughputCycles)
     return {
-      floor: profiledSide(floorSubject.id, clocks[0], await profile(floor, floorSubject.id)),
-      subject: profiledSide(subject.id, clocks[1], await profile(library, subject.id))
+      floor: profiledSide(floorSubject.id, clocks[0], await profileOf(floor, floorSubject.id)),
+      subject: profiledSide(subject.id, clocks[1], await profileOf(library, subject.id))
     }
   } finally {
-    for (const trial of trials) await trial.close()
+    for (const trial of opened.splice(0)) await trial.close()
   }
 }
 
@@ -157,7 +187,7 @@ const render = (result: CpuResult): string => {
   })
   return [
     `One worker, each row in a process of its own, ${result.rounds} rounds of ${result.roundMs} ms per row after a warm-up, ` +
-    "a row and its floor back to back (the order alternating); medians per cycle. " +
+    "a row and its floor back to back (the order alternating; with BENCH_IN_PROCESS=1 one after the other); medians per cycle. " +
     "CPU is the process's CPU clock (user + system, every thread, by the kernel's account; no profiler running). " +
     "Then one round of each with V8's profiler on: its count of main-thread samples that are not idle (no clock of CPU: " +
     "it misses the kernel's socket work and other threads, and counts a main thread preempted inside a system call as busy) " +
