@@ -12,7 +12,7 @@ import * as FiberRef from "effect/FiberRef"
 import * as Option from "effect/Option"
 import * as Scope from "effect/Scope"
 import * as DistributedLock from "effect-lock/DistributedLock"
-import type { LockMode } from "effect-lock/Lease"
+import type { Lease, LockMode } from "effect-lock/Lease"
 import type { LockBackend } from "effect-lock/LockBackend"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./faults.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
@@ -257,9 +257,23 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         onSuccess: (a): Effect.Effect<A> => Effect.succeed(a),
         onTimeout: () => Effect.dieMessage(`${what}: not within ${Duration.format(LIVE_BOUND)}`)
       }))
-  /** Some renewal reached the store since `before` renew calls. */
-  const renewedSince = (faults: Faults, before: number) =>
-    until("a renewal reached the store", Effect.sync(() => faults.renewCalls.length > before))
+  /**
+   * Some renewal reached the store since `before` renew calls. With `lease`, a lease declared lost
+   * meanwhile fails at once with its reason: no renewal comes for a lost lease, and "gave up
+   * waiting" at the bound would hide why.
+   */
+  const renewedSince = (faults: Faults, before: number, lease?: Lease) =>
+    until(
+      "a renewal reached the store",
+      Effect.flatMap(Effect.sync(() => faults.renewCalls.length > before), (renewed) =>
+        renewed || lease === undefined
+          ? Effect.succeed(renewed)
+          : Effect.flatMap(lease.isHeld, (held) =>
+            held
+              ? Effect.succeed(false)
+              : Effect.flatMap(Effect.flip(lease.lost), (lost) =>
+                Effect.dieMessage(`the lease was lost (${lost.reason}) before a renewal reached the store`))))
+    )
 
   const provide = (service: DistributedLock.Service) => Effect.provideService(DistributedLock.DistributedLock, service)
 
@@ -730,7 +744,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         for (let i = 0; i < 4; i++) {
           const before = faults.renewCalls.length
           yield* target.advance(Duration.millis(ttlMillis / 2))
-          yield* renewedSince(faults, before)
+          yield* renewedSince(faults, before, lease)
         }
         expect(yield* lease.isHeld).toBe(true)
         const other = yield* Effect.scoped(b.tryAcquire(name))
@@ -812,7 +826,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           for (let i = 0; i < 3; i++) {
             const before = faults.renewCalls.length
             yield* target.advance(target.minTtl)
-            yield* renewedSince(faults, before)
+            yield* renewedSince(faults, before, lease)
           }
           expect(yield* lease.isHeld).toBe(true)
         }), { sequential: true })
