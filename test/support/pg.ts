@@ -37,6 +37,8 @@ export const adminUrl = (): string => {
  */
 const harnessPools = new Map<string, pg.Pool>()
 const HARNESS_IDLE_MS = 1_000
+/** Bound on getting a session (connecting, or waiting for a free one) for a probe. */
+const HARNESS_CONNECT_MS = 15_000
 /** How long the reset of a session handed back may take before the session is closed instead. */
 const HARNESS_RESET_MS = 2_000
 
@@ -44,7 +46,15 @@ const HARNESS_RESET_MS = 2_000
 const harnessPool = (url: string): pg.Pool => {
   let pool = harnessPools.get(url)
   if (pool === undefined) {
-    pool = new pg.Pool({ connectionString: url, application_name: HARNESS_APPLICATION_NAME, max: 64, idleTimeoutMillis: HARNESS_IDLE_MS, allowExitOnIdle: true })
+    pool = new pg.Pool({
+      connectionString: url,
+      application_name: HARNESS_APPLICATION_NAME,
+      max: 64,
+      idleTimeoutMillis: HARNESS_IDLE_MS,
+      allowExitOnIdle: true,
+      // A probe never waits unbounded for a session: a connect (or a free slot) past this fails it.
+      connectionTimeoutMillis: HARNESS_CONNECT_MS
+    })
     // An idle session killed (restart, terminate, drop database) is dropped by the pool; no crash.
     pool.on("error", () => {})
     // A session killed while checked out errors on the client; the caller sees its query fail.
