@@ -87,6 +87,26 @@ const TEST_CLOCK_STEPS = 10_000
 const LIVE_BOUND = Duration.seconds(10)
 
 /**
+ * The failure of `self`. A success dies naming the value: with `Effect.flip` it would become the
+ * failure, and Effect's message for a failure JSON-stringifies it, which a lease's or permits'
+ * bigint tokens turn into "TypeError: Do not know how to serialize a BigInt".
+ */
+export const failureOf = <A, E, R>(self: Effect.Effect<A, E, R>): Effect.Effect<E, never, R> =>
+  Effect.matchEffect(self, {
+    onFailure: (error) => Effect.succeed(error),
+    onSuccess: (value) => Effect.dieMessage(`expected a failure, got a success: ${printable(value)}`)
+  })
+
+/** A value as text, bigints included (`12n`); whatever JSON cannot show, as String shows it. */
+const printable = (value: unknown): string => {
+  try {
+    return JSON.stringify(value, (_, v: unknown) => (typeof v === "bigint" ? `${v}n` : v)) ?? String(value)
+  } catch {
+    return String(value)
+  }
+}
+
+/**
  * Waits until `condition` holds, with a bound: on the TestClock by yielding (time does not pass),
  * on real time by polling every few milliseconds. Fails the test naming `what` if it never does.
  */
@@ -194,7 +214,7 @@ export const stallSuite = (
         const body = yield* Effect.fork(DistributedLock.guard(lease, recordingBody(steps, stop)))
         yield* waitUntil("live", "the body ran a few steps", Effect.sync(() => steps.length >= 3))
         const stallEnded = yield* stall(STALL_MS)
-        const error = yield* Effect.flip(Fiber.join(body))
+        const error = yield* failureOf(Fiber.join(body))
         expect(error).toMatchObject({ _tag: "LockLost", name, token: lease.token })
         // The promise: not a single step of the body after the stall ended.
         expect(steps.filter((t) => t > stallEnded)).toEqual([])
@@ -214,7 +234,7 @@ export const stallSuite = (
         const exit = yield* Effect.exit(DistributedLock.guard(lease, body))
         // The promise: not one operation of the body after the stall.
         expect(steps).toHaveLength(0)
-        const error = yield* Effect.flip(exit)
+        const error = yield* failureOf(exit)
         expect(error).toMatchObject({ _tag: "LockLost", name, token: lease.token, reason: "renewal-failed" })
       }), 30_000)
   })
@@ -271,7 +291,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           : Effect.flatMap(lease.isHeld, (held) =>
             held
               ? Effect.succeed(false)
-              : Effect.flatMap(Effect.flip(lease.lost), (lost) =>
+              : Effect.flatMap(failureOf(lease.lost), (lost) =>
                 Effect.dieMessage(`the lease was lost (${lost.reason}) before a renewal reached the store`))))
     )
 
@@ -343,7 +363,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* target.advance(Duration.millis(400))
         const exit = yield* Fiber.await(waiter)
         expect(Exit.isFailure(exit)).toBe(true)
-        const error = yield* Effect.flip(exit)
+        const error = yield* failureOf(exit)
         expect(error._tag).toBe("LockTimeout")
         if (error._tag === "LockTimeout") {
           expect(error.name).toBe(name)
@@ -360,7 +380,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const free = yield* Effect.scoped(Effect.map(b.acquire(name, { timeout: 0 }), (l) => l.name))
         expect(free).toBe(name)
         yield* a.acquire(name)
-        const busy = yield* Effect.flip(Effect.scoped(b.acquire(name, { timeout: Duration.millis(-5) })))
+        const busy = yield* failureOf(Effect.scoped(b.acquire(name, { timeout: Duration.millis(-5) })))
         expect(busy._tag).toBe("LockTimeout")
       }))
 
@@ -434,7 +454,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* Deferred.await(started)
         faults.failRenew = true
         yield* target.advance(target.ttl)
-        const error = yield* Effect.flip(Fiber.join(run))
+        const error = yield* failureOf(Fiber.join(run))
         expect(error._tag).toBe("LockLost")
         if (error._tag === "LockLost") {
           expect(error.token).toBe(token)
@@ -564,7 +584,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         )
         yield* queued(aFaults, inner)
         yield* target.revoke(outer)
-        const error = yield* Effect.flip(Fiber.join(run))
+        const error = yield* failureOf(Fiber.join(run))
         expect(error).toMatchObject({ _tag: "LockLost", name: outer })
         yield* letGo
         // A place left behind would keep `c` waiting until it expired (5 s on the lease stores).
@@ -606,7 +626,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* target.revoke(outer)
         yield* until("the outer lease is known lost", Effect.map(a.inspect, (held) => !held.some((l) => l.name === outer)))
         yield* answer.open
-        const error = yield* Effect.flip(Fiber.join(run))
+        const error = yield* failureOf(Fiber.join(run))
         expect(error).toMatchObject({ _tag: "LockLost", name: outer })
         const token = yield* Effect.scoped(Effect.map(c.acquire(inner, { timeout: Duration.seconds(3) }), (l) => l.token))
         expect(token > 0n).toBe(true)
@@ -642,12 +662,12 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           yield* yieldTimes(500)
           yield* write.open
         }
-        const error = yield* Effect.flip(Fiber.join(run))
+        const error = yield* failureOf(Fiber.join(run))
         expect(error).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
         yield* Fiber.join(closing)
         yield* Fiber.join(waiter)
         expect(order).toEqual(["body ended", "b granted"])
-        const refused = yield* Effect.flip(Effect.scoped(a.acquire(freshName("after-close"))))
+        const refused = yield* failureOf(Effect.scoped(a.acquire(freshName("after-close"))))
         expect(refused._tag).toBe("LockBackendError")
       }))
 
@@ -683,7 +703,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
             }
             yield* target.advance(Duration.millis(50))
           }
-          const error = yield* Effect.flip(Fiber.join(run))
+          const error = yield* failureOf(Fiber.join(run))
           expect(error).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
           yield* Fiber.join(closing)
           expect(order).toEqual(["body ended", "b granted"])
@@ -728,7 +748,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           }
           yield* target.advance(Duration.millis(50))
         }
-        expect(yield* Effect.flip(Fiber.join(run))).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
+        expect(yield* failureOf(Fiber.join(run))).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
         yield* Fiber.join(closing)
         expect(order).toEqual(["body ended", "b granted"])
       }))
@@ -759,7 +779,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const lease = yield* a.acquire(name, { ttl: target.ttl })
         faults.failRenew = true
         const lostAt = yield* Effect.fork(
-          Effect.flatMap(Effect.flip(lease.lost), () => Effect.clockWith((c) => c.currentTimeMillis))
+          Effect.flatMap(failureOf(lease.lost), () => Effect.clockWith((c) => c.currentTimeMillis))
         )
         const heldInStore = yield* Effect.fork(
           Effect.gen(function*() {
@@ -804,7 +824,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const a = yield* node()
         const names = ["", "x".repeat(target.maxNameBytes + 1), "bad\uD800surrogate", "nul\u0000byte"]
         for (const name of names) {
-          const error = yield* Effect.flip(Effect.scoped(a.acquire(name)))
+          const error = yield* failureOf(Effect.scoped(a.acquire(name)))
           expect(error._tag).toBe("InvalidLockName")
         }
         const longest = yield* Effect.scoped(Effect.map(a.acquire("y".repeat(target.maxNameBytes)), (l) => l.name))

@@ -20,7 +20,7 @@ import * as Scope from "effect/Scope"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import type { PermitRequest, SemaphoreBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
-import { freshName, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
+import { failureOf, freshName, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
 import { yieldTimes } from "./faults.js"
 import { occupancy } from "./occupancy.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
@@ -256,10 +256,10 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const name = freshName("mismatch")
         const held = yield* hold(a, name, { limit: 3 })
         yield* heldIs(name, 1)
-        const error = yield* Effect.flip(Effect.scoped(b.acquire(name, { limit: 4 })))
+        const error = yield* failureOf(Effect.scoped(b.acquire(name, { limit: 4 })))
         expect(error).toBeInstanceOf(DistributedSemaphore.LimitMismatch)
         expect(error).toMatchObject({ _tag: "LimitMismatch", name, limit: 4, current: 3 })
-        expect(yield* Effect.flip(Effect.scoped(b.tryAcquire(name, { limit: 2 })))).toMatchObject({ _tag: "LimitMismatch", current: 3 })
+        expect(yield* failureOf(Effect.scoped(b.tryAcquire(name, { limit: 2 })))).toMatchObject({ _tag: "LimitMismatch", current: 3 })
         // The same limit is fine.
         expect((yield* Effect.scoped(b.acquire(name, { limit: 3, permits: 2 }))).tokens).toHaveLength(2)
         yield* held.release
@@ -291,11 +291,11 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         yield* waitingAre(name, [1])
         yield* holder.release
         yield* stateIs(name, { held: 0, waiting: [1] })
-        expect(yield* Effect.flip(Effect.scoped(a.acquire(name, { limit: 2, timeout: 0 })))).toMatchObject({
+        expect(yield* failureOf(Effect.scoped(a.acquire(name, { limit: 2, timeout: 0 })))).toMatchObject({
           _tag: "LimitMismatch",
           current: 1
         })
-        expect(yield* Effect.flip(Effect.scoped(a.tryAcquire(name, { limit: 3 })))).toMatchObject({ _tag: "LimitMismatch", current: 1 })
+        expect(yield* failureOf(Effect.scoped(a.tryAcquire(name, { limit: 3 })))).toMatchObject({ _tag: "LimitMismatch", current: 1 })
         // Leaving gives the place up: the name is free for any limit.
         yield* Fiber.interrupt(frozen)
         yield* stateIs(name, { held: 0, waiting: [] })
@@ -421,7 +421,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const small = yield* Effect.fork(Effect.scoped(Effect.zipRight(c.acquire(name, { limit: 2 }), Effect.never)))
         yield* waitingAre(name, [2, 1])
         yield* target.advance(Duration.millis(3_100))
-        const error = yield* Effect.flip(Fiber.join(big))
+        const error = yield* failureOf(Fiber.join(big))
         expect(error).toMatchObject({ _tag: "LockTimeout", name })
         // The place was given up, not left to expire: the single permit free goes to the waiter behind.
         yield* within("the waiter behind is served", target.giveBackBound, Effect.map(target.state(name), (s) => s.held === 2 && s.waiting.length === 0))
@@ -513,7 +513,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         yield* target.revoke(name)
         // Lease stores tell at the next renewal (ttl/3).
         yield* target.advance(Duration.millis(ttlMillis / 2))
-        const error = yield* Effect.flip(Fiber.join(run))
+        const error = yield* failureOf(Fiber.join(run))
         expect(error).toMatchObject({ _tag: "LockLost", name, reason: "revoked" })
         expect(error._tag === "LockLost" && error.token > 0n).toBe(true)
         expect(finalized).toBe(true)
@@ -542,11 +542,11 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const name = freshName("margin")
         const held = yield* a.acquire(name, { limit: 1, ttl: target.ttl })
         faults.failRenew = true
-        const heldWhenTold = yield* Effect.fork(Effect.zipRight(Effect.flip(held.lost), Effect.map(target.state(name), (s) => s.held)))
+        const heldWhenTold = yield* Effect.fork(Effect.zipRight(failureOf(held.lost), Effect.map(target.state(name), (s) => s.held)))
         yield* target.advance(Duration.millis(ttlMillis * 0.9))
         // When the holder learned of the loss the store still held its permit: it was told first.
         expect(yield* Fiber.join(heldWhenTold)).toBe(1)
-        expect(yield* Effect.flip(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
+        expect(yield* failureOf(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
       }))
 
     leaseSpec("a holder taken over after its permits expired can neither renew nor release the new holder's", () =>
