@@ -11,6 +11,7 @@ import { Effect, Layer, Redacted } from "effect"
 import * as Crypto from "node:crypto"
 import pg from "pg"
 import { afterAll, beforeAll, inject } from "vitest"
+import { withTimeout } from "../../tools/embeddedPostgres.js"
 
 /** application_name of the harness's own raw sessions, so tests can tell them apart from the library's. */
 export const HARNESS_APPLICATION_NAME = "effect-lock-test-harness"
@@ -41,6 +42,8 @@ const HARNESS_IDLE_MS = 1_000
 const HARNESS_CONNECT_MS = 15_000
 /** How long the reset of a session handed back may take before the session is closed instead. */
 const HARNESS_RESET_MS = 2_000
+/** How long closing a URL's kept sessions may wait for those still checked out. */
+const HARNESS_CLOSE_MS = 2_000
 
 /** Never a bound on the harness's concurrency (a session may wait on a lock while others poll). */
 const harnessPool = (url: string): pg.Pool => {
@@ -70,7 +73,7 @@ const closeHarnessPool = async (url: string): Promise<void> => {
   harnessPools.delete(url)
   // Bounded: end() waits for sessions still checked out (a test that failed while one waited on a
   // lock); the forced drop that follows terminates them.
-  await Promise.race([pool?.end().catch(() => {}), new Promise((resolve) => setTimeout(resolve, 2_000).unref())])
+  await withTimeout(pool?.end() ?? Promise.resolve(), HARNESS_CLOSE_MS, "closing the harness's sessions").catch(() => {})
 }
 
 /**
@@ -83,12 +86,7 @@ export const withClient = async <A>(url: string, f: (client: pg.Client) => Promi
   let reusable = false
   try {
     const result = await f(client as unknown as pg.Client)
-    let timer: ReturnType<typeof setTimeout> | undefined
-    reusable = await Promise.race([
-      client.query("discard all").then(() => true, () => false),
-      new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(false), HARNESS_RESET_MS)))
-    ])
-    clearTimeout(timer)
+    reusable = await withTimeout(client.query("discard all"), HARNESS_RESET_MS, "resetting a harness session").then(() => true, () => false)
     return result
   } finally {
     // release(true) closes the session instead of keeping it.
