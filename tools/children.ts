@@ -60,15 +60,20 @@ export const buildChildren = async (root: string): Promise<string> => {
   const entryPoints = ENTRY_GLOBS.flatMap(([dir, keep]) =>
     Fs.readdirSync(Path.join(root, dir)).filter(keep).map((file) => Path.join(root, dir, file))
   )
-  await esbuild.build({
-    entryPoints,
+  // What both builds share: ESM bundles for this Node, `.mjs` beside their sources' relative paths.
+  const common = {
     outbase: root,
-    outdir,
     outExtension: { ".js": ".mjs" },
     bundle: true,
     platform: "node",
     format: "esm",
     target: "node20",
+    logLevel: "warning"
+  } as const
+  await esbuild.build({
+    ...common,
+    entryPoints,
+    outdir,
     // Packages are inlined too: a child then loads one file instead of resolving and evaluating
     // Effect's and the drivers' hundreds of modules (a lease worker's imports: 800 → 260 ms of
     // CPU). Each bundle holds one copy of `effect`, shared by everything in it; only packages
@@ -76,22 +81,15 @@ export const buildChildren = async (root: string): Promise<string> => {
     external: BUNDLE_EXTERNAL,
     // CommonJS packages inlined into ESM still `require` Node's built-ins.
     banner: { js: `import { createRequire as __effectLockCreateRequire } from "node:module"; const require = __effectLockCreateRequire(import.meta.url);` },
-    alias: { "effect-lock": Path.join(root, "src") },
-    logLevel: "warning"
+    alias: { "effect-lock": Path.join(root, "src") }
   })
   // The import checks' entries: the repository's own modules in one file, every package left an
   // import of node_modules, so that a child loads exactly the packages the sources import.
   await esbuild.build({
+    ...common,
     entryPoints: IMPORT_ENTRIES.map((entry) => Path.join(root, entry)),
-    outbase: root,
     outdir: Path.join(outdir, IMPORTS_DIR),
-    outExtension: { ".js": ".mjs" },
-    bundle: true,
-    platform: "node",
-    format: "esm",
-    target: "node20",
-    packages: "external",
-    logLevel: "warning"
+    packages: "external"
   })
   return outdir
 }
