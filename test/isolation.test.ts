@@ -51,14 +51,18 @@ interface Node {
   readonly sem: DistributedSemaphore.Service
 }
 
-/** What the renewals of PgLease nodes saw: SQLSTATEs of failed renewal statements, and failed backend renewals. */
+/**
+ * What the renewals of PgLease nodes saw: SQLSTATEs of failed renewal statements, failed backend
+ * renewals, and how many backend renewals of locks and of permits succeeded.
+ */
 interface RenewWatch {
   readonly laneFailures: Array<string>
   readonly backendFailures: Array<unknown>
+  readonly renewed: { lock: number; sem: number }
   /** Connections reserved from the application's pool (the application lane's renewal connection). */
   reserves: number
 }
-const renewWatch = (): RenewWatch => ({ laneFailures: [], backendFailures: [], reserves: 0 })
+const renewWatch = (): RenewWatch => ({ laneFailures: [], backendFailures: [], renewed: { lock: 0, sem: 0 }, reserves: 0 })
 
 /** One PgLease "process": a pool of its own, the backend on it (own connections, or the application's pool). */
 const leaseNode = (db: UsedTestDatabase, options: PgLease.Options = {}, watch: RenewWatch = renewWatch()) =>
@@ -78,13 +82,17 @@ const leaseNode = (db: UsedTestDatabase, options: PgLease.Options = {}, watch: R
         Effect.tapError(lane.renew(text, params, bound), (error) => Effect.sync(() => watch.laneFailures.push(sqlStateOf(error) ?? "none")))
     })
     const backend = yield* Effect.provide(Make.makeBackend({ pollInterval: Duration.millis(100), ...options }, wrapLane), env)
-    const watched = <B extends { readonly renew: (grants: any) => Effect.Effect<any, any> }>(b: B): B => ({
+    const watched = <B extends { readonly renew: (grants: any) => Effect.Effect<any, any> }>(b: B, kind: "lock" | "sem"): B => ({
       ...b,
-      renew: (grants: any) => Effect.tapError(b.renew(grants), (error) => Effect.sync(() => watch.backendFailures.push(error)))
+      renew: (grants: any) =>
+        b.renew(grants).pipe(
+          Effect.tapError((error) => Effect.sync(() => watch.backendFailures.push(error))),
+          Effect.tap(() => Effect.sync(() => watch.renewed[kind]++))
+        )
     })
     return {
-      lock: yield* DistributedLock.make(watched(backend)),
-      sem: yield* DistributedSemaphore.make(watched(backend.semaphore))
+      lock: yield* DistributedLock.make(watched(backend, "lock")),
+      sem: yield* DistributedSemaphore.make(watched(backend.semaphore, "sem"))
     } satisfies Node
   })
 
@@ -317,8 +325,8 @@ for (const { db, level } of databases) {
         const raced = yield* Effect.fork(Effect.promise(() =>
           withClient(db.url, async (client) => {
             // The rows are held until a renewal was refused once (at most 6 s), then the lease is
-            // held on to 2.4 s from the start under the contenders alone: the refused renewal must
-            // be sent again and kept. Each hold lasts until a renewal waits behind it, at most
+            // held on under the contenders alone until the lock and the permits were each renewed
+            // once more (at most 8 s): the refused renewal must be sent again and kept. Each hold lasts until a renewal waits behind it, at most
             // 600 ms: past the renewal interval's gaps (20 ms between holds), so the race happens
             // on purpose (100 ms windows on a loaded machine missed every renewal for 6 s), and
             // within a renewal's budget (ttl/3, 1 s), so a wait the probe misses cannot cut one off.
@@ -341,8 +349,10 @@ for (const { db, level } of databases) {
               await client.query("commit")
               await new Promise((resolve) => setTimeout(resolve, 20))
             }
-            // A hold of the lease to 2.4 s from the start, not a synchronisation: renewals go on past the refusal.
-            await new Promise((resolve) => setTimeout(resolve, Math.max(0, start + 2_400 - Date.now())))
+            const after = { ...watch.renewed }
+            const keptOn = () => watch.renewed.lock > after.lock && watch.renewed.sem > after.sem
+            const until = Date.now() + 8_000
+            while (refused() && !keptOn() && Date.now() < until) await new Promise((resolve) => setTimeout(resolve, 10))
           })
         ).pipe(Effect.ensuring(Deferred.succeed(racing, undefined))))
         const exit = yield* Fiber.await(holder)
