@@ -48,6 +48,7 @@ import {
   type WorkerConfig,
   type WorkerEvent
 } from "./protocol.js"
+import { blockThread } from "../tools/blockThread.js"
 
 /** Bound on one wait for the lock: a wait this long with four workers means nobody is writing. */
 const ACQUIRE_TIMEOUT = Duration.seconds(30)
@@ -223,10 +224,8 @@ const saturate = (ms: number) =>
 /** Blocks the event loop: timers and sockets are serviced only afterwards, as after a GC pause. */
 const stall = (ms: number): void => {
   print({ e: "stall-begin", ms })
-  const until = Date.now() + ms
-  while (Date.now() < until) {
-    // busy: nothing else in this process runs
-  }
+  // Nothing else in this process runs; the thread is parked, not spinning (tools/blockThread).
+  blockThread(ms)
   print({ e: "stall-end", ms })
 }
 

@@ -19,6 +19,7 @@ import * as Net from "node:net"
 import { monotonicMillis } from "../src/internal/core/clock.js"
 import { contractSuite, freshName, holdFor, stallSuite, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./support/faults.js"
+import { blockThread } from "../tools/blockThread.js"
 
 const store = Effect.runSync(MemoryBackend.makeStore)
 
@@ -901,11 +902,7 @@ const stallingPeer = Effect.acquireRelease(
         const millis = stallNext
         stallNext = 0
         if (millis > 0) {
-          const end = performance.now() + millis
-          while (performance.now() < end) {
-            // blocked
-          }
-          stallEnded = performance.now()
+          stallEnded = blockThread(millis)
         }
       })
     })

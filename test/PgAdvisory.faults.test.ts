@@ -14,6 +14,7 @@ import { startEmbedded } from "../tools/embeddedPostgres.js"
 import { frozen } from "./support/freeze.js"
 import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
 import { eventually as pollUntil } from "./support/eventually.js"
+import { blockThread } from "../tools/blockThread.js"
 
 // First, so that its afterAll (leak check, drop) runs after every layer of this file is closed.
 const db = useTestDatabase("pg_advisory_faults")
@@ -61,13 +62,8 @@ const grantedCount = (applicationName: string, url = db.url): Effect.Effect<numb
 const eventually = <A>(read: Effect.Effect<A>, check: (a: A) => boolean, ms: number, what: string): Effect.Effect<A> =>
   pollUntil(what, read, check, ms)
 
-/** Blocks the event loop, as a GC pause or a throttled container does. */
-const busyLoop = (ms: number) => {
-  const end = performance.now() + ms
-  while (performance.now() < end) {
-    // busy
-  }
-}
+/** Blocks the event loop, as a GC pause or a throttled container does (the thread parked, no CPU spent). */
+const busyLoop = blockThread
 
 /**
  * Stalls run back to back, one event-loop turn apart, each in the check phase (`setImmediate`),

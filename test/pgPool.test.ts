@@ -15,6 +15,7 @@ import * as Net from "node:net"
 import pg from "pg"
 import { useTestDatabase, withClient } from "./support/pg.js"
 import { waitFor } from "./support/eventually.js"
+import { blockThread } from "../tools/blockThread.js"
 
 const db = useTestDatabase("lease_driver")
 
@@ -24,10 +25,8 @@ const SHORT_MS = 150
 
 /** Blocks the event loop: nothing is read from any socket meanwhile. */
 const stall = (millis: number) => {
-  const until = performance.now() + millis
-  while (performance.now() < until) {
-    // busy: the point is that the loop cannot turn
-  }
+  // The point is that the loop cannot turn (the thread parked: tools/blockThread).
+  blockThread(millis)
 }
 
 /** Until `check` holds, within the bound (the shared poll loop). */

@@ -3,14 +3,12 @@ import { Deferred, Duration, Effect, Option } from "effect"
 import { timeoutOption } from "effect-lock/internal/runtime/stallSafe"
 import pg from "pg"
 import { adminUrl } from "./support/pg.js"
+import { blockThread } from "../tools/blockThread.js"
 
 /** Blocks the event loop, as a GC pause or a throttled container does. */
 const stall = (ms: number) =>
   Effect.sync(() => {
-    const end = performance.now() + ms
-    while (performance.now() < end) {
-      // busy
-    }
+    blockThread(ms)
   })
 
 /** A query whose answer arrives while the event loop is blocked: it sits in the socket buffer. */

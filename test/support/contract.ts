@@ -16,6 +16,7 @@ import type { Lease, LockMode } from "effect-lock/Lease"
 import type { LockBackend } from "effect-lock/LockBackend"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./faults.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
+import { blockThread } from "../../tools/blockThread.js"
 
 export interface ContractTarget {
   /** Runs tests on the TestClock (`scoped`) or on real time (`scopedLive`). */
@@ -152,13 +153,8 @@ export const contractSuite = (label: string, target: ContractTarget) => {
 
 /** Blocks the event loop, as a GC pause or a CPU-throttled container does. */
 export const stall = (millis: number): Effect.Effect<number> =>
-  Effect.sync(() => {
-    const end = performance.now() + millis
-    while (performance.now() < end) {
-      // busy: nothing else runs in the process meanwhile
-    }
-    return performance.now()
-  })
+  // Nothing else runs in the process meanwhile; the thread is parked, not spinning (tools/blockThread).
+  Effect.sync(() => blockThread(millis))
 
 /**
  * Event-loop stalls against a service on real time (`make` builds one process). A stall shorter
