@@ -94,6 +94,41 @@ interface Ran {
   readonly stderr: string
 }
 
+/**
+ * Settings for every npm process here (pack, the install lines, `npm ls`, `npx`), through the
+ * environment; neither changes what npm resolves, installs, runs or reports on stdout and stderr.
+ */
+const npmEnv: Readonly<Record<string, string>> = {
+  // No debug log file under ~/.npm/_logs: npm writes every silly line of an install to it (its
+  // error output, which a failed step reports, still comes on stderr); a cost, not a check.
+  npm_config_logs_max: "0",
+  // One libuv worker thread per process: an install's unpacking then does not hand its file and zlib
+  // work among four threads on two cores (fewer futex wake-ups: 7-18 % less CPU per install, measured).
+  UV_THREADPOOL_SIZE: "1"
+}
+
+/**
+ * At most this many of the file's child processes run at once (the consumer started by
+ * `startHolder` is not counted: `npx effect-lock inspect` runs while it holds its locks). On the
+ * 2-core machine, six npm processes at once only take turns, each costing more CPU (measured);
+ * every step still runs, in its test's order.
+ */
+const CHILDREN_AT_ONCE = 2
+let childrenRunning = 0
+const waitingForChild: Array<() => void> = []
+const inChildSlot = async <A>(task: () => Promise<A>): Promise<A> => {
+  if (childrenRunning < CHILDREN_AT_ONCE) childrenRunning++
+  else await new Promise<void>((resolve) => waitingForChild.push(resolve))
+  try {
+    return await task()
+  } finally {
+    // The slot goes to the next waiting step, if any.
+    const next = waitingForChild.shift()
+    if (next !== undefined) next()
+    else childrenRunning--
+  }
+}
+
 /** Runs a command to completion; a non-zero exit fails with its output. */
 const run = async (
   command: string,
@@ -103,12 +138,14 @@ const run = async (
   timeout = STEP_TIMEOUT_MS
 ): Promise<Ran> => {
   try {
-    const { stdout, stderr } = await promisify(execFile)(command, [...args], {
-      cwd,
-      env: childEnv(extraEnv),
-      timeout,
-      maxBuffer: 16 * 1024 * 1024
-    })
+    const { stdout, stderr } = await inChildSlot(() =>
+      promisify(execFile)(command, [...args], {
+        cwd,
+        env: childEnv(extraEnv),
+        timeout,
+        maxBuffer: 16 * 1024 * 1024
+      })
+    )
     return { stdout, stderr }
   } catch (error) {
     const e = error as { stdout?: string; stderr?: string; message: string }
@@ -190,7 +227,7 @@ beforeAll(async () => {
   work = Fs.mkdtempSync(Path.join(Os.tmpdir(), "effect-lock-package-"))
   // A clean build: output of files since deleted must not be packed.
   Fs.rmSync(Path.join(root, "dist"), { recursive: true, force: true })
-  tarball = run("npm", ["pack", "--pack-destination", work, "--json"], root).then((packed) => {
+  tarball = run("npm", ["pack", "--pack-destination", work, "--json"], root, npmEnv).then((packed) => {
     const [{ filename }] = JSON.parse(packed.stdout) as Array<{ readonly filename: string }>
     return Path.join(work, filename)
   })
@@ -201,6 +238,7 @@ beforeAll(async () => {
     npm_config_audit: "false",
     npm_config_fund: "false",
     npm_config_update_notifier: "false",
+    ...npmEnv,
     ...(await offerLocalPrebuild())
   }
 })
@@ -441,7 +479,7 @@ describe("the README's install lines", () => {
  */
 const checkLine = async (line: InstallLine, app: string, index: number): Promise<void> => {
   // `npm ls` fails on a missing or invalid dependency or peer anywhere in the tree.
-  await run("npm", ["ls", "--all"], app)
+  await run("npm", ["ls", "--all"], app, npmEnv)
   const installed = installedPackages(app)
   expect(installed).toContain("effect-lock")
   if (!names(line, "pg") && !names(line, "@effect/sql-pg")) expect(installed).not.toContain("pg")
@@ -462,7 +500,7 @@ const checkLine = async (line: InstallLine, app: string, index: number): Promise
     // The command runs on what the Redis line installs: effect and ioredis, no @effect/platform.
     expect(installed).not.toContain("@effect/platform")
     const prefix = `package-${process.pid}-${index}:`
-    const { stdout } = await run("npx", ["--no", "effect-lock", "inspect", "--json", "--url", redis.url(), "--prefix", prefix], app)
+    const { stdout } = await run("npx", ["--no", "effect-lock", "inspect", "--json", "--url", redis.url(), "--prefix", prefix], app, npmEnv)
     const report = JSON.parse(stdout) as { redis: { prefix: string; leases: ReadonlyArray<unknown>; truncated: boolean } }
     // The program above released its leases: the listing of its prefix is empty and complete.
     expect(report.redis).toMatchObject({ prefix, leases: [], truncated: false })
@@ -502,7 +540,7 @@ describe.concurrent("the packed package, installed by the README's lines into an
     await runLine(leaseLine, app)
     await checkLine(leaseLine, app, installLines.indexOf(leaseLine))
     await runLine(advisoryLine, app)
-    await run("npm", ["ls", "--all"], app)
+    await run("npm", ["ls", "--all"], app, npmEnv)
     // Only what the exports map publishes: internals stay private.
     const installed = JSON.parse(Fs.readFileSync(Path.join(app, "node_modules/effect-lock/package.json"), "utf8"))
     expect(installed.exports["./internal/*"]).toBeNull()
@@ -511,7 +549,7 @@ describe.concurrent("the packed package, installed by the README's lines into an
 
     const holder = await startHolder(app, db.url)
     expect(holder.holding).toEqual({ event: "holding", memory: "1", advisory: expect.stringMatching(/^\d+$/), lease: expect.stringMatching(/^\d+$/) })
-    const inspected = await run("npx", ["--no", "effect-lock", "inspect", "--json", "--url", db.url], app)
+    const inspected = await run("npx", ["--no", "effect-lock", "inspect", "--json", "--url", db.url], app, npmEnv)
     const report = JSON.parse(inspected.stdout) as {
       advisory: Array<{ name: string | null; granted: boolean; applicationName: string | null }>
       leases: { held: Array<{ name: string; token: string }> }
