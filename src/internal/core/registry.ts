@@ -394,18 +394,23 @@ export const makeRegistry = <G extends Grant>(
         }
         leases.delete(held.id)
         const renewing = held.renewing
-        const back = giveBack(held.name, held.grant, held.labels)
-        // Bounded: a renewal is itself cut off at its budget, this is only a backstop.
-        const work = renewing === undefined
-          ? back
-          : Effect.zipRight(timeoutOption(Deferred.await(renewing), wholeMillis(releaseTimeoutMillis)), back)
         // An in-process store's release is one synchronous step: nothing to own or to bound.
         // Bound: releaseTimeout for the release, as much again for a renewal in flight before it.
-        const done = backend.instantRelease === true && renewing === undefined
-          ? back
-          : renewing === undefined && held.grant.releaseNow !== undefined
+        // The release Effect is built only on the paths that run it: the callback path (`detached`) is every cycle's.
+        const done = renewing === undefined && backend.instantRelease !== true && held.grant.releaseNow !== undefined
           ? detached(held.grant, releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, held.labels)
-          : owned(work, (renewing === undefined ? 1 : 2) * releaseTimeoutMillis + RELEASE_GRACE_MS, held.name, String(held.grant.token), held.labels)
+          : backend.instantRelease === true && renewing === undefined
+          ? giveBack(held.name, held.grant, held.labels)
+          : owned(
+            renewing === undefined
+              ? giveBack(held.name, held.grant, held.labels)
+              // Bounded: a renewal is itself cut off at its budget, this is only a backstop.
+              : Effect.zipRight(timeoutOption(Deferred.await(renewing), wholeMillis(releaseTimeoutMillis)), giveBack(held.name, held.grant, held.labels)),
+            (renewing === undefined ? 1 : 2) * releaseTimeoutMillis + RELEASE_GRACE_MS,
+            held.name,
+            String(held.grant.token),
+            held.labels
+          )
         return isTraced(fiber)
           ? Effect.withSpan(done, "effect-lock.release", {
             captureStackTrace: false,

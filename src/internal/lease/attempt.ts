@@ -17,6 +17,7 @@ import type { AcquireRequest, Grant } from "../../LockBackend.js"
 import type { LockBackendError } from "../../LockError.js"
 import { clockMillis, monotonicMillis } from "../core/clock.js"
 import { Cell } from "../runtime/cell.js"
+import { uninterruptibleMaskClock } from "../runtime/mask.js"
 import { within } from "../runtime/stallSafe.js"
 import type { AttemptInput, LockAcquireAnswer, LockAcquireInput, Statement } from "./dialect.js"
 import type { GiveBack } from "./giveBack.js"
@@ -211,11 +212,12 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
     return cell
   }
 
-  // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
-  // step): nothing between starting the attempt and the match below can be interrupted, and an
+  // Uninterruptible but for the wait, whoever calls (the core already is: then it costs nothing,
+  // `uninterruptibleMaskClock`): nothing between starting the attempt and the match below can be interrupted, and an
   // interrupted wait reaches the abandon, which an interruptible region would skip.
   return (request, waiter, first) =>
-    Effect.uninterruptibleMask((restore) => Effect.clockWith((clock) => {
+    // One step for the mask and the clock; no mask at all where the caller is uninterruptible already.
+    uninterruptibleMaskClock((restore, clock) => {
       // The deadline is on the monotonic timeline (the SPI's contract).
       const now = clockMillis(clock)
       const remaining = Option.isSome(request.deadline) ? request.deadline.value - now : undefined
@@ -245,5 +247,5 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
           return Exit.isFailure(exit) ? Effect.zipRight(abandon(false), exit) : exit
         }
       })
-    }))
+    })
 }

@@ -7,7 +7,7 @@
  * names. Expiry is the database's clock only; a statement never runs inside the caller's
  * transaction.
  */
-import * as Exit from "effect/Exit"
+import * as Cause from "effect/Cause"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
@@ -21,6 +21,7 @@ import * as Attempt from "./attempt.js"
 import * as GiveBack from "./giveBack.js"
 import type { Dialect } from "./dialect.js"
 import * as Lane from "./lane.js"
+import { uninterruptibleMask } from "../runtime/mask.js"
 import type { Owner } from "../runtime/owner.js"
 import * as Permits from "./permits.js"
 import * as Renew from "./renew.js"
@@ -152,38 +153,63 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
       return Duration.millis(Math.max(0, Math.min(cap, PLACE_REFRESH_MILLIS, untilChange, untilDeadline)))
     })
 
-  const waitFor = (request: Q, waiter: string, subscription: Subscription | undefined) =>
-    Effect.gen(function*() {
-      let first = true
-      while (true) {
-        const mark = subscription === undefined ? 0 : yield* subscription.mark
-        const result = yield* attempt(request, waiter, first)
-        if (!isBusy(result)) return result
-        // A release that started before this request's place was committed cannot see it, so
-        // it wakes nobody for it: after taking its place, a waiter looks again once such a
-        // release has had time to commit (a few of its own statement times). Not where every
-        // release sees every committed place: its wake-up is on the way (subscribed before).
-        const followUp = first && settings.placesSeenByEveryRelease !== true
-          ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS)
-          : undefined
-        first = false
-        const delay = Duration.min(yield* sleepFor(result.wakeAt, request.deadline), followUp ?? Duration.infinity)
+  /**
+   * Attempts until not busy, waiting between attempts. Plain flatMaps, not a generator: the first
+   * attempt is on every acquire's path, and a generator costs its frames and steps on each.
+   */
+  const waitFor = (
+    request: Q,
+    waiter: string,
+    subscription: Subscription | undefined
+  ): Effect.Effect<Attempt.Granted<G> | { readonly _tag: "TimedOut" } | X, LockBackendError> => {
+    const attemptFrom = (first: boolean) => (mark: number) =>
+      Effect.flatMap(attempt(request, waiter, first), (result) => isBusy(result) ? waitThen(result, mark, first) : Effect.succeed(result))
+    // Each attempt takes the wake-up count before it is sent, and waits on it after.
+    const next = (first: boolean) =>
+      subscription === undefined ? attemptFrom(first)(0) : Effect.flatMap(subscription.mark, attemptFrom(first))
+    const waitThen = (result: Attempt.Busy, mark: number, first: boolean) => {
+      // A release that started before this request's place was committed cannot see it, so
+      // it wakes nobody for it: after taking its place, a waiter looks again once such a
+      // release has had time to commit (a few of its own statement times). Not where every
+      // release sees every committed place: its wake-up is on the way (subscribed before).
+      const followUp = first && settings.placesSeenByEveryRelease !== true
+        ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS)
+        : undefined
+      return Effect.flatMap(sleepFor(result.wakeAt, request.deadline), (sleep) => {
+        const delay = Duration.min(sleep, followUp ?? Duration.infinity)
         // Only waits are interruptible or cut at the deadline; they grant nothing.
-        const woke = yield* request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay))
-        if (Option.isNone(woke)) return { _tag: "TimedOut" } as const
-      }
-    })
+        return Effect.flatMap(
+          request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay)),
+          // Recursion through flatMap is a loop: the runtime returns to its run loop between steps.
+          (woke): Effect.Effect<Attempt.Granted<G> | { readonly _tag: "TimedOut" } | X, LockBackendError> =>
+            Option.isNone(woke) ? Effect.succeed({ _tag: "TimedOut" } as const) : next(false)
+        )
+      })
+    }
+    return next(true)
+  }
 
   /** Subscribed (no scope: taken off again in the same step as the place is given up) for the whole wait. */
   const subscribedWait = (request: Q, waiter: string) =>
     Effect.flatMap(hub === undefined ? Effect.succeed(undefined) : hub.subscribeNow(key(request.name), waiter), (registered) =>
-      waitFor(request, waiter, registered?.subscription).pipe(
-        Effect.onExit((exit) => {
-          registered?.unsubscribe()
-          if (Exit.isSuccess(exit) && isGranted(exit.value)) return Effect.void
-          // Interrupted: the place is gone before the interrupt returns (awaited, one statement
-          // bound), else a try right after it would find a waiter ahead; otherwise in the background.
-          return giveBack.leave(request.name, waiter, Exit.isFailure(exit) && Exit.isInterrupted(exit))
+      // `Effect.onExit` by hand (the clean-up only ever dies): no mask where the caller is
+      // uninterruptible already (the core), and a grant goes on in one step.
+      uninterruptibleMask((restore) =>
+        Effect.matchCauseEffect(restore(waitFor(request, waiter, registered?.subscription)), {
+          onFailure: (cause) => {
+            registered?.unsubscribe()
+            // Interrupted: the place is gone before the interrupt returns (awaited, one statement
+            // bound), else a try right after it would find a waiter ahead; otherwise in the background.
+            return Effect.matchCauseEffect(giveBack.leave(request.name, waiter, Cause.isInterrupted(cause)), {
+              // As `Effect.onExit`: a clean-up that dies adds its cause to the first.
+              onFailure: (again) => Effect.failCause(Cause.sequential(cause, again)),
+              onSuccess: () => Effect.failCause(cause)
+            })
+          },
+          onSuccess: (result) => {
+            registered?.unsubscribe()
+            return isGranted(result) ? Effect.succeed(result) : Effect.as(giveBack.leave(request.name, waiter, false), result)
+          }
         })
       ))
 

@@ -31,8 +31,16 @@ const list = (value: unknown): ReadonlyArray<unknown> => (Array.isArray(value) ?
 
 const call = (keys: ReadonlyArray<string>, argv: ReadonlyArray<string | number>): Call => [keys.length, ...keys, ...argv]
 
-/** Lock acquire's arguments, in the order `Scripts.acquire` reads them. */
-const acquireArgs = (i: LockAcquireInput) => [
+/**
+ * Lock acquire's call: its 4 keys, then its arguments in the order `Scripts.acquire` reads them.
+ * Built in one array, not as `call(keys, args)`: this is on every acquire's path.
+ */
+const acquireCall = (keys: ReadonlyArray<string>, i: LockAcquireInput): Call => [
+  4,
+  keys[0]!,
+  keys[1]!,
+  keys[2]!,
+  keys[3]!,
   i.name,
   i.owner,
   i.waiter,
@@ -109,14 +117,16 @@ export const operator = (prefix: string, channel: string) => ({
 
 /** The statements under `prefix`, waking on `channel`. */
 export const dialect = (prefix: string, channel: string): Dialect => {
-  const keysOf = (name: string) => Keys.keyList(Keys.lockKeys(prefix, name))
+  // Cached (bounded): acquire and release of a name would each hash it and build its keys again.
+  const keysOf = Keys.keyCache((name) => Keys.keyList(Keys.lockKeys(prefix, name)))
+  const semKeyOf = Keys.keyCache((name) => Keys.semKey(prefix, name))
   return {
     backend: "redis-lease",
     locks: {
       acquire: {
         operation: "acquire",
         text: Scripts.acquire,
-        encode: (i) => call(keysOf(i.name), acquireArgs(i)),
+        encode: (i) => acquireCall(keysOf(i.name), i),
         decode: (rows) => {
           const [token, wait] = list(reply(rows))
           return decode.lockAcquire([{ token: token ?? null, wait: wait ?? null }])
@@ -125,7 +135,11 @@ export const dialect = (prefix: string, channel: string): Dialect => {
       release: {
         operation: "release",
         text: Scripts.release,
-        encode: (i) => call(keysOf(i.name), [i.name, i.owner ?? "", i.waiter ?? "", channel]),
+        encode: (i) => {
+          const keys = keysOf(i.name)
+          // In one array, as `acquireCall`: `call(keys, args)` would build two more per release.
+          return [4, keys[0]!, keys[1]!, keys[2]!, keys[3]!, i.name, i.owner ?? "", i.waiter ?? "", channel]
+        },
         // The script publishes the wake-ups itself: nothing to wake from the answer.
         decode: (rows) => decode.release(() => [])([{ released: list(reply(rows))[0] ?? 0 }])
       },
@@ -135,8 +149,9 @@ export const dialect = (prefix: string, channel: string): Dialect => {
         // One call per lease, in batch order (the lane pipelines them).
         encode: (grants: ReadonlyArray<RenewInput>) =>
           grants.map((g) => {
-            const keys = Keys.lockKeys(prefix, g.name)
-            return call([keys.lease, keys.shared], [g.owner, g.token.toString(), Math.max(1, Math.round(g.ttlMillis)), g.mode ?? "exclusive"])
+            // `keyList` order: lease is KEYS[1], shared KEYS[4].
+            const keys = keysOf(g.name)
+            return call([keys[0]!, keys[3]!], [g.owner, g.token.toString(), Math.max(1, Math.round(g.ttlMillis)), g.mode ?? "exclusive"])
           }),
         decode: (rows) => decode.renew(list(reply(rows)).map((outcome, idx) => ({ idx, outcome })))
       },
@@ -149,7 +164,7 @@ export const dialect = (prefix: string, channel: string): Dialect => {
       acquire: {
         operation: "acquire",
         text: PermitScripts.acquire,
-        encode: (i) => call([Keys.semKey(prefix, i.name)], permitAcquireArgs(i)),
+        encode: (i) => call([semKeyOf(i.name)], permitAcquireArgs(i)),
         decode: (rows) => {
           const [token, current, wait] = list(reply(rows))
           return decode.permitAcquire([{ token: token ?? null, current: current ?? null, wait: wait ?? null }])
@@ -158,7 +173,7 @@ export const dialect = (prefix: string, channel: string): Dialect => {
       release: {
         operation: "release",
         text: PermitScripts.release,
-        encode: (i) => call([Keys.semKey(prefix, i.name)], [i.owner ?? "", i.waiter ?? "", channel]),
+        encode: (i) => call([semKeyOf(i.name)], [i.owner ?? "", i.waiter ?? "", channel]),
         // The script publishes the wake-ups itself: nothing to wake from the answer.
         decode: (rows) => decode.release(() => [])([{ released: list(reply(rows))[0] ?? 0 }])
       },
@@ -167,7 +182,7 @@ export const dialect = (prefix: string, channel: string): Dialect => {
         text: PermitScripts.renew,
         // One call per grant, in batch order (the lane pipelines them); a grant's token is its first.
         encode: (grants: ReadonlyArray<RenewInput>) =>
-          grants.map((g) => call([Keys.semKey(prefix, g.name)], [g.owner, g.token.toString(), Math.max(1, Math.round(g.ttlMillis))])),
+          grants.map((g) => call([semKeyOf(g.name)], [g.owner, g.token.toString(), Math.max(1, Math.round(g.ttlMillis))])),
         decode: (rows) => decode.renew(list(reply(rows)).map((outcome, idx) => ({ idx, outcome })))
       },
       ensureTable: [],

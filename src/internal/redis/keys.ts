@@ -51,6 +51,28 @@ export const semKey = (prefix: string, name: string): string => `${prefix}{${tag
 /** The keys as a script's KEYS list, in the documented order. */
 export const keyList = (keys: LockKeys): ReadonlyArray<string> => [keys.lease, keys.queue, keys.places, keys.shared]
 
+/** Names whose keys a `keyCache` keeps: a loop over a few names hits, a sweep over many stays bounded. */
+export const KEY_CACHE_LIMIT = 1_000
+
+/**
+ * `f` memoized per name in a Map of at most `KEY_CACHE_LIMIT` entries, the oldest evicted first
+ * when full: every statement of a name (acquire and release alike) would otherwise hash it with
+ * SHA-256 and build its key strings again. `f` must be pure (keys depend on the prefix and name only).
+ */
+export const keyCache = <A>(f: (name: string) => A): (name: string) => A => {
+  const cache = new Map<string, A>()
+  return (name) => {
+    let value = cache.get(name)
+    if (value === undefined) {
+      value = f(name)
+      // FIFO: the Map iterates in insertion order, so its first key is the oldest entry.
+      if (cache.size >= KEY_CACHE_LIMIT) cache.delete(cache.keys().next().value as string)
+      cache.set(name, value)
+    }
+    return value
+  }
+}
+
 /** A SCAN pattern matching every key of `name` (tests, inspection). */
 export const namePattern = (prefix: string, name: string): string => `${escapeGlob(prefix)}\\{${tagOf(name)}\\}:*`
 
