@@ -1,5 +1,6 @@
 import { fileURLToPath } from "node:url"
 import { defineConfig } from "vitest/config"
+import Sequencer from "./test/support/sequencer.js"
 
 export default defineConfig({
   resolve: {
@@ -22,6 +23,8 @@ export default defineConfig({
     hookTimeout: 60_000,
     // PostgreSQL tests share one server; two workers match the 2-core machine.
     maxWorkers: 2,
-    minWorkers: 1
+    minWorkers: 1,
+    // Long contract files first: see test/support/sequencer.ts.
+    sequence: { sequencer: Sequencer }
   }
 })
