@@ -24,7 +24,7 @@ export default defineConfig({
     // PostgreSQL tests share one server; two workers match the 2-core machine.
     maxWorkers: 2,
     minWorkers: 1,
-    // Long contract files first: see test/support/sequencer.ts.
+    // Longest files first, so that both workers finish together: see test/support/sequencer.ts.
     sequence: { sequencer: Sequencer }
   }
 })
