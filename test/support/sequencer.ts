@@ -1,5 +1,5 @@
 /**
- * The order of the test files: longest first, so that the two workers finish together. Without
+ * The order of the test files: longest first, so that the workers finish together. Without
  * timings of its own (a fresh clone, CI) vitest runs larger files first, and the files of the
  * contract suites are short files that wait out real ttls for 15-45 s: they came last, one or two
  * alone on a worker for the run's final half-minute (a fresh-clone run: 331 s, its last 36 s
