@@ -1,5 +1,8 @@
 import { describe, expect, it } from "@effect/vitest"
-import { spawnSync } from "node:child_process"
+import { spawn, spawnSync } from "node:child_process"
+import * as Fs from "node:fs"
+import * as Os from "node:os"
+import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
 
 const root = fileURLToPath(new URL("..", import.meta.url))
@@ -20,6 +23,44 @@ describe("tools/embeddedPostgres", () => {
     })
     expect(run.stderr).toBe("")
     expect(run.status).toBe(3)
+  })
+})
+
+describe("tools/embeddedPostgres watchdog", () => {
+  // A test run that crashed or was killed left its server running, its data directory in /tmp.
+  it("a process killed with its server running leaves no server and no data directory", { timeout: 90_000 }, async () => {
+    const script = `
+      import { startEmbedded } from "./tools/embeddedPostgres.ts"
+      await startEmbedded()
+      console.log("started")
+      setInterval(() => {}, 1000)
+    `
+    const child = spawn(process.execPath, ["--import", "tsx", "--input-type=module", "-e", script], { cwd: root, stdio: ["ignore", "pipe", "inherit"] })
+    await new Promise<void>((resolve, reject) => {
+      child.stdout.on("data", (chunk: Buffer) => chunk.toString().includes("started") && resolve())
+      child.once("exit", (code) => reject(new Error(`the owner exited (${code}) before its server started`)))
+    })
+    const prefix = `effect-lock-pg-${child.pid}-`
+    const dirs = Fs.readdirSync(Os.tmpdir()).filter((name) => name.startsWith(prefix) && !name.endsWith(".log"))
+    expect(dirs).toHaveLength(1)
+    const dataDir = Path.join(Os.tmpdir(), dirs[0]!)
+    const postmaster = Number(Fs.readFileSync(Path.join(dataDir, "postmaster.pid"), "utf8").split("\n")[0])
+    const alive = (pid: number) => {
+      try {
+        process.kill(pid, 0)
+        return true
+      } catch {
+        return false
+      }
+    }
+    expect(alive(postmaster)).toBe(true)
+    child.kill("SIGKILL")
+    // The watchdog polls every second; a fast shutdown of an idle server takes well under a second.
+    const deadline = Date.now() + 20_000
+    while ((alive(postmaster) || Fs.existsSync(dataDir)) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100))
+    expect(alive(postmaster)).toBe(false)
+    expect(Fs.existsSync(dataDir)).toBe(false)
+    expect(Fs.existsSync(`${dataDir}.log`)).toBe(false)
   })
 })
 

