@@ -68,18 +68,19 @@ const nodeOf = (client: Cluster, name: string) =>
 
 const cli = runCli
 
-/** 12 names of a process's own, held by it, whose keys are on every one of the 3 masters; their tokens by name. */
-const holdOnEveryNode = (owner: Effect.Effect.Success<ReturnType<typeof processOn>>, base: string) =>
+/**
+ * 12 names whose keys are on every one of the 3 masters, 4 on each, picked by their slot: 12 names
+ * drawn at random all missed one of the 3 masters in about 1 run in 40 (3 × (2/3)^12), and a test
+ * about every node then failed, or passed while seeing fewer nodes.
+ */
+const namesOnEveryNode = (client: Cluster, base: string) =>
   Effect.gen(function*() {
-    // 4 names on each master, picked by their slot: 12 names drawn at random all missed one of
-    // the 3 masters in about 1 run in 40 (3 × (2/3)^12), and the listing could then pass while
-    // seeing fewer nodes.
     const names: Array<string> = []
     const ports: Array<number | undefined> = []
     const perPort = new Map<number | undefined, number>()
     for (let i = 0; names.length < 12 && i < 1_000; i++) {
       const name = `${base}-${i}`
-      const port = yield* nodeOf(owner.client, name)
+      const port = yield* nodeOf(client, name)
       if ((perPort.get(port) ?? 0) >= 4) continue
       perPort.set(port, (perPort.get(port) ?? 0) + 1)
       names.push(name)
@@ -87,6 +88,13 @@ const holdOnEveryNode = (owner: Effect.Effect.Success<ReturnType<typeof processO
     }
     expect(names).toHaveLength(12)
     expect(new Set(ports).size).toBe(3)
+    return { names, ports }
+  })
+
+/** 12 names of a process's own on every one of the 3 masters, held by it; their tokens by name. */
+const holdOnEveryNode = (owner: Effect.Effect.Success<ReturnType<typeof processOn>>, base: string) =>
+  Effect.gen(function*() {
+    const { names, ports } = yield* namesOnEveryNode(owner.client, base)
     const tokens = new Map<string, bigint>()
     for (const name of names) tokens.set(name, (yield* owner.lock.acquire(name)).token)
     return { names, ports, tokens }
@@ -97,11 +105,8 @@ describe.skipIf(skip)("RedisLease on a 3-node Redis Cluster", () => {
     Effect.gen(function*() {
       const a = yield* processOn()
       const b = yield* processOn()
-      const base = freshName("redis-cluster")
-      const names = Array.from({ length: 12 }, (_, i) => `${base}-${i}`)
-      const nodes = new Set(yield* Effect.forEach(names, (name) => nodeOf(a.client, name)))
-      // The names' keys are spread over the cluster: the scripts run on different nodes.
-      expect(nodes.size).toBe(3)
+      // The names' keys are spread over the cluster: the scripts run on every node.
+      const { names } = yield* namesOnEveryNode(a.client, freshName("redis-cluster"))
       const last = new Map<string, bigint>()
       for (let round = 0; round < 2; round++) {
         for (const [holder, other] of [[a, b], [b, a]] as const) {
