@@ -322,6 +322,7 @@ for (const { db, level } of databases) {
         const contending = yield* Effect.fork(Effect.all(contenders.map(contend), { concurrency: "unbounded", discard: true }))
         // A renewal that starts while another transaction holds its row, updated, waits for it; once
         // that commits, READ COMMITTED re-checks the new version, stricter levels refuse with 40001.
+        const refused = () => watch.laneFailures.includes("40001")
         const raced = yield* Effect.fork(Effect.promise(() =>
           withClient(db.url, async (client) => {
             // The rows are held until a renewal was refused once (at most 6 s), then the lease is
@@ -331,7 +332,6 @@ for (const { db, level } of databases) {
             // on purpose (100 ms windows on a loaded machine missed every renewal for 6 s), and
             // within a renewal's budget (ttl/3, 1 s), so a wait the probe misses cannot cut one off.
             const start = Date.now()
-            const refused = () => watch.laneFailures.includes("40001")
             while (!refused() && Date.now() < start + 6_000) {
               await client.query("begin isolation level read committed")
               await client.query(`update ${PgLease.DEFAULT_TABLE} set token = token where name = $1`, [lockName])
@@ -349,12 +349,16 @@ for (const { db, level } of databases) {
               await client.query("commit")
               await new Promise((resolve) => setTimeout(resolve, 20))
             }
+          })
+        ).pipe(
+          // Past a refusal, held on until the lock and the permits were each renewed again (the shared poll loop, 8 s).
+          Effect.zipRight(Effect.suspend(() => {
             const after = { ...watch.renewed }
             const keptOn = () => watch.renewed.lock > after.lock && watch.renewed.sem > after.sem
-            const until = Date.now() + 8_000
-            while (refused() && !keptOn() && Date.now() < until) await new Promise((resolve) => setTimeout(resolve, 10))
-          })
-        ).pipe(Effect.ensuring(Deferred.succeed(racing, undefined))))
+            return waitFor("the lock and the permits renewed again after a refusal", Effect.sync(() => !refused() || keptOn()), Duration.seconds(8))
+          })),
+          Effect.ensuring(Deferred.succeed(racing, undefined))
+        ))
         const exit = yield* Fiber.await(holder)
         yield* Fiber.join(raced)
         yield* Deferred.succeed(stop, undefined)

@@ -1,10 +1,13 @@
 import { describe, expect, it } from "@effect/vitest"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
 import { spawn, spawnSync } from "node:child_process"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import { fileURLToPath } from "node:url"
 import { redisServerPath } from "../tools/redisServer.js"
+import { waitFor } from "./support/eventually.js"
 
 const root = fileURLToPath(new URL("..", import.meta.url))
 const hasRedisServer = redisServerPath() !== undefined
@@ -67,8 +70,7 @@ const ownerKilled = async (
     expect(alive(server)).toBe(true)
     child.kill("SIGKILL")
     // The watchdog hears the owner's end at once; an idle server stops well within a second.
-    const deadline = Date.now() + 20_000
-    while ((alive(server) || Fs.existsSync(dir)) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100))
+    await Effect.runPromise(waitFor("the server stopped and its directory deleted", Effect.sync(() => !alive(server) && !Fs.existsSync(dir)), Duration.seconds(20)).pipe(Effect.catchAllDefect(() => Effect.void)))
     expect(alive(server)).toBe(false)
     expect(Fs.existsSync(dir)).toBe(false)
     for (const path of extra(dir)) expect(Fs.existsSync(path)).toBe(false)

@@ -29,6 +29,4 @@ export const uninterruptibleMaskClock = <A, E, R>(
 
 /** `Effect.uninterruptibleMask(f)`, skipped where the caller is uninterruptible already. */
 export const uninterruptibleMask = <A, E, R>(f: (restore: Restore) => Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
-  Effect.withFiberRuntime<A, E, R>((_, status) =>
-    RuntimeFlags.interruption(status.runtimeFlags) ? Effect.uninterruptibleMask(f) : f(identity)
-  )
+  uninterruptibleMaskClock((restore) => f(restore))
