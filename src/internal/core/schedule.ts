@@ -157,8 +157,8 @@ export const run = <Out, R2, E, R>(
         Effect.flatMap(clock.now, (now) => {
           if (now >= claimBy) {
             return failures === 0
-              ? Effect.logDebug(`schedule "${name}": occurrence ${iso(at)} is past its claim window; skipped`)
-              : Effect.logWarning(`schedule "${name}": occurrence ${iso(at)} skipped: the lock store could not be reached in time`)
+              ? Effect.logDebug(`schedule "${name}": occurrence ${iso(at)} is past its claim window (reached ${Math.round(now - at)} ms after its time); skipped`)
+              : Effect.logWarning(`schedule "${name}": occurrence ${iso(at)} skipped: the lock store could not be reached in time (${Math.round(now - at)} ms after its time)`)
           }
           const timeout = Duration.millis(Math.max(1, Math.min(claimBy - now, CLAIM_TIMEOUT_MS)))
           const attempt = deps.lock.tryAcquire(name, { timeout, ttl: settings.ttl }).pipe(
@@ -185,8 +185,11 @@ export const run = <Out, R2, E, R>(
         Effect.gen(function*() {
           const grantedAt = yield* monotonicMillis
           // Checked after the grant: a claim that came too late is given back without running.
-          if ((yield* clock.now) >= claimBy) {
-            return yield* Effect.logDebug(`schedule "${name}": occurrence ${iso(at)} was won past its claim window; skipped`)
+          const wonAt = yield* clock.now
+          if (wonAt >= claimBy) {
+            return yield* Effect.logDebug(
+              `schedule "${name}": occurrence ${iso(at)} was won past its claim window (${Math.round(wonAt - at)} ms after its time); skipped`
+            )
           }
           yield* runJob(lease)
           // Held until atLeastFor after the grant, never past the next occurrence, and not once lost.
