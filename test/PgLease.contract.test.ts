@@ -11,7 +11,9 @@ import { pgLeaseHelpers } from "./support/pgLease.js"
 // First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_contract")
 
-const CONTRACT_TTL = Duration.seconds(2)
+/** 3 s, as the PgLease semaphore suite's: renewals get 1.4 s (ttl/3 to ttl − ttl/5); with 2 s (930 ms) they
+ * were late on 2 cores running three test files at once, and the leases were declared lost. */
+const CONTRACT_TTL = Duration.seconds(3)
 const { backendOn, poolOn, probe, query } = pgLeaseHelpers(db, CONTRACT_TTL)
 
 contractSuite("PgLease", {

@@ -70,7 +70,9 @@ const ownerKilled = async (
     expect(alive(server)).toBe(true)
     child.kill("SIGKILL")
     // The watchdog hears the owner's end at once; an idle server stops well within a second.
-    await Effect.runPromise(waitFor("the server stopped and its directory deleted", Effect.sync(() => !alive(server) && !Fs.existsSync(dir)), Duration.seconds(20)).pipe(Effect.catchAllDefect(() => Effect.void)))
+    // Every path: the watchdog's one `rm -rf` deletes them one after another.
+    const gone = () => !alive(server) && [dir, ...extra(dir)].every((path) => !Fs.existsSync(path))
+    await Effect.runPromise(waitFor("the server stopped and its directory deleted", Effect.sync(gone), Duration.seconds(20)).pipe(Effect.catchAllDefect(() => Effect.void)))
     expect(alive(server)).toBe(false)
     expect(Fs.existsSync(dir)).toBe(false)
     for (const path of extra(dir)) expect(Fs.existsSync(path)).toBe(false)
