@@ -18,13 +18,12 @@
  * install.
  */
 import { afterAll, beforeAll, describe, expect, it } from "@effect/vitest"
-import { execFile, spawn } from "node:child_process"
+import { spawn } from "node:child_process"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import * as Readline from "node:readline"
 import { fileURLToPath } from "node:url"
-import { promisify } from "node:util"
 import { useTestDatabase } from "./support/pg.js"
 import { noRedis, useRedis } from "./support/redis.js"
 
@@ -129,6 +128,46 @@ const inChildSlot = async <A>(task: () => Promise<A>): Promise<A> => {
   }
 }
 
+/**
+ * `command` to its end, in a process group of its own: past `timeout` the whole group is killed,
+ * not only the process started (`sh -c "npm install …"` leaves npm running when only sh is).
+ * Fails with its output on a non-zero exit, a signal or the timeout.
+ */
+const runToEnd = (
+  command: string,
+  args: ReadonlyArray<string>,
+  cwd: string,
+  env: NodeJS.ProcessEnv,
+  timeout: number
+): Promise<Ran> =>
+  new Promise((resolve, reject) => {
+    const child = spawn(command, [...args], { cwd, env, detached: true, stdio: ["ignore", "pipe", "pipe"] })
+    let stdout = ""
+    let stderr = ""
+    child.stdout.setEncoding("utf8").on("data", (chunk: string) => (stdout += chunk))
+    child.stderr.setEncoding("utf8").on("data", (chunk: string) => (stderr += chunk))
+    let timedOut = false
+    const timer = setTimeout(() => {
+      timedOut = true
+      // The negative pid: every process of the group (detached made the child its leader).
+      try {
+        process.kill(-child.pid!, "SIGKILL")
+      } catch {
+        // Already gone.
+      }
+    }, timeout)
+    child.once("error", (error) => {
+      clearTimeout(timer)
+      reject(Object.assign(error, { stdout, stderr }))
+    })
+    child.once("close", (code, signal) => {
+      clearTimeout(timer)
+      if (code === 0 && !timedOut) return resolve({ stdout, stderr })
+      const why = timedOut ? `timed out after ${timeout} ms (its process group killed)` : `exited with ${code ?? signal}`
+      reject(Object.assign(new Error(`Command failed: ${why}`), { stdout, stderr }))
+    })
+  })
+
 /** Runs a command to completion; a non-zero exit fails with its output. */
 const run = async (
   command: string,
@@ -138,15 +177,7 @@ const run = async (
   timeout = STEP_TIMEOUT_MS
 ): Promise<Ran> => {
   try {
-    const { stdout, stderr } = await inChildSlot(() =>
-      promisify(execFile)(command, [...args], {
-        cwd,
-        env: childEnv(extraEnv),
-        timeout,
-        maxBuffer: 16 * 1024 * 1024
-      })
-    )
-    return { stdout, stderr }
+    return await inChildSlot(() => runToEnd(command, args, cwd, childEnv(extraEnv), timeout))
   } catch (error) {
     const e = error as { stdout?: string; stderr?: string; message: string }
     throw new Error(`${command} ${args.join(" ")} failed in ${cwd}: ${e.message}\n${e.stdout ?? ""}\n${e.stderr ?? ""}`)
