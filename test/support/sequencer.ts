@@ -1,8 +1,8 @@
 /**
  * The order of the test files. Without timings of its own (a fresh clone, CI), vitest runs larger
  * files first; the contract files are short files whose cases wait out real ttls for 35-45 s, so
- * they came last, alone on a worker for the run's final half-minute (a fresh-clone run: 331 s, its
- * last 36 s PgLease.contract alone; 321 s with these two first). They go first here; every other
+ * they came last, alone on a worker for the run's final half-minute (a fresh-clone run on two
+ * workers: 331 s, its last 36 s PgLease.contract alone; 321 s with these two first). They go first here; every other
  * file keeps vitest's order (larger first, or by its own timings once it has them). A longer list,
  * every file of 10 s or more longest first, measured no better (333 s). The order only decides how
  * long a run takes, never what it checks.
