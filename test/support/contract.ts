@@ -265,14 +265,25 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
    * On real time, a step that must end soon fails naming itself past the live bound, rather than
    * as the test's anonymous timeout (on the TestClock the step's own bound would be virtual).
    */
-  const step = <A, E, R>(what: string, self: Effect.Effect<A, E, R>, bound: Duration.Duration = LIVE_BOUND): Effect.Effect<A, E, R> =>
-    target.clock === "test"
-      ? self
-      : Effect.flatten(Effect.timeoutTo(self, {
-        duration: bound,
-        onSuccess: (a): Effect.Effect<A> => Effect.succeed(a),
-        onTimeout: () => Effect.dieMessage(`${what}: not within ${Duration.format(bound)}`)
-      }))
+  const step = <A, E, R>(
+    what: string,
+    self: Effect.Effect<A, E, R>,
+    bound: Duration.Duration = LIVE_BOUND,
+    trail?: Array<string>
+  ): Effect.Effect<A, E, R> => {
+    if (target.clock === "test") return self
+    const started = Date.now()
+    return Effect.flatten(Effect.timeoutTo(self, {
+      duration: bound,
+      onSuccess: (a): Effect.Effect<A> =>
+        Effect.sync(() => {
+          // When each step ended, for the message of an enclosing step that runs out of time.
+          trail?.push(`${what} in ${Date.now() - started} ms`)
+          return a
+        }),
+      onTimeout: () => Effect.dieMessage(`${what}: not within ${Duration.format(bound)}${trail === undefined ? "" : `; ${trail.join(", ")}`}`)
+    }))
+  }
   /**
    * Some renewal reached the store since `before` renew calls. With `lease`, a lease declared lost
    * meanwhile fails at once with its reason: no renewal comes for a lost lease, and "gave up
@@ -307,6 +318,48 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
       const letGo = yield* holdFor(b, inner)
       return { a, aFaults, c, outer: freshName(`outer-${label}`), inner, letGo }
     })
+
+  /**
+   * A layer closed while a guarded body outlives its lease's ttl (a rolling deploy) keeps renewing
+   * the lease until the body stopped: another process polling every 50 ms is granted it only then.
+   */
+  const closingKeepsRenewing = (ttlSeconds: number, options?: { readonly sequential: true }) =>
+    test(`closing a layer keeps renewing a lease whose body outlives its ttl (ttl ${ttlSeconds} s): another process polling every 50 ms is granted it only after the body stopped`, () =>
+      Effect.gen(function*() {
+        const ttl = Duration.max(Duration.seconds(ttlSeconds), target.minTtl)
+        const ttlMs = Duration.toMillis(ttl)
+        const scope = yield* Scope.make()
+        const a = yield* Scope.extend(node(), scope)
+        const b = yield* node()
+        const name = freshName(`shutdown-ttl-${ttlSeconds}`)
+        const order: Array<string> = []
+        const started = yield* Deferred.make<void>()
+        // A write made uninterruptible that outlives the lease's ttl by half a second.
+        const body = Effect.zipRight(
+          Deferred.succeed(started, undefined),
+          Effect.uninterruptible(Effect.zipRight(Effect.sleep(Duration.millis(ttlMs + 500)), Effect.sync(() => order.push("body ended"))))
+        )
+        const run = yield* Effect.fork(DistributedLock.withLock(body, name, { ttl }).pipe(provide(a)))
+        yield* Deferred.await(started)
+        // The layer closes before the first renewal (due at a third of the ttl), as in a rolling deploy.
+        yield* target.advance(Duration.millis(Math.round(ttlMs * 0.3)))
+        const closing = yield* Effect.fork(Scope.close(scope, Exit.void))
+        // Bounded: the body ends at ttl + 0.5 s; polling goes on 3 s past that at most.
+        const tries = Math.ceil((ttlMs + 3_500) / 50)
+        // Time goes on (on the TestClock too) until the body has ended, whoever got the lock first.
+        let granted = false
+        for (let i = 0; i < tries && !(granted && order.includes("body ended")); i++) {
+          if (!granted && (yield* Effect.scoped(Effect.map(b.tryAcquire(name), Option.isSome)))) {
+            granted = true
+            order.push("b granted")
+          }
+          yield* target.advance(Duration.millis(50))
+        }
+        const error = yield* failureOf(Fiber.join(run))
+        expect(error).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
+        yield* Fiber.join(closing)
+        expect(order).toEqual(["body ended", "b granted"])
+      }), options)
 
   const title = budget === undefined ? "the backend contract" : `the backend contract, yielding every ${budget} ops`
   describe(`${label}: ${title}`, { concurrent: target.clock === "live" }, () => {
@@ -382,30 +435,35 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
 
     // Its parts are bounded each, naming themselves (on real time): it hung to the test's 30 s once
     // in a loaded run on PgAdvisory with every awaited step inside its bound, so the closing too.
-    test("without a timeout a waiter waits until the holder lets go, then gets it", () =>
-      step("the case, its layers closed", Effect.disconnect(Effect.scoped(Effect.gen(function*() {
-        const a = yield* step("building the holder's layer", node())
+    test("without a timeout a waiter waits until the holder lets go, then gets it", () => {
+      // The steps that ended and how long each took: the whole case's bound names them when it runs out.
+      const trail: Array<string> = []
+      const step_ = <A, E, R>(what: string, self: Effect.Effect<A, E, R>) => step(what, self, LIVE_BOUND, trail)
+      return step("the case, its layers closed", Effect.disconnect(Effect.scoped(Effect.gen(function*() {
+        const a = yield* step_("building the holder's layer", node())
         const bFaults = makeFaults()
-        const b = yield* step("building the waiter's layer", node(bFaults))
+        const b = yield* step_("building the waiter's layer", node(bFaults))
         const name = freshName("waits")
         const release = yield* Effect.makeLatch(false)
         const holding = yield* Deferred.make<void>()
         const holder = yield* Effect.fork(
           Effect.scoped(Effect.zipRight(Effect.zipRight(a.acquire(name), Deferred.succeed(holding, undefined)), release.await))
         )
-        yield* step("the holder's acquire", Deferred.await(holding))
+        yield* step_("the holder's acquire", Deferred.await(holding))
         const waiter = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name), (l) => l.token)))
-        yield* step("the waiter queued", queued(bFaults, name))
-        yield* target.advance(Duration.times(target.ttl, 2))
+        yield* step_("the waiter queued", queued(bFaults, name))
+        yield* step_("two ttls", target.advance(Duration.times(target.ttl, 2)))
         // Still queued after two ttls (renewals kept the holder's lease): it waits, it did not give up.
         expect(Option.isNone(yield* Fiber.poll(waiter))).toBe(true)
-        expect(yield* step("reading the queue again", isQueued(bFaults, name))).toBe(true)
+        expect(yield* step_("reading the queue again", isQueued(bFaults, name))).toBe(true)
         yield* release.open
-        yield* step("the holder's release", Fiber.join(holder))
-        const token = yield* step("the waiter's grant after the release", Fiber.join(waiter))
+        yield* step_("the holder's release", Fiber.join(holder))
+        const token = yield* step_("the waiter's grant after the release", Fiber.join(waiter))
         expect(token > 0n).toBe(true)
-        // The whole case within 25 s, under the test's 30 s: past it, the closing of its layers is what hangs.
-      }))), Duration.seconds(25)))
+        // The whole case within 25 s, under the test's 30 s; its message lists the steps that ended
+        // and their times, so a case past it says whether a step was slow or the closing hung.
+      }))), Duration.seconds(25), trail)
+    })
 
     test("locks are not re-entrant: the same process asking again waits", () =>
       Effect.gen(function*() {
@@ -670,44 +728,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect(refused._tag).toBe("LockBackendError")
       }))
 
-    for (const ttlSeconds of [3, 1]) {
-      test(`closing a layer keeps renewing a lease whose body outlives its ttl (ttl ${ttlSeconds} s): another process polling every 50 ms is granted it only after the body stopped`, () =>
-        Effect.gen(function*() {
-          const ttl = Duration.max(Duration.seconds(ttlSeconds), target.minTtl)
-          const ttlMs = Duration.toMillis(ttl)
-          const scope = yield* Scope.make()
-          const a = yield* Scope.extend(node(), scope)
-          const b = yield* node()
-          const name = freshName(`shutdown-ttl-${ttlSeconds}`)
-          const order: Array<string> = []
-          const started = yield* Deferred.make<void>()
-          // A write made uninterruptible that outlives the lease's ttl by half a second.
-          const body = Effect.zipRight(
-            Deferred.succeed(started, undefined),
-            Effect.uninterruptible(Effect.zipRight(Effect.sleep(Duration.millis(ttlMs + 500)), Effect.sync(() => order.push("body ended"))))
-          )
-          const run = yield* Effect.fork(DistributedLock.withLock(body, name, { ttl }).pipe(provide(a)))
-          yield* Deferred.await(started)
-          // The layer closes before the first renewal (due at a third of the ttl), as in a rolling deploy.
-          yield* target.advance(Duration.millis(Math.round(ttlMs * 0.3)))
-          const closing = yield* Effect.fork(Scope.close(scope, Exit.void))
-          // Bounded: the body ends at ttl + 0.5 s; polling goes on 3 s past that at most.
-          const tries = Math.ceil((ttlMs + 3_500) / 50)
-          // Time goes on (on the TestClock too) until the body has ended, whoever got the lock first.
-          let granted = false
-          for (let i = 0; i < tries && !(granted && order.includes("body ended")); i++) {
-            if (!granted && (yield* Effect.scoped(Effect.map(b.tryAcquire(name), Option.isSome)))) {
-              granted = true
-              order.push("b granted")
-            }
-            yield* target.advance(Duration.millis(50))
-          }
-          const error = yield* failureOf(Fiber.join(run))
-          expect(error).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
-          yield* Fiber.join(closing)
-          expect(order).toEqual(["body ended", "b granted"])
-        }))
-    }
+    closingKeepsRenewing(3)
 
     // Its renewals fail until `failUntil` of the ttl: 0.85 on every backend; also 0.96 on the
     // TestClock, where one retry every ttl/10 (before retries came sooner near the expiry) missed
@@ -838,6 +859,9 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
   // event-loop block, which a burst of layers being built side by side can cause.
   return () =>
     describe(`${label}: ${title}, at the lease floor`, () => {
+      // The 1 s lease alone, as the floor case: beside the other cases, a burst of layers being
+      // built blocked the event loop past its 800 ms safety deadline (PgLease, SqliteLease).
+      closingKeepsRenewing(1, { sequential: true })
       leaseTest("a zero or negative ttl is clamped up to the backend's floor and still renewed", () =>
         Effect.gen(function*() {
           const faults = makeFaults()
