@@ -56,6 +56,8 @@ export interface Waiters {
   readonly subscribe: (name: string, waiter: string, onSubscribe: Effect.Effect<void>) => Effect.Effect<Subscription, never, Scope.Scope>
   /** `subscribe` without a scope (see `WakeHub.subscribeNow`). */
   readonly subscribeNow: (name: string, waiter: string, onSubscribe: Effect.Effect<void>) => Effect.Effect<Unsubscribable>
+  /** Registers a waiter in this call, for a hub whose `onSubscribe` has nothing left to do. */
+  readonly register: (name: string, waiter: string) => Unsubscribable
   /** Wakes the waiter with this id, if it is one of this process's. */
   readonly wakeWaiter: (waiter: string) => void
   /** Wakes every waiter of the lock `name`. */
@@ -136,6 +138,7 @@ export const makeWaiters = (): Waiters => {
   return {
     subscribe,
     subscribeNow,
+    register,
     wakeWaiter: (id) => {
       const waiter = byId.get(id)
       if (waiter !== undefined) fire(waiter)

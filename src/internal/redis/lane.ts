@@ -195,11 +195,13 @@ const evalNow = (
       refused
     )
   }
-  connection.client.call("evalsha", [shaOf(text), ...args]).then(answered, (error: unknown) => {
+  // The arguments spread into ioredis's own rest array (it flattens them into one more anyway):
+  // `call(command, [sha, ...args])` built a third copy per command.
+  connection.client.call("evalsha", shaOf(text), ...args).then(answered, (error: unknown) => {
     if (!isNoScript(error)) return refused(error)
     connection.lastAnswer = performance.now()
     if (settled) return
-    connection.client.call("eval", [text, ...args]).then(answered, refused)
+    connection.client.call("eval", text, ...args).then(answered, refused)
   })
   return () => {
     settled = true
@@ -333,6 +335,8 @@ const ownSettings = (connectTimeout: Duration.Duration, connectionName: string):
 export interface RedisLane extends Lane {
   /** SUBSCRIBE acknowledged on the subscriber connection (at once when it already is); bounded by `bound`. */
   readonly ensureSubscribed: (bound: Duration.Duration) => Effect.Effect<void, LockBackendError>
+  /** True while SUBSCRIBE is acknowledged and the subscriber connection has not closed since: `ensureSubscribed` would do nothing. */
+  readonly isSubscribed: () => boolean
 }
 
 /**
@@ -464,7 +468,8 @@ export const open = (Ctor: RedisConstructor, options: ConnectOptions): Effect.Ef
       prepareRenewals: Effect.sync(() => {
         if (renewals.client.status === "wait") renewals.client.connect().catch(() => {})
       }),
-      ensureSubscribed
+      ensureSubscribed,
+      isSubscribed: () => subscribed
     }
   })
 

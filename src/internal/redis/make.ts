@@ -106,6 +106,7 @@ export const makeBackend = (
       channel,
       checkInterval,
       ensureSubscribed: redisLane.ensureSubscribed,
+      isSubscribed: redisLane.isSubscribed,
       subscribeBound: statementTimeout
     }, owner)
     const backend = yield* Engine.make(lane, {

@@ -24,6 +24,8 @@ import type { Owner } from "../runtime/owner.js"
 export interface RedisWakeOptions extends Omit<PgWake.WakeOptions, "mode"> {
   /** SUBSCRIBE acknowledged on the subscriber connection, within `bound`. */
   readonly ensureSubscribed: (bound: Duration.Duration) => Effect.Effect<void, unknown>
+  /** True while SUBSCRIBE is acknowledged and the subscriber connection has not closed since. */
+  readonly isSubscribed: () => boolean
   /** The bound on making sure of the subscription before a waiter's first try. */
   readonly subscribeBound: Duration.Duration
 }
@@ -34,7 +36,13 @@ export const make = (options: RedisWakeOptions, owner: Owner): Effect.Effect<Wak
     const subscribed = Effect.ignore(options.ensureSubscribed(options.subscribeBound))
     return {
       subscribe: (name, waiter) => Effect.zipRight(subscribed, inner.subscribe(name, waiter)),
-      subscribeNow: (name, waiter) => Effect.zipRight(subscribed, inner.subscribeNow(name, waiter)),
+      subscribeNow: (name, waiter) =>
+        Effect.suspend(() => {
+          // Every waiting acquire's path: already subscribed and the hub running, the waiter is
+          // registered in this one step; otherwise the Effects below make sure of both first.
+          const registered = options.isSubscribed() ? inner.registerIfRunning(name, waiter) : undefined
+          return registered !== undefined ? Effect.succeed(registered) : Effect.zipRight(subscribed, inner.subscribeNow(name, waiter))
+        }),
       trusted: inner.trusted,
       wake: inner.wake
     }

@@ -28,12 +28,16 @@ export class Cell<A> {
    * The outcome, once it is there. Interrupting the wait only stops this waiter: its callback
    * stays until the cell is set and is then ignored by the fiber (an `Effect.async` with no
    * canceler costs the runtime no interruption handler: this is on every statement's path).
+   *
+   * A getter, not a field: built when read, not with every cell (most are read once). Once set,
+   * the outcome never changes, so `succeed` is right whenever it runs; otherwise the `async`
+   * checks again each time it runs.
    */
-  readonly await: Effect.Effect<A> = Effect.suspend(() =>
-    this.done ? Effect.succeed(this.value as A) : Effect.async<A>((resume) => {
-      // Set between the check above and here (the fiber may yield between two steps).
+  get await(): Effect.Effect<A> {
+    return this.done ? Effect.succeed(this.value as A) : Effect.async<A>((resume) => {
+      // Set since the effect was built (or between two of the fiber's steps).
       if (this.done) return resume(Effect.succeed(this.value as A))
       ;(this.waiters ??= []).push((value: A) => resume(Effect.succeed(value)))
     })
-  )
+  }
 }
