@@ -290,8 +290,10 @@ describe("SqliteLease and a writer holding the database", () => {
       expect(token > 0n).toBe(true)
       // The acquire did try while the writer held the lock: a try blocks the event loop for about busyTimeout.
       expect(maxLagMs).toBeGreaterThan(Duration.toMillis(busyTimeout) * 0.8)
-      // The promise: one try blocks for busyTimeout at most, then the event loop runs (margin: a loaded machine).
-      expect(maxLagMs).toBeLessThan(Duration.toMillis(busyTimeout) + 100)
+      // The promise: one try blocks for busyTimeout at most, then the event loop runs; not the whole
+      // 1.5 s the writer holds the lock. The histogram also counts the OS's scheduling delays: with
+      // three test files on 2 cores it read 160 ms once, so the margin is 250 ms, far below 1.5 s.
+      expect(maxLagMs).toBeLessThan(Duration.toMillis(busyTimeout) + 250)
     }), { timeout: 20_000 })
 
   it.scopedLive("a writer that keeps the lock past statementTimeout fails the acquire with LockBackendError, no hang", () =>
