@@ -2,24 +2,21 @@
  * PgLease runs the backend contract suite (twice: as scheduled, and with the runtime switching
  * fibers every 12 ops) and its event-loop stall cases, against a real PostgreSQL.
  */
-import { Duration, Effect } from "effect"
+import { Effect } from "effect"
 import * as PgLease from "effect-lock/PgLease"
-import { contractSuite } from "./support/contract.js"
+import { contractSuite, LIVE_CONTRACT_TTL } from "./support/contract.js"
 import { useTestDatabase } from "./support/pg.js"
 import { pgLeaseHelpers } from "./support/pgLease.js"
 
 // First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_contract")
 
-/** 3 s, as the PgLease semaphore suite's: renewals get 1.4 s (ttl/3 to ttl − ttl/5); with 2 s (930 ms) they
- * were late on 2 cores running three test files at once, and the leases were declared lost. */
-const CONTRACT_TTL = Duration.seconds(3)
-const { backendOn, poolOn, probe, query } = pgLeaseHelpers(db, CONTRACT_TTL)
+const { backendOn, poolOn, probe, query } = pgLeaseHelpers(db, LIVE_CONTRACT_TTL)
 
 contractSuite("PgLease", {
   clock: "live",
-  ttl: CONTRACT_TTL,
-  makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => backendOn(env, { ttl: CONTRACT_TTL })),
+  ttl: LIVE_CONTRACT_TTL,
+  makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => backendOn(env, { ttl: LIVE_CONTRACT_TTL })),
   storeHolders: (name) =>
     Effect.map(
       query<{ n: number }>(

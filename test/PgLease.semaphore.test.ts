@@ -17,7 +17,7 @@ import * as Make from "effect-lock/internal/lease/pg/make"
 import * as PgLease from "effect-lock/PgLease"
 import pg from "pg"
 import { afterAll } from "vitest"
-import { freshName } from "./support/contract.js"
+import { freshName, LIVE_CONTRACT_TTL } from "./support/contract.js"
 import { assertNoLeaks, PgTest, useTestDatabase } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
@@ -28,12 +28,6 @@ import { laneInFlight } from "./support/laneInFlight.js"
 // First, so that its afterAll (no held permit, lease or advisory lock; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_sem")
 
-/**
- * Renewals get 1.4 s (ttl/3 to ttl − ttl/5). With 2 s (900 ms), as the lock contract's, permits
- * were declared lost (renewal-failed) in the first seconds of `npm test` on a 2-core machine,
- * while tsc, the package's build and the first files all start.
- */
-const CONTRACT_TTL = Duration.seconds(3)
 const SEM_TABLE = `${PgLease.DEFAULT_TABLE}_sem`
 
 // --- helpers ------------------------------------------------------------------------------------
@@ -87,7 +81,7 @@ const { counted, quiet } = laneInFlight()
 
 /** The full backend of one "process" on `env` (its own connections), seeing exactly `env` plus the caller's Scope. */
 const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options, wrapLane?: (lane: Lane.Lane) => Lane.Lane) =>
-  Make.makeBackend({ ttl: CONTRACT_TTL, pollInterval: Duration.millis(100), ...options }, wrapLane).pipe(
+  Make.makeBackend({ ttl: LIVE_CONTRACT_TTL, pollInterval: Duration.millis(100), ...options }, wrapLane).pipe(
     Effect.mapInputContext((outer: Context.Context<Scope.Scope>) => Context.add(env, Scope.Scope, Context.get(outer, Scope.Scope)))
   )
 
@@ -107,7 +101,7 @@ const stats = (values: ReadonlyArray<number>) => {
 
 semaphoreContractSuite("PgLease", {
   clock: "live",
-  ttl: CONTRACT_TTL,
+  ttl: LIVE_CONTRACT_TTL,
   makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => Effect.map(backendOn(env, {}, counted), (backend) => backend.semaphore)),
   state: (name) => stateOf(name),
   revoke: (name) => Effect.asVoid(Effect.provide(PgLease.revokePermits(name), PgTest.layer(db))),
@@ -125,7 +119,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease semaphores", (it
     Effect.gen(function*() {
       const app = "pglease-sem-both"
       const env = yield* poolOn(() => db.url, app)
-      const services = yield* Layer.build(Layer.provide(PgLease.layer({ ttl: CONTRACT_TTL, connections: 1 }), Layer.succeedContext(env)))
+      const services = yield* Layer.build(Layer.provide(PgLease.layer({ ttl: LIVE_CONTRACT_TTL, connections: 1 }), Layer.succeedContext(env)))
       const lock = Context.get(services, DistributedLock.DistributedLock)
       const semaphore = Context.get(services, DistributedSemaphore.DistributedSemaphore)
       expect([lock.backend, semaphore.backend]).toEqual(["pg-lease", "pg-lease"])

@@ -10,7 +10,7 @@ import * as Make from "effect-lock/internal/redis/make"
 import * as RedisLease from "effect-lock/RedisLease"
 import { Redis } from "ioredis"
 import { afterAll } from "vitest"
-import { contractSuite } from "./support/contract.js"
+import { contractSuite, LIVE_CONTRACT_TTL } from "./support/contract.js"
 import { laneInFlight } from "./support/laneInFlight.js"
 import { describeWithRedis, useRedis } from "./support/redis.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
@@ -18,9 +18,6 @@ import { semaphoreContractSuite, type StoreState } from "./support/semaphoreCont
 // First, so that its afterAll (stopping the server) runs after every layer and client is closed.
 const redis = useRedis()
 
-/** 3 s, as the PgLease semaphore suite's: renewals get 1.4 s (ttl/3 to ttl − ttl/5); with 2 s (930 ms) they
- * were late on 2 cores running three test files at once, and the leases were declared lost. */
-const CONTRACT_TTL = Duration.seconds(3)
 
 /** The file's own client, for reading the store and the operator's revoke. */
 let client: Redis | undefined
@@ -32,8 +29,8 @@ afterAll(async () => {
 describeWithRedis("RedisLease contract", () => {
   contractSuite("RedisLease", {
     clock: "live",
-    ttl: CONTRACT_TTL,
-    makeBackend: Effect.suspend(() => RedisLease.makeBackend({ url: redis.url(), ttl: CONTRACT_TTL })),
+    ttl: LIVE_CONTRACT_TTL,
+    makeBackend: Effect.suspend(() => RedisLease.makeBackend({ url: redis.url(), ttl: LIVE_CONTRACT_TTL })),
     // Live holders counted from Redis itself, not from a process.
     storeHolders: (name) => Effect.suspend(() => Effect.map(RedisLease.holders(inspector(), name), (held) => held.length)),
     advance: (duration) => Effect.sleep(duration),
@@ -60,9 +57,9 @@ const stateOf = (name: string): Effect.Effect<StoreState, unknown> =>
 describeWithRedis("RedisLease semaphore contract", () => {
   semaphoreContractSuite("RedisLease", {
     clock: "live",
-    ttl: CONTRACT_TTL,
+    ttl: LIVE_CONTRACT_TTL,
     makeBackend: Effect.suspend(() =>
-      Effect.map(Make.makeBackend({ url: redis.url(), ttl: CONTRACT_TTL, pollInterval: Duration.millis(100) }, counted), (b) => b.semaphore)
+      Effect.map(Make.makeBackend({ url: redis.url(), ttl: LIVE_CONTRACT_TTL, pollInterval: Duration.millis(100) }, counted), (b) => b.semaphore)
     ),
     state: stateOf,
     // The operator's revoke, on a client of its own.

@@ -13,15 +13,12 @@ import type { SemaphoreBackend } from "effect-lock/LockBackend"
 import * as Make from "effect-lock/internal/lease/sqlite/make"
 import * as SqliteLease from "effect-lock/SqliteLease"
 import { useSqliteFile } from "./fixtures/sqlite-db.js"
-import { freshName } from "./support/contract.js"
+import { freshName, LIVE_CONTRACT_TTL } from "./support/contract.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
 import { waitFor } from "./support/eventually.js"
 import { laneInFlight } from "./support/laneInFlight.js"
 
 const file = useSqliteFile("sqlite-sem")
-/** 3 s, as the PgLease semaphore suite's: renewals get 1.4 s (ttl/3 to ttl − ttl/5); with 2 s (930 ms) they
- * were late on 2 cores running three test files at once, and the leases were declared lost. */
-const CONTRACT_TTL = Duration.seconds(3)
 const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
 
 /** The semaphore `name` as the file has it, by the database's clock: live permits held, live places in order. */
@@ -57,10 +54,10 @@ const watched = <P extends SqliteLease.SqliteLeasePermitGrant>(store: SemaphoreB
 
 semaphoreContractSuite("SqliteLease", {
   clock: "live",
-  ttl: CONTRACT_TTL,
+  ttl: LIVE_CONTRACT_TTL,
   makeBackend: Effect.suspend(() =>
     Effect.map(
-      Make.makeBackend({ filename: file.path, ttl: CONTRACT_TTL, pollInterval: Duration.millis(20) }, counted),
+      Make.makeBackend({ filename: file.path, ttl: LIVE_CONTRACT_TTL, pollInterval: Duration.millis(20) }, counted),
       (backend) => backend.semaphore
     )
   ),
@@ -76,7 +73,7 @@ semaphoreContractSuite("SqliteLease", {
 describe("SqliteLease semaphores", () => {
   it.scopedLive("SqliteLease.layer provides both services from one backend; a semaphore and a lock of one name are apart", () =>
     Effect.gen(function*() {
-      const services = yield* Layer.build(SqliteLease.layer({ filename: file.path, ttl: CONTRACT_TTL }))
+      const services = yield* Layer.build(SqliteLease.layer({ filename: file.path, ttl: LIVE_CONTRACT_TTL }))
       const lock = Context.get(services, DistributedLock.DistributedLock)
       const semaphore = Context.get(services, DistributedSemaphore.DistributedSemaphore)
       expect([lock.backend, semaphore.backend]).toEqual(["sqlite-lease", "sqlite-lease"])

@@ -23,16 +23,13 @@ import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import { importEntry } from "../tools/children.js"
 import { openRaw, useSqliteFile } from "./fixtures/sqlite-db.js"
-import { contractSuite, freshName } from "./support/contract.js"
+import { contractSuite, freshName, LIVE_CONTRACT_TTL } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
 import { onceRequest } from "./support/requests.js"
 
 const file = useSqliteFile("sqlite-lease")
 const repoRoot = fileURLToPath(new URL("..", import.meta.url))
 const TTL = Duration.seconds(1)
-/** 3 s, as the PgLease semaphore suite's: renewals get 1.4 s (ttl/3 to ttl − ttl/5); with 2 s (930 ms) they
- * were late on 2 cores running three test files at once, and the leases were declared lost. */
-const CONTRACT_TTL = Duration.seconds(3)
 const NOW = "cast(round(unixepoch('subsec') * 1000) as integer)"
 
 /**
@@ -64,8 +61,8 @@ const rowOf = (name: string) =>
 
 contractSuite("SqliteLease", {
   clock: "live",
-  ttl: CONTRACT_TTL,
-  makeBackend: Effect.suspend(() => SqliteLease.makeBackend({ filename: file.path, ttl: CONTRACT_TTL, pollInterval: Duration.millis(20) })),
+  ttl: LIVE_CONTRACT_TTL,
+  makeBackend: Effect.suspend(() => SqliteLease.makeBackend({ filename: file.path, ttl: LIVE_CONTRACT_TTL, pollInterval: Duration.millis(20) })),
   storeHolders: (name) => Effect.sync(() => file.liveHolders(name)),
   // Queued in the store itself: a live waiting place in the queue table.
   waiting: (name) => Effect.sync(() => file.livePlaces(name) > 0),

@@ -67,6 +67,13 @@ export interface ContractTarget {
   readonly revoke: (name: string) => Effect.Effect<void, unknown>
 }
 
+/**
+ * The lease length of every live (real-time) contract target, lock and semaphore: renewals get
+ * 1.4 s (ttl/3 to ttl − ttl/5). With 2 s (930 ms) they were late on 2 cores running three test
+ * files at once, and the leases were declared lost.
+ */
+export const LIVE_CONTRACT_TTL = Duration.seconds(3)
+
 let counter = 0
 /** A name no other test (or earlier run against the same store) uses. */
 export const freshName = (prefix: string) => `${prefix}-${process.pid}-${Date.now().toString(36)}-${counter++}`
