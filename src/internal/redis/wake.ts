@@ -36,13 +36,9 @@ export const make = (options: RedisWakeOptions, owner: Owner): Effect.Effect<Wak
     const subscribed = Effect.ignore(options.ensureSubscribed(options.subscribeBound))
     return {
       subscribe: (name, waiter) => Effect.zipRight(subscribed, inner.subscribe(name, waiter)),
+      // Every waiting acquire's path: already subscribed, nothing to make sure of first.
       subscribeNow: (name, waiter) =>
-        Effect.suspend(() => {
-          // Every waiting acquire's path: already subscribed and the hub running, the waiter is
-          // registered in this one step; otherwise the Effects below make sure of both first.
-          const registered = options.isSubscribed() ? inner.registerIfRunning(name, waiter) : undefined
-          return registered !== undefined ? Effect.succeed(registered) : Effect.zipRight(subscribed, inner.subscribeNow(name, waiter))
-        }),
+        Effect.suspend(() => options.isSubscribed() ? inner.subscribeNow(name, waiter) : Effect.zipRight(subscribed, inner.subscribeNow(name, waiter))),
       trusted: inner.trusted,
       wake: inner.wake
     }

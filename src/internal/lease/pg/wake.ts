@@ -19,7 +19,7 @@ import * as Fiber from "effect/Fiber"
 import * as Queue from "effect/Queue"
 import * as Crypto from "node:crypto"
 import { monotonicMillis } from "../../core/clock.js"
-import { makeWaiters, type Subscription, type Unsubscribable, type WakeHub } from "../waiters.js"
+import { makeWaiters, type Subscription, type WakeHub } from "../waiters.js"
 import type { Owner } from "../../runtime/owner.js"
 import { PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./sql.js"
 import { within } from "../../runtime/stallSafe.js"
@@ -52,17 +52,11 @@ export interface WakeOptions {
 
 export type { Subscription, WakeHub } from "../waiters.js"
 
-/** The hub, and a registration in one synchronous call for when nothing has to be started or kicked. */
-export interface Hub extends WakeHub {
-  /** `subscribeNow`'s registration, done at once, when `onSubscribe` would do nothing (listener started, watch not idle); else undefined. */
-  readonly registerIfRunning: (name: string, waiter: string) => Unsubscribable | undefined
-}
-
 /**
  * Builds the hub. Nothing connects until the first subscription; from then on the listener
  * lives as long as the layer (`owner`).
  */
-export const make = (options: WakeOptions, owner: Owner): Effect.Effect<Hub> =>
+export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
     const waiters = makeWaiters()
     const pings = new Map<string, Deferred.Deferred<void>>()
@@ -224,7 +218,10 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<Hub> =>
     const onSubscribe = Effect.zipRight(ensureStarted, Effect.suspend(() => idle ? kick.offer(undefined) : Effect.void))
     const subscribe = (name: string, id: string): Effect.Effect<Subscription, never, import("effect/Scope").Scope> =>
       waiters.subscribe(name, id, onSubscribe)
-    const subscribeNow = (name: string, id: string) => waiters.subscribeNow(name, id, onSubscribe)
+    // Every waiting acquire's path: with the listener started and the watch not idle, `onSubscribe`
+    // has nothing to do, and the waiter is registered in this one step.
+    const subscribeNow = (name: string, id: string) =>
+      Effect.suspend(() => started && !idle ? Effect.succeed(waiters.register(name, id)) : waiters.subscribeNow(name, id, onSubscribe))
 
     const trusted = Effect.map(
       monotonicMillis,
@@ -235,8 +232,5 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<Hub> =>
       for (const id of ids) waiters.wakeWaiter(id)
     }
 
-    // Exactly when `onSubscribe` is a no-op: started (no fork to make) and the watch not idle (no kick to send).
-    const registerIfRunning = (name: string, id: string) => started && !idle ? waiters.register(name, id) : undefined
-
-    return { subscribe, subscribeNow, registerIfRunning, trusted, wake }
+    return { subscribe, subscribeNow, trusted, wake }
   })
