@@ -749,6 +749,47 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(order).toEqual([1, 2, 3, 4, 0])
     }))
 
+  it.scoped("a waiter at the head looks again after taking its place; one behind a live place does not, and is woken in turn", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const name = freshName("look-again")
+      // Each waiter's acquire statements for `name`, timed as they are sent.
+      const sent: Array<Array<number>> = [[], []]
+      const counting = (who: number) => (lane: Lane.Lane): Lane.Lane =>
+        withRun(lane, <A extends object>(operation: string, about: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+          Effect.suspend(() => {
+            if (operation === "acquire" && about === name) sent[who]!.push(performance.now())
+            return lane.run<A>(operation, about, text, params, bound)
+          }))
+      // Nothing else brings a waiter back within the window: the holder's lease far from running
+      // out, polls 10 s apart; a place is refreshed 1.5 s after its last statement.
+      const holder = yield* processOn(env, { ttl: Duration.seconds(30) })
+      const [head, behind] = yield* Effect.forEach([0, 1], (who) =>
+        Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(10) }, counting(who)), DistributedLock.make))
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const order: Array<string> = []
+      const waitOn = (lock: DistributedLock.Service, label: string) =>
+        Effect.fork(Effect.scoped(Effect.zipRight(lock.acquire(name, { timeout: Duration.seconds(10) }), Effect.sync(() => order.push(label)))))
+      const first = yield* waitOn(head, "head")
+      yield* waitFor("the head's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
+      // Nobody was ahead of it: a release its place's commit raced would not have seen it.
+      yield* waitFor("the head's look again", Effect.sync(() => sent[0]!.length >= 2), Duration.seconds(1))
+      const second = yield* waitOn(behind, "behind")
+      yield* waitFor("the second place", Effect.map(placesOf(name), (n) => n === 2), Duration.seconds(5))
+      const placed = sent[1]!.length
+      expect(placed).toBe(1)
+      // A look again comes a few statement times after the place (tens of ms); its refresh not before 1.5 s.
+      yield* Effect.sleep(Duration.millis(1_000))
+      expect(sent[1]!.length).toBe(placed)
+      yield* Scope.close(holderScope, Exit.void)
+      yield* Fiber.join(first)
+      yield* Fiber.join(second)
+      expect(order).toEqual(["head", "behind"])
+      // Behind: its place, then its grant after the head's release woke it.
+      expect(sent[1]).toHaveLength(2)
+    }))
+
   it.scoped("a request without a place never overtakes a live waiter, even while the lock is free", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()

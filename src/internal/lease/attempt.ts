@@ -62,6 +62,8 @@ export interface Busy {
   readonly _tag: "Busy"
   readonly wakeAt: number | undefined
   readonly tookMillis: number
+  /** A live waiter's place was ahead of this request's when the store answered. */
+  readonly behind: boolean
 }
 
 /** What an answer says, before it is timed: granted, not granted (`wait`: ms from the store, null when unknown), or `X`. */
@@ -70,6 +72,7 @@ export type Verdict<G, X> = Granted<G> | NotGranted | X
 interface NotGranted {
   readonly _tag: "NotGranted"
   readonly wait: number | null
+  readonly behind: boolean
 }
 
 export type Attempt = Outcome<LeaseGrant>
@@ -123,7 +126,7 @@ export const lockAttempts = (
     input: (request) => ({ mode: request.mode }),
     verdict: (answer, request, held) =>
       answer.token === null
-        ? { _tag: "NotGranted", wait: answer.wait }
+        ? { _tag: "NotGranted", wait: answer.wait, behind: answer.behind }
         // Spread last: V8 builds `{ ...x, a, b }` (x non-empty) microseconds slower than `{ a, b, ...x }` (bench/README.md).
         : { _tag: "Granted", grant: { mode: request.mode, token: FencingToken.make(answer.token), ...held } }
   })
@@ -171,11 +174,12 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
       releaseNow: deps.giveBack.releaseNow?.(request.name, owner)
     })
     if (verdict._tag !== "NotGranted") return verdict as Granted<G> | X
-    const wait = (verdict as NotGranted).wait
+    const { wait, behind } = verdict as NotGranted
     return {
       _tag: "Busy",
       wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
-      tookMillis: receivedAt - sentAt
+      tookMillis: receivedAt - sentAt,
+      behind
     } satisfies Busy
   }
 

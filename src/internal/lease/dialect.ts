@@ -63,11 +63,13 @@ export interface LockAcquireInput extends AttemptInput {
 /**
  * A lock attempt's answer: the token granted, else (`token` null) the ms until something could
  * change without a wake-up (the holder's lease or a waiter's place ahead running out; null when
- * unknown). Grants go in arrival order.
+ * unknown), and whether a live waiter's place was ahead of this request's (`behind`; false when
+ * the store does not say). Grants go in arrival order.
  */
 export interface LockAcquireAnswer {
   readonly token: bigint | null
   readonly wait: number | null
+  readonly behind: boolean
 }
 
 export interface PermitAcquireInput extends AttemptInput {
@@ -195,16 +197,21 @@ const flag = (column: string) => (rows: ReadonlyArray<Row>): boolean => {
   return value === true || (typeof value !== "boolean" && Number(value ?? 0) === 1)
 }
 
+const behind = flag("behind")
+
 /** The answers' decoders, the same on every database (their columns are). */
 export const decode = {
   lockAcquire: (rows: ReadonlyArray<Row>): LockAcquireAnswer => ({
     token: bigintOrNull(first(rows)?.["token"]),
-    wait: numberOrNull(first(rows)?.["wait"])
+    wait: numberOrNull(first(rows)?.["wait"]),
+    // A dialect without the column answers false: its waiters keep looking again after taking a place.
+    behind: behind(rows)
   }),
   permitAcquire: (rows: ReadonlyArray<Row>): PermitAcquireAnswer => ({
     token: bigintOrNull(first(rows)?.["token"]),
     current: numberOrNull(first(rows)?.["current"]),
-    wait: numberOrNull(first(rows)?.["wait"])
+    wait: numberOrNull(first(rows)?.["wait"]),
+    behind: false
   }),
   /** `wake`: the places to wake in process, read from the answer (a dialect that notifies reads none). */
   release: (wake: (rows: ReadonlyArray<Row>) => ReadonlyArray<string>) => (rows: ReadonlyArray<Row>): ReleaseAnswer => ({

@@ -171,8 +171,11 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
       // A release that started before this request's place was committed cannot see it, so
       // it wakes nobody for it: after taking its place, a waiter looks again once such a
       // release has had time to commit (a few of its own statement times). Not where every
-      // release sees every committed place: its wake-up is on the way (subscribed before).
-      const followUp = first && settings.placesSeenByEveryRelease !== true
+      // release sees every committed place: its wake-up is on the way (subscribed before). Nor
+      // behind a live place: such a release wakes that waiter, and the release after its turn
+      // (a later statement) sees this place. Left open: that waiter granted and released while
+      // this place's statement still ran; this one then sleeps until its place's refresh.
+      const followUp = first && !result.behind && settings.placesSeenByEveryRelease !== true
         ? Duration.millis(FOLLOW_UP_FACTOR * result.tookMillis + FOLLOW_UP_MIN_MILLIS)
         : undefined
       return Effect.flatMap(sleepFor(result.wakeAt, request.deadline), (sleep) => {

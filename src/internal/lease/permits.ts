@@ -45,6 +45,6 @@ export const attempts = (
         return { _tag: "Granted", grant: { permits: request.permits, limit: request.limit, token: tokens[0]!, tokens, ...held } }
       }
       if (answer.current !== null) return { _tag: "LimitMismatch", current: answer.current }
-      return { _tag: "NotGranted", wait: answer.wait }
+      return { _tag: "NotGranted", wait: answer.wait, behind: answer.behind }
     }
   })

@@ -209,7 +209,9 @@ const heads = (queue: TableRef, when: string) =>
  * place at the back of the queue, or keeps it (refreshed once less than half its time is left,
  * so most retries write nothing), and learns how long until something could change without a
  * notification: the holder's lease or the place of a waiter ahead running out (a crashed one
- * sends nothing). Nothing is locked or written when the snapshot already shows the lock taken.
+ * sends nothing), and whether a live place was ahead of its own (`behind`: then it need not look
+ * again after taking its place, `lease/engine`). Nothing is locked or written when the snapshot
+ * already shows the lock taken.
  *
  * Parameters: $1 name, $2 owner (of this attempt's grant), $3 waiter (this request's place),
  * $4 mode, $5 ttl ms, $6 place ttl ms, $7 application, $8 host, $9 pid, $10 take a place.
@@ -283,7 +285,9 @@ select (select token::text from granted) as token,
     (select case when h.owner is not null and h.expires_at > now() then h.expires_at end from ${leases.sql} h where h.name = $1::text),
     (select case when $4::text = 'exclusive' and h.shared_until > now() then h.shared_until end from ${leases.sql} h where h.name = $1::text),
     (select until from ahead)
-  ) - now()) * 1000)::float8 end as wait`
+  ) - now()) * 1000)::float8 end as wait,
+  -- A live place ahead: a release this place's commit raced wakes that one, not this one.
+  not exists (select 1 from granted) and (select until from ahead) is not null as behind`
 }
 
 /**
