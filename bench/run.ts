@@ -107,6 +107,8 @@ const parseArgs = (argv: ReadonlyArray<string>): Args => {
 }
 
 const started = Date.now()
+// Read when the library is compiled (`bench/lib/built.mjs`, at start), not when the report is written: src may change meanwhile.
+const git = gitDescription()
 const log = (message: string): void => {
   const seconds = ((Date.now() - started) / 1000).toFixed(1).padStart(6)
   process.stderr.write(`[bench ${seconds}s] ${message}\n`)
@@ -147,7 +149,7 @@ const runScenario = async (scenario: Runnable, context: Context): Promise<Scenar
   }
 }
 
-const gitDescription = (): string => {
+function gitDescription(): string {
   const head = spawnSync("git", ["rev-parse", "--short", "HEAD"], { cwd: ROOT, encoding: "utf8" })
   const dirty = spawnSync("git", ["status", "--porcelain", "--", "src"], { cwd: ROOT, encoding: "utf8" })
   if (head.status !== 0) return "unknown"
@@ -264,7 +266,7 @@ const describeRun = (
     postgres: { version: pgVersion, source: pgSource },
     cpu: { count: cpus.length, model: cpus[0]?.model ?? "?" },
     os: `${Os.type()} ${Os.release()} ${Os.arch()}`,
-    git: gitDescription(),
+    git,
     packages: {
       "effect-lock": rootPackage.version ?? "?",
       effect: packageVersion("effect"),
