@@ -215,6 +215,23 @@ describeWithRedis("RedisLease", () => {
         expect(error.message).toContain("npm install ioredis")
       }))
 
+    it.scopedLive("the first grant opens the renewal connection, long before the first renewal is due", () =>
+      Effect.gen(function*() {
+        const application = `prepare-${Crypto.randomUUID().slice(0, 8)}`
+        // Its first renewal is due at ttl/3 = 10 s: only the grant itself can open the connection sooner.
+        const a = yield* node({ ttl: Duration.seconds(30), applicationName: application })
+        const roles = Effect.map(command<string>("client", "list"), (list) =>
+          [...list.matchAll(/(?:^| )name=(\S+)/gm)].map((m) => m[1]!).filter((name) => name.startsWith(`${application}:`)))
+        // Lazily connected: nothing of the layer is connected before its first command.
+        expect(yield* roles).toEqual([])
+        yield* a.acquire(freshName("redis-prepare"))
+        yield* waitFor(
+          "the renewal connection, within 3 s of the grant",
+          Effect.map(roles, (names) => names.includes(`${application}:renewals`)),
+          Duration.seconds(3)
+        )
+      }))
+
     it.scopedLive("a prefix with a brace is refused", () =>
       Effect.gen(function*() {
         const error = yield* Effect.flip(RedisLease.makeBackend({ url: redis.url(), prefix: "a{b}:" }))

@@ -173,6 +173,7 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
       release: deps.giveBack.release(request.name, owner),
       releaseNow: deps.giveBack.releaseNow?.(request.name, owner)
     })
+    if (verdict._tag === "Granted") deps.lane.prepareRenewals()
     if (verdict._tag !== "NotGranted") return verdict as Granted<G> | X
     const { wait, behind } = verdict as NotGranted
     return {
@@ -188,9 +189,7 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
     Effect.gen(function*() {
       yield* deps.ready
       const { sentAt, value } = yield* Lane.send(deps.lane, request.name, spec.statement, inputOf(request, owner, waiter, ttlMillis), settings.statementTimeout)
-      const outcome = outcomeOf(request, owner, ttlMillis, value, sentAt, yield* monotonicMillis)
-      if (outcome._tag === "Granted") yield* deps.lane.prepareRenewals
-      return outcome
+      return outcomeOf(request, owner, ttlMillis, value, sentAt, yield* monotonicMillis)
     })
 
   /**

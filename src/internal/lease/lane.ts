@@ -40,12 +40,15 @@ export interface Lane {
    * once its connection is known dead. Undefined when this lane cannot listen.
    */
   readonly listen: ((channel: string, deliver: (payload: string) => void) => Effect.Effect<void, LockBackendError>) | undefined
-  /** Called on every grant: gets renewals' connection ready before the first renewal needs it. */
-  readonly prepareRenewals: Effect.Effect<void>
   /**
-   * `run` with a callback and no fiber, on lanes whose connections are the backend's own (whose
-   * `prepareRenewals` has nothing to do): `done` is called once, from the driver's callback or the
-   * bound's timer, with the rows or the error. Returns the abandon (nobody reads it any more).
+   * Called on every grant, in the step that reads it (a driver's callback on the `runNow` path):
+   * gets renewals' connection ready before the first renewal needs it, never waiting for it.
+   */
+  readonly prepareRenewals: () => void
+  /**
+   * `run` with a callback and no fiber, on lanes whose connections are the backend's own: `done`
+   * is called once, from the driver's callback or the bound's timer, with the rows or the error.
+   * Returns the abandon (nobody reads it any more).
    */
   readonly runNow?: ((
     operation: string,

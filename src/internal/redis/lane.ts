@@ -465,9 +465,9 @@ export const open = (Ctor: RedisConstructor, options: ConnectOptions): Effect.Ef
         renewBatch<A>(renewals, text, params, bound, options.replicas),
       listen,
       // The renewal connection is made at the first grant, before the first renewal needs it.
-      prepareRenewals: Effect.sync(() => {
+      prepareRenewals: () => {
         if (renewals.client.status === "wait") renewals.client.connect().catch(() => {})
-      }),
+      },
       ensureSubscribed,
       isSubscribed: () => subscribed
     }

@@ -142,7 +142,7 @@ export const own = (
       renew: (text, params, bound) => statementOn(renewals)("renew", undefined, text, params, bound),
       listen: listenOn(driver, config, listenBound),
       // Own renewal connections open on demand, in a few ms, whatever the application does.
-      prepareRenewals: Effect.void,
+      prepareRenewals: () => {},
       openConnections: () => lock.size() + renewals.size()
     }
   })
@@ -250,9 +250,9 @@ export const application = (
       run,
       renew,
       // Reserved at the first grant, before the application's pool may be saturated.
-      prepareRenewals: Effect.suspend(() =>
-        reserved !== undefined || reserving !== undefined ? Effect.void : Effect.asVoid(owner.fork(Effect.ignore(reservation)))
-      ),
+      prepareRenewals: () => {
+        if (reserved === undefined && reserving === undefined) owner.unsafeFork(Effect.ignore(reservation))
+      },
       listen: listen === undefined
         ? undefined
         : (channel, deliver) =>

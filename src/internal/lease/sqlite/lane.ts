@@ -140,6 +140,6 @@ export const own = (filename: string, busyTimeout: Duration.Duration): Effect.Ef
       run,
       renew: (text, params, bound) => run("renew", undefined, text, params, bound),
       listen: undefined,
-      prepareRenewals: Effect.void
+      prepareRenewals: () => {}
     }
   })
