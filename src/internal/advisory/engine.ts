@@ -70,6 +70,7 @@ import * as driver from "../pg/driver.js"
 import { ensureFencingTable } from "./bootstrap.js"
 import { Busy, interestKeyOf, joinShared, Retry, type Step, TimedOut, tryGrant } from "./grants.js"
 import { within } from "../runtime/stallSafe.js"
+import { uninterruptibleMask } from "../runtime/mask.js"
 import * as Owner from "../runtime/owner.js"
 import * as Sweep from "../lease/sweep.js"
 import {
@@ -522,27 +523,40 @@ export const makeWith = (
       return found
     }
 
-    const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<Grant>, LockBackendError> =>
-      Effect.gen(function*() {
-        const { key, keyText } = keyOf(request.name)
-        const admission = request.attempt === "once"
-          ? yield* engine.local.tryAdmit(keyText, request.mode)
-          : yield* engine.local.admit(keyText, request.mode, request.waitUntilDeadline)
-        if (Option.isNone(admission)) return request.attempt === "once" ? Busy : TimedOut
-        const first: Step | undefined = request.mode === "exclusive"
-          ? yield* firstTry(engine, request, key, keyText, admission.value).pipe(
-            Effect.onError(() => engine.local.leave(admission.value, false))
-          )
-          : undefined
-        if (first !== undefined && first._tag !== "Retry" && (first._tag !== "Busy" || request.attempt === "once")) {
-          if (first._tag !== "Granted") yield* engine.local.leave(admission.value, false)
-          return first
-        }
-        return yield* grantLoop(engine, request, key, keyText, admission.value, first?._tag === "Busy").pipe(
-          Effect.onExit((exit) =>
-            Exit.isSuccess(exit) && exit.value._tag === "Granted" ? Effect.void : engine.local.leave(admission.value, false)
-          )
+    /**
+     * After admission: an exclusive request's first try on the uncontended path (no generator, no
+     * scope), then the loop; the admission is left again unless a grant holds it.
+     */
+    const admitted = (request: AcquireRequest, key: bigint, keyText: string, admission: Admission): Effect.Effect<AcquireResult<Grant>, LockBackendError> => {
+      const loop = (afterBusyTry: boolean) =>
+        grantLoop(engine, request, key, keyText, admission, afterBusyTry).pipe(
+          Effect.onExit((exit) => Exit.isSuccess(exit) && exit.value._tag === "Granted" ? Effect.void : engine.local.leave(admission, false))
         )
+      if (request.mode !== "exclusive") return loop(false)
+      // `Effect.onError` by hand, its clean-up uninterruptible (no mask where the caller already is, `runtime/mask`).
+      return uninterruptibleMask((restore) =>
+        Effect.matchCauseEffect(restore(firstTry(engine, request, key, keyText, admission)), {
+          onFailure: (cause) => Effect.zipRight(engine.local.leave(admission, false), Effect.failCause(cause)),
+          onSuccess: (first): Effect.Effect<AcquireResult<Grant>, LockBackendError> => {
+            if (first._tag === "Granted") return Effect.succeed(first)
+            if (first._tag !== "Retry" && (first._tag !== "Busy" || request.attempt === "once")) {
+              return Effect.as(engine.local.leave(admission, false), first)
+            }
+            return restore(loop(first._tag === "Busy"))
+          }
+        })
+      )
+    }
+
+    const acquire = (request: AcquireRequest): Effect.Effect<AcquireResult<Grant>, LockBackendError> =>
+      Effect.suspend(() => {
+        const { key, keyText } = keyOf(request.name)
+        // Admitted in this step when nothing local stands in the way and nobody is queued.
+        const now = request.attempt === "once" ? engine.local.tryAdmitNow(keyText, request.mode) : engine.local.admitNow(keyText, request.mode)
+        if (now !== undefined) return admitted(request, key, keyText, now)
+        if (request.attempt === "once") return Effect.succeed(Busy)
+        return Effect.flatMap(engine.local.admit(keyText, request.mode, request.waitUntilDeadline), (admission) =>
+          Option.isNone(admission) ? Effect.succeed(TimedOut) : admitted(request, key, keyText, admission.value))
       })
 
     // The clock every replica shares, read on an open session that is not waiting: schedules

@@ -19,6 +19,7 @@ import type { Admission } from "./localKeys.js"
 import * as driver from "../pg/driver.js"
 import { changed, forgetShared, isFatal, kill, killInBackground, movedError, sqlCode, statement, submitReleaseThen, submitTry, type Submitted, takeBack } from "./session.js"
 import { advisoryKey } from "../core/lockKey.js"
+import { uninterruptibleMask } from "../runtime/mask.js"
 import { INTEREST_NAMESPACE, joinBumpSql, undoSql } from "./sql.js"
 import type { Engine, Holder, ServerGrant, Session, Settled } from "./state.js"
 
@@ -315,10 +316,10 @@ const awaitOutcome = (request: AcquireRequest, sent: Submitted): Effect.Effect<S
 export const tryGrant = (
   engine: Engine, session: Session, request: AcquireRequest, key: bigint, keyText: string, admission: Admission
 ): Effect.Effect<Step, LockBackendError> =>
-  // Uninterruptible but for the wait, whoever calls (the core already is: then this costs one
-  // step): nothing between queuing the try and the match below can be interrupted, and an
-  // interrupted wait reaches the take-back, which an interruptible region would skip.
-  Effect.uninterruptibleMask((restore) => Effect.suspend(() => {
+  // Uninterruptible but for the wait, whoever calls (the core already is: then no mask at all,
+  // `runtime/mask`): nothing between queuing the try and the match below can be interrupted, and
+  // an interrupted wait reaches the take-back, which an interruptible region would skip.
+  uninterruptibleMask((restore) => {
     const shared = request.mode === "shared"
     const sent = submitTry(session, keyText, request.name, shared)
     const claimBack = () => {
@@ -352,4 +353,4 @@ export const tryGrant = (
         return Effect.succeed(step)
       }
     })
-  }))
+  })

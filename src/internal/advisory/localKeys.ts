@@ -38,6 +38,13 @@ export interface Admission {
 export interface LocalKeys {
   /** Admits now if nothing local stands in the way and nobody is queued; `None` otherwise. */
   readonly tryAdmit: (key: string, mode: LockMode) => Effect.Effect<Option.Option<Admission>>
+  /** `tryAdmit` in this synchronous step: the admission, or undefined. */
+  readonly tryAdmitNow: (key: string, mode: LockMode) => Admission | undefined
+  /**
+   * `admit`'s first step, synchronous: the admission when nothing local stands in the way and
+   * nobody is queued, with no ticket; else undefined (then `admit` queues).
+   */
+  readonly admitNow: (key: string, mode: LockMode) => Admission | undefined
   /**
    * Waits for admission. `wait` runs the interruptible, deadline-bounded wait for the signal and
    * returns `None` when the deadline passed. An admission that races the deadline or an
@@ -166,6 +173,8 @@ export const makeLocalKeys = (): LocalKeys => {
 
   return {
     tryAdmit: (key, mode) => Effect.sync(() => Option.fromNullable(tryAdmitNow(key, mode))),
+    tryAdmitNow,
+    admitNow,
 
     admit: (key, mode, wait) =>
       Effect.suspend(() => {
