@@ -725,19 +725,19 @@ describe("PgAdvisory.layer", () => {
 })
 
 describe("PgAdvisory admission (localKeys)", () => {
-  it.effect("tryAdmit is not refused by tickets whose waiters gave up", () =>
+  it.effect("tryAdmitNow is not refused by tickets whose waiters gave up", () =>
     Effect.gen(function*() {
       const local = makeLocalKeys()
-      const holder = Option.getOrThrow(yield* local.tryAdmit("k", "exclusive"))
+      const holder = Option.getOrThrow(Option.fromNullable(local.tryAdmitNow("k", "exclusive")))
       // One waiter that stays, one behind it that gives up at once.
       const staying = yield* Effect.fork(local.admit("k", "exclusive", (signal) => Effect.asSome(signal)))
       yield* Effect.yieldNow()
       expect(Option.isNone(yield* local.admit("k", "exclusive", () => Effect.succeedNone))).toBe(true)
-      expect(Option.isNone(yield* local.tryAdmit("k", "shared"))).toBe(true)
+      expect(Option.isNone(Option.fromNullable(local.tryAdmitNow("k", "shared")))).toBe(true)
       // The staying waiter gives up too: only abandoned tickets would be left, and they count for nothing.
       yield* Fiber.interrupt(staying)
       yield* local.leave(holder, true)
-      const again = yield* local.tryAdmit("k", "exclusive")
+      const again = Option.fromNullable(local.tryAdmitNow("k", "exclusive"))
       expect(Option.isSome(again)).toBe(true)
       if (Option.isSome(again)) yield* local.leave(again.value, false)
     }))

@@ -555,7 +555,7 @@ export const makeWith = (
         const now = request.attempt === "once" ? engine.local.tryAdmitNow(keyText, request.mode) : engine.local.admitNow(keyText, request.mode)
         if (now !== undefined) return admitted(request, key, keyText, now)
         if (request.attempt === "once") return Effect.succeed(Busy)
-        return Effect.flatMap(engine.local.admit(keyText, request.mode, request.waitUntilDeadline), (admission) =>
+        return Effect.flatMap(engine.local.queue(keyText, request.mode, request.waitUntilDeadline), (admission) =>
           Option.isNone(admission) ? Effect.succeed(TimedOut) : admitted(request, key, keyText, admission.value))
       })
 

@@ -36,15 +36,19 @@ export interface Admission {
 }
 
 export interface LocalKeys {
-  /** Admits now if nothing local stands in the way and nobody is queued; `None` otherwise. */
-  readonly tryAdmit: (key: string, mode: LockMode) => Effect.Effect<Option.Option<Admission>>
-  /** `tryAdmit` in this synchronous step: the admission, or undefined. */
+  /** Admits now, in this synchronous step, if nothing local stands in the way and nobody is queued; else undefined. */
   readonly tryAdmitNow: (key: string, mode: LockMode) => Admission | undefined
   /**
    * `admit`'s first step, synchronous: the admission when nothing local stands in the way and
-   * nobody is queued, with no ticket; else undefined (then `admit` queues).
+   * nobody is queued, with no ticket; else undefined (then `queue`).
    */
   readonly admitNow: (key: string, mode: LockMode) => Admission | undefined
+  /** `admit`'s slow path, for a caller whose `admitNow` just found the key taken: queues a ticket and waits for it. */
+  readonly queue: (
+    key: string,
+    mode: LockMode,
+    wait: (signal: Effect.Effect<void>) => Effect.Effect<Option.Option<void>>
+  ) => Effect.Effect<Option.Option<Admission>>
   /**
    * Waits for admission. `wait` runs the interruptible, deadline-bounded wait for the signal and
    * returns `None` when the deadline passed. An admission that races the deadline or an
@@ -172,9 +176,9 @@ export const makeLocalKeys = (): LocalKeys => {
   }
 
   return {
-    tryAdmit: (key, mode) => Effect.sync(() => Option.fromNullable(tryAdmitNow(key, mode))),
     tryAdmitNow,
     admitNow,
+    queue: queued,
 
     admit: (key, mode, wait) =>
       Effect.suspend(() => {
