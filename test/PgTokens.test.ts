@@ -31,6 +31,11 @@ const db = useTestDatabase("pg_tokens")
 const SWEEP = Duration.millis(200)
 /** An idle name's rows must be gone within this (the sweep's interval, several times over). */
 const SWEPT_WITHIN = Duration.seconds(5)
+/**
+ * The kept names' waiters wait through the whole case (hundreds of grants and several sweeps), so
+ * their bound is the case's own less a margin: a shorter one ran out on a loaded CI host.
+ */
+const WAITER_BOUND = Duration.seconds(50)
 
 const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<unknown> = [], url = db.url) =>
   Effect.promise(() => withClient(url, (client) => client.query<R>(text, [...values]).then((r) => r.rows)))
@@ -109,7 +114,7 @@ describe.concurrent("PostgreSQL: one token sequence, no row for an idle name", (
       // One held name, and one waiter on it (its place is a queue row).
       const holder = yield* Scope.make()
       const held = yield* Scope.extend(lock.acquire("kept-held"), holder)
-      const waiter = yield* Effect.fork(Effect.scoped(lock.acquire("kept-held", { timeout: Duration.seconds(20) })))
+      const waiter = yield* Effect.fork(Effect.scoped(lock.acquire("kept-held", { timeout: WAITER_BOUND })))
       yield* until(
         "the waiter's place",
         count(`${table}_queue`, "name = 'kept-held' and token is null"),
@@ -159,7 +164,7 @@ describe.concurrent("PostgreSQL: one token sequence, no row for an idle name", (
       const holder = yield* Scope.make()
       yield* Scope.extend(lock.acquire("kept-held"), holder)
       // Another process's waiter: it waits at the server (a pg_locks entry, not granted).
-      const waiter = yield* Effect.fork(Effect.scoped(lockOf(other).acquire("kept-held", { timeout: Duration.seconds(20) })))
+      const waiter = yield* Effect.fork(Effect.scoped(lockOf(other).acquire("kept-held", { timeout: WAITER_BOUND })))
       yield* until(
         "the other process waiting at the server",
         count("pg_locks", "locktype = 'advisory' and not granted"),
@@ -176,7 +181,7 @@ describe.concurrent("PostgreSQL: one token sequence, no row for an idle name", (
       })
       yield* Scope.extend(semaphore.acquire("sem-kept-held", { limit: 3, permits: 2 }), holder)
       yield* Scope.extend(semaphore.acquire("sem-kept-waited", { limit: 1 }), holder)
-      const semWaiter = yield* Effect.fork(Effect.scoped(semaphoreOf(other).acquire("sem-kept-waited", { limit: 1, timeout: Duration.seconds(20) })))
+      const semWaiter = yield* Effect.fork(Effect.scoped(semaphoreOf(other).acquire("sem-kept-waited", { limit: 1, timeout: WAITER_BOUND })))
       yield* until("the semaphore waiter queued", count(fencingTable, "name = 'sem-kept-waited' and permit_queue is not null"), (n) => n === 1, Duration.seconds(5))
 
       yield* until("every idle name's fencing row swept", count(fencingTable, "name like 'idle-%' or name like 'sem-idle-%'"), (n) => n === 0, SWEPT_WITHIN)

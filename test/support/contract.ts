@@ -116,11 +116,12 @@ const printable = (value: unknown): string => {
 
 /**
  * Waits until `condition` holds, with a bound: on the TestClock by yielding (time does not pass),
- * on real time by polling every few milliseconds. Fails the test naming `what` if it never does.
+ * on real time by polling every few milliseconds. Fails the test naming `what` if it never does
+ * (a function: read then, so that it can say what was last seen).
  */
 export const waitUntil = <E, R>(
   clock: "test" | "live",
-  what: string,
+  what: string | (() => string),
   condition: Effect.Effect<boolean, E, R>
 ): Effect.Effect<void, E, R> => {
   const deadline = Date.now() + Duration.toMillis(LIVE_BOUND)
@@ -128,7 +129,7 @@ export const waitUntil = <E, R>(
     Effect.flatMap(condition, (holds) => {
       if (holds) return Effect.void
       const outOfTime = clock === "test" ? n >= TEST_CLOCK_STEPS : Date.now() >= deadline
-      if (outOfTime) return Effect.dieMessage(`gave up waiting until ${what}`)
+      if (outOfTime) return Effect.dieMessage(`gave up waiting until ${typeof what === "string" ? what : what()}`)
       const pause = clock === "test" ? Effect.yieldNow() : Effect.sleep(Duration.millis(5))
       return Effect.zipRight(pause, Effect.suspend(() => step(n + 1)))
     })

@@ -9,6 +9,7 @@
  * (a waiter queued in the store, a holder holding, a renewal made).
  */
 import { describe, expect, it } from "@effect/vitest"
+import * as Cause from "effect/Cause"
 import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
@@ -114,6 +115,14 @@ const FIBERS_PER_PROCESS = 3
 /** A ttl the interruption tests' requests use: a grant left behind would outlive every bound here. */
 const LONG_TTL = Duration.seconds(60)
 
+/** Dies naming the exit of the first of `fibers` that has ended: a waiter that failed would otherwise show only as a place never seen. */
+const stillWaiting = (fibers: ReadonlyArray<Fiber.Fiber<unknown, unknown>>): Effect.Effect<void> =>
+  Effect.forEach(fibers, (fiber, i) =>
+    Effect.flatMap(Fiber.poll(fiber), (done) =>
+      Option.isSome(done)
+        ? Effect.dieMessage(`waiter ${i + 1} of those watched ended while it should wait: ${Exit.isFailure(done.value) ? Cause.pretty(done.value.cause) : "succeeded"}`)
+        : Effect.void), { discard: true })
+
 export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) => {
   const base = target.clock === "test" ? it.scoped : it.scopedLive
   const live = target.clock === "live"
@@ -121,17 +130,26 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
 
   const node = (faults: Faults = makeFaults()) =>
     Effect.flatMap(target.makeBackend, (backend) => DistributedSemaphore.make(withFaults(backend, faults)))
-  const until = <E, R>(what: string, condition: Effect.Effect<boolean, E, R>) => waitUntil(target.clock, what, condition)
+  const until = <E, R>(what: string | (() => string), condition: Effect.Effect<boolean, E, R>) => waitUntil(target.clock, what, condition)
+  /** Until the store's state of `name` satisfies `holds`; past the bound, the message says what was last read. */
+  const stateWhere = (name: string, what: string, holds: (state: StoreState) => boolean, watched: ReadonlyArray<Fiber.Fiber<unknown, unknown>> = []) => {
+    let seen = "nothing read yet"
+    return until(
+      () => `"${name}" ${what} in the store (last read: ${seen})`,
+      Effect.zipRight(
+        stillWaiting(watched),
+        Effect.map(target.state(name), (state) => {
+          seen = JSON.stringify(state)
+          return holds(state)
+        })
+      )
+    )
+  }
   const stateIs = (name: string, expected: StoreState) =>
-    until(
-      `"${name}" is ${JSON.stringify(expected)} in the store`,
-      Effect.map(target.state(name), (state) => JSON.stringify(state) === JSON.stringify(expected))
-    )
-  const waitingAre = (name: string, permits: ReadonlyArray<number>) =>
-    until(
-      `"${name}" has waiters ${JSON.stringify(permits)} in the store`,
-      Effect.map(target.state(name), (state) => JSON.stringify(state.waiting) === JSON.stringify(permits))
-    )
+    stateWhere(name, `is ${JSON.stringify(expected)}`, (state) => JSON.stringify(state) === JSON.stringify(expected))
+  /** Until `name`'s live places are `permits` in order; fails at once naming how, if a `watched` waiter ended meanwhile. */
+  const waitingAre = (name: string, permits: ReadonlyArray<number>, ...watched: Array<Fiber.Fiber<unknown, unknown>>) =>
+    stateWhere(name, `has waiters ${JSON.stringify(permits)}`, (state) => JSON.stringify(state.waiting) === JSON.stringify(permits), watched)
   const heldIs = (name: string, held: number) =>
     until(`"${name}" has ${held} permits held in the store`, Effect.map(target.state(name), (state) => state.held === held))
   /** Until `condition` holds, failing if it took longer than `bound` of Clock time (0 on the TestClock). */
@@ -316,11 +334,11 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
             )
           )
         const w1 = yield* wait(b, "w1", 1)
-        yield* waitingAre(name, [1])
+        yield* waitingAre(name, [1], w1)
         const w2 = yield* wait(c, "w2", 1)
-        yield* waitingAre(name, [1, 1])
+        yield* waitingAre(name, [1, 1], w1, w2)
         const w3 = yield* wait(b, "w3", 3)
-        yield* waitingAre(name, [1, 1, 3])
+        yield* waitingAre(name, [1, 1, 3], w1, w2, w3)
         yield* two.release
         yield* until("w1 and w2 hold", Effect.sync(() => granted.length === 2))
         expect([...granted].sort()).toEqual(["w1", "w2"])
@@ -376,7 +394,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
             )
           )))
           // Each is queued before the next one arrives.
-          yield* waitingAre(name, Array.from({ length: waiters.length }, () => 2))
+          yield* waitingAre(name, Array.from({ length: waiters.length }, () => 2), ...waiters)
         }
         yield* holder.release
         yield* until("a holds", Effect.sync(() => order.length === 1))
