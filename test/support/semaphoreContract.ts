@@ -112,7 +112,11 @@ const withFaults = (backend: SemaphoreBackend<any>, faults: Faults): SemaphoreBa
 const LIMIT = 3
 const PROCESSES = 3
 const FIBERS_PER_PROCESS = 3
-/** A ttl the interruption tests' requests use: a grant left behind would outlive every bound here. */
+/**
+ * The ttl of grants in cases not about expiry or renewal (the interruption cases: a grant left
+ * behind would outlive every bound here; the order cases: a 3 s lease whose renewals a loaded host
+ * starved past its safety margin expired mid-case, and the waiters it held back were served).
+ */
 const LONG_TTL = Duration.seconds(60)
 
 /** Dies naming the exit of the first of `fibers` that has ended: a waiter that failed would otherwise show only as a place never seen. */
@@ -179,7 +183,8 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
   const hold = (service: DistributedSemaphore.Service, name: string, options: DistributedSemaphore.PermitOptions) =>
     Effect.gen(function*() {
       const scope = yield* Scope.make()
-      const permits = yield* Scope.extend(service.acquire(name, options), scope)
+      // Cases about expiry pass the target's ttl; others hold through any stall of a loaded host.
+      const permits = yield* Scope.extend(service.acquire(name, { ttl: LONG_TTL, ...options }), scope)
       return { permits, release: Scope.close(scope, Exit.void) }
     })
 
@@ -330,7 +335,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const wait = (service: DistributedSemaphore.Service, who: string, permits: number) =>
           Effect.fork(
             Effect.scoped(
-              Effect.zipRight(Effect.tap(service.acquire(name, { limit: 3, permits }), () => Effect.sync(() => granted.push(who))), Effect.never)
+              Effect.zipRight(Effect.tap(service.acquire(name, { limit: 3, permits, ttl: LONG_TTL }), () => Effect.sync(() => granted.push(who))), Effect.never)
             )
           )
         const w1 = yield* wait(b, "w1", 1)
@@ -360,12 +365,12 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const [a, b] = [yield* node(), yield* node()]
         const name = freshName("fifo")
         const holder = yield* hold(a, name, { limit: 3, permits: 2 })
-        const big = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name, { limit: 3, permits: 2 }), (p) => p.tokens)))
+        const big = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name, { limit: 3, permits: 2, ttl: LONG_TTL }), (p) => p.tokens)))
         yield* waitingAre(name, [2])
         // One permit is free, but taking it would overtake the waiter ahead: a newcomer waits.
         expect(yield* Effect.scoped(a.tryAcquire(name, { limit: 3 }))).toEqual(Option.none())
         expect(yield* Effect.scoped(b.tryAcquire(name, { limit: 3 }))).toEqual(Option.none())
-        const small = yield* Effect.fork(Effect.scoped(Effect.map(a.acquire(name, { limit: 3 }), (p) => p.tokens)))
+        const small = yield* Effect.fork(Effect.scoped(Effect.map(a.acquire(name, { limit: 3, ttl: LONG_TTL }), (p) => p.tokens)))
         // Queued behind the big one, with a permit free: it does not take it.
         yield* waitingAre(name, [2, 1])
         expect(yield* target.state(name)).toEqual({ held: 2, waiting: [2, 1] })
@@ -389,7 +394,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         for (const [who, service] of [["a", b], ["b", c], ["c", d]] as const) {
           waiters.push(yield* Effect.fork(Effect.scoped(
             Effect.zipRight(
-              Effect.tap(service.acquire(name, { limit: 2, permits: 2 }), () => Effect.sync(() => order.push(who))),
+              Effect.tap(service.acquire(name, { limit: 2, permits: 2, ttl: LONG_TTL }), () => Effect.sync(() => order.push(who))),
               Deferred.await(letGo)
             )
           )))
@@ -414,7 +419,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const name = freshName("no-overtake")
         const holder = yield* hold(a, name, { limit: 1 })
         const done = yield* Effect.makeLatch(false)
-        const waiter = yield* Effect.fork(Effect.scoped(Effect.flatMap(b.acquire(name, { limit: 1 }), (p) => Effect.as(done.await, p.tokens))))
+        const waiter = yield* Effect.fork(Effect.scoped(Effect.flatMap(b.acquire(name, { limit: 1, ttl: LONG_TTL }), (p) => Effect.as(done.await, p.tokens))))
         yield* waitingAre(name, [1])
         yield* holder.release
         yield* heldIs(name, 0)
@@ -436,7 +441,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         // clone, the big wait timed out before the small one's place was seen ([2, 1] never came).
         const big = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 2, permits: 2, timeout: Duration.seconds(3) })))
         yield* waitingAre(name, [2])
-        const small = yield* Effect.fork(Effect.scoped(Effect.zipRight(c.acquire(name, { limit: 2 }), Effect.never)))
+        const small = yield* Effect.fork(Effect.scoped(Effect.zipRight(c.acquire(name, { limit: 2, ttl: LONG_TTL }), Effect.never)))
         yield* waitingAre(name, [2, 1])
         yield* target.advance(Duration.millis(3_100))
         const error = yield* failureOf(Fiber.join(big))
