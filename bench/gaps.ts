@@ -1,5 +1,5 @@
 /**
- * `npx tsx --import ./bench/lib/built.mjs bench/gaps.ts [--seconds=S] [--rounds=R] [--spins=0,50,100] [--only=compare|spin]`
+ * `npx tsx --import ./bench/lib/built.mjs bench/gaps.ts [--seconds=S] [--rounds=R] [--spins=0,50,100] [--only=compare|spin|redis]`
  *
  * How long this process works between hearing an answer and sending its next statement, per
  * uncontended cycle by one worker: the library's PgLease and PgAdvisory loops next to their raw
@@ -9,16 +9,23 @@
  * the whole of the process's work on the cycle's critical path; the rest is the server and the
  * wire.
  *
+ * The same for RedisLease next to raw ioredis sending its scripts, timed at ioredis's edge (a
+ * command's reply resolving it, to the next `sendCommand`), when a Redis is at hand (see
+ * `tools/redisServer.ts`).
+ *
  * Then what such a gap costs: the raw PgLease loop again with S µs of busy CPU after each answer
  * (`--spins`, default 0, 50, 100). On this machine the cost is more than S, since a server backend that idled the
  * while takes longer to wake (see bench/README.md, "Where the remaining time goes").
  */
 import pg from "pg"
 import * as Crypto from "node:crypto"
+import { createRequire } from "node:module"
 import * as Os from "node:os"
 import * as LeaseSql from "../src/internal/lease/pg/sql.js"
 import { runMain, withScratchDatabase } from "./lib/postgres.js"
 import type { Subject } from "./lib/rounds.js"
+import { redisAvailable, startRedis } from "../tools/redisServer.js"
+import { FACTORIES as REDIS } from "./scenarios/redis.js"
 import { pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease } from "./scenarios/uncontended.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
@@ -53,6 +60,31 @@ pg.Client.prototype.query = function(this: pg.Client, ...args: Array<unknown>) {
     return value
   })
 } as never
+
+/**
+ * ioredis's `sendCommand`, timed as `Client.query` is: the bench's copy (bench/node_modules) and
+ * the library's (the root's), where they differ.
+ */
+interface RedisCommand {
+  resolve: (value: unknown) => unknown
+}
+const redisClasses = new Set(
+  [createRequire(import.meta.url), createRequire(new URL("../src/", import.meta.url))].map((require) =>
+    (require("ioredis") as { readonly Redis: { prototype: { sendCommand: (...args: Array<unknown>) => unknown } } }).Redis
+  )
+)
+for (const Redis of redisClasses) {
+  const sendCommand = Redis.prototype.sendCommand
+  Redis.prototype.sendCommand = function(this: unknown, command: RedisCommand, ...rest: Array<unknown>) {
+    if (recording !== undefined && lastAnswer !== undefined) recording.push((performance.now() - lastAnswer) * 1000)
+    const resolve = command.resolve
+    command.resolve = (value) => {
+      heard()
+      return resolve(value)
+    }
+    return sendCommand.call(this, command, ...rest)
+  } as never
+}
 
 const median = (values: ReadonlyArray<number>) => [...values].sort((a, b) => a - b)[Math.floor(values.length / 2)] ?? NaN
 
@@ -131,7 +163,7 @@ const spun = async (url: string, micros: ReadonlyArray<number>) => {
 runMain(() =>
   withScratchDatabase("gaps", async (db) => {
     const ms = seconds * 1000
-    if (only !== "spin") {
+    if (only === undefined || only === "compare") {
       await compare("PgLease, 1 worker", [
         { label: "raw pg, PgLease's statements", subject: rawLease(db, 1, ms) },
         { label: "PgLease.layer", subject: pgLeaseSubject(db, 1, ms) }
@@ -141,6 +173,20 @@ runMain(() =>
         { label: "PgAdvisory.layer", subject: pgAdvisorySubject(db, 1, ms) }
       ])
     }
-    if (only !== "compare") await spun(db.url, spins)
+    if (only === undefined || only === "redis") {
+      if (!redisAvailable()) console.log("RedisLease: skipped, no redis-server on the PATH and no REDIS_URL")
+      else {
+        const redis = await startRedis()
+        try {
+          await compare("RedisLease, 1 worker", [
+            { label: "raw ioredis, RedisLease's scripts", subject: REDIS.rawRedisLease(undefined, redis.url, 1, ms) },
+            { label: "RedisLease.layer", subject: REDIS.redisLeaseSubject(undefined, redis.url, 1, ms) }
+          ])
+        } finally {
+          await redis.stop()
+        }
+      }
+    }
+    if (only === undefined || only === "spin") await spun(db.url, spins)
   })
 )
