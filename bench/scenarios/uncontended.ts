@@ -184,6 +184,46 @@ export const rawLease = (database: Database, concurrency: number, durationMs: nu
   )
 }
 
+/**
+ * The least an Effect program that takes and gives back a lease can do: `rawLease`'s two prepared
+ * statements as `Effect.scoped(Effect.acquireRelease(...))`, on the same fibers' loop as the
+ * library's rows. What it costs against `rawLease` is Effect's, whichever lock library runs in it.
+ */
+export const effectLeaseFloor = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+  const names = workerNames("effect-lease", concurrency)
+  const acquire = LeaseSql.acquire(RAW_LEASE_TABLE)
+  const release = LeaseSql.release(RAW_LEASE_TABLE)
+  const host = Os.hostname()
+  return {
+    id: `effect-lease-floor-${concurrency}`,
+    open: async () => {
+      const clients = await connectMany(database.url, concurrency, `bench-effect-lease-floor-${concurrency}`)
+      await clients[0]!.query(LeaseSql.createTable(RAW_LEASE_TABLE))
+      const queries = clients.map(serializedPrepared)
+      const runtime = await openRuntime(Layer.empty)
+      const cycle = (w: number) =>
+        Effect.scoped(Effect.acquireRelease(
+          Effect.promise(async () => {
+            const owner = Crypto.randomUUID()
+            const granted = await queries[w]!<{ token: string | null }>(acquire, [
+              names[w]!, owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, "bench-effect-lease", host, process.pid, true
+            ])
+            if (granted.rows[0]?.token == null) throw new Error(`effect floor lease ${names[w]} was not granted`)
+            return owner
+          }),
+          (owner) => Effect.promise(() => queries[w]!(release, [names[w]!, owner, null, RAW_LEASE_TABLE.relname]))
+        ))
+      return {
+        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), cycle)),
+        close: async () => {
+          await runtime.close()
+          await closeAll(clients)
+        }
+      }
+    }
+  }
+}
+
 /** Raw pg: the smallest transaction-lock cycle, BEGIN; pg_advisory_xact_lock; COMMIT. */
 export const rawXactMinimal = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const keys = workerNames("raw-xact-min", concurrency).map((name) => advisoryKey(name).toString())
@@ -314,6 +354,7 @@ export const FACTORIES = {
   pgAdvisorySubject: (database: Database, c: number, ms: number) => pgAdvisorySubject(database, c, ms),
   rawLease: (database: Database, c: number, ms: number) => rawLease(database, c, ms),
   pgLeaseSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms),
+  effectLeaseFloor: (database: Database, c: number, ms: number) => effectLeaseFloor(database, c, ms),
   rawXactMinimal: (database: Database, c: number, ms: number) => rawXactMinimal(database, c, ms),
   rawXactLibrary: (database: Database, c: number, ms: number) => rawXactLibrary(database, c, ms),
   sqlXactSubject: (database: Database, c: number, ms: number) => sqlXactSubject(database, c, ms),
@@ -367,6 +408,8 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
   specs.push(
     { block: "advisory", id: "pg-advisory", label: "PgAdvisory.layer", connections: "own sessions (≤ 4)", concurrency: c, baseline: "raw-advisory-fenced", subject: own("pgAdvisorySubject", database, c, ms) },
     { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: own("rawLease", database, c, ms) },
+    // Information: what any Effect program pays on these statements (the library's row stays judged against raw pg).
+    { block: "lease", id: "effect-lease-floor", label: "Effect.scoped(acquireRelease) of PgLease's statements on raw pg", connections: `${c}`, concurrency: c, baseline: "raw-lease", subject: own("effectLeaseFloor", database, c, ms) },
     { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseSubject", database, c, ms) },
     { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: own("rawXactMinimal", database, c, ms) },
     { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's statements", connections: `${c}`, concurrency: c, subject: own("rawXactLibrary", database, c, ms) },
@@ -423,6 +466,9 @@ const render = (result: UncontendedResult): string => {
     "- *raw pg: PgLease's statements*: the acquire statement and the owner-scoped release (which notifies only " +
     "waiters at the head of the queue) from `src/internal/lease/pg/sql.ts`, same parameters. PgLease runs them on " +
     "`connections` of its own (set to the worker count here).",
+    "- *Effect.scoped(acquireRelease) of PgLease's statements on raw pg* (information only): the raw row's two " +
+    "statements as a user would write them in Effect (`Effect.promise` around each, in " +
+    "`Effect.scoped(Effect.acquireRelease(...))`, on the library rows' fiber loop): what any Effect program pays on them.",
     "- *withXactLock's statements*: `BEGIN`, `pg_try_advisory_xact_lock`, `COMMIT` — what the combinator sends " +
     "uncontended with an empty body.",
     "- *@effect/sql-pg withTransaction*: the same three statements through `PgClient`'s own `withTransaction` on the " +
