@@ -10,6 +10,7 @@ import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as FiberRef from "effect/FiberRef"
 import * as Option from "effect/Option"
+import * as Scheduler from "effect/Scheduler"
 import * as Scope from "effect/Scope"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import type { Lease, LockMode } from "effect-lock/Lease"
@@ -136,6 +137,24 @@ export const waitUntil = <E, R>(
       return Effect.zipRight(pause, Effect.suspend(() => step(n + 1)))
     })
   return Effect.suspend(() => step(0))
+}
+
+/**
+ * A fiber's state for a failure message, from Effect's runtime internals (3.x): whether it ended,
+ * whether it is draining its mailbox, how many messages wait there, and whether the default
+ * scheduler's runner of the fiber believes a drain is under way. A fiber whose messages wait while
+ * nothing drains them is stuck in the runtime, not in the code it runs.
+ */
+export const fiberState = (fiber: Fiber.RuntimeFiber<unknown, unknown> | undefined): string => {
+  if (fiber === undefined) return "not started"
+  const internals = fiber as unknown as { readonly _running?: boolean; readonly _queue?: ReadonlyArray<unknown> }
+  const runner = (Scheduler.defaultScheduler as unknown as {
+    readonly getRunner?: (fiber: unknown) => { readonly running?: boolean; readonly tasks?: { readonly buckets?: ReadonlyArray<unknown> } }
+  }).getRunner?.(fiber)
+  const exit = fiber.unsafePoll()
+  return `${exit === null ? "not ended" : `ended (${exit._tag})`}, draining ${String(internals._running)}, ` +
+    `${internals._queue?.length ?? "?"} message(s) queued, runner draining ${String(runner?.running)} with ` +
+    `${runner?.tasks?.buckets?.length ?? "?"} bucket(s) of tasks`
 }
 
 /** `service` holds `name` from now on; the effect returned lets it go and waits for the release. */
@@ -279,7 +298,9 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
     what: string,
     self: Effect.Effect<A, E, R>,
     bound: Duration.Duration = LIVE_BOUND,
-    trail?: Array<string>
+    trail?: Array<string>,
+    /** What the message adds when the bound runs out (the state of the fibers involved). */
+    state?: () => string
   ): Effect.Effect<A, E, R> => {
     if (target.clock === "test") return self
     return Effect.suspend(() => {
@@ -296,7 +317,8 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           return Effect.succeed(ended.value)
         }
         const stalled = `longest event-loop stall ${Math.round(stalls.max / 1e6)} ms`
-        return Effect.dieMessage(`${what}: not within ${Duration.format(bound)} (${stalled})${trail === undefined ? "" : `; ${trail.join(", ")}`}`)
+        const seen = state === undefined ? "" : `; ${state()}`
+        return Effect.dieMessage(`${what}: not within ${Duration.format(bound)} (${stalled})${trail === undefined ? "" : `; ${trail.join(", ")}`}${seen}`)
       })
     })
   }
@@ -455,7 +477,11 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
       // The steps that ended and how long each took: the whole case's bound names them when it runs out.
       const trail: Array<string> = []
       const step_ = <A, E, R>(what: string, self: Effect.Effect<A, E, R>) => step(what, self, LIVE_BOUND, trail)
+      // The case's own fiber and the holder's: a run that hung once with no event-loop stall and
+      // neither its release nor its 15 s bound ending says which of them stopped, and how.
+      const fibers: { body?: Fiber.RuntimeFiber<unknown, unknown>; holder?: Fiber.RuntimeFiber<unknown, unknown> } = {}
       return step("the case, its layers closed", Effect.disconnect(Effect.scoped(Effect.gen(function*() {
+        fibers.body = yield* Effect.withFiberRuntime<Fiber.RuntimeFiber<unknown, unknown>>((fiber) => Effect.succeed(fiber))
         const a = yield* step_("building the holder's layer", node())
         const bFaults = makeFaults()
         const b = yield* step_("building the waiter's layer", node(bFaults))
@@ -465,6 +491,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const holder = yield* Effect.fork(
           Effect.scoped(Effect.zipRight(Effect.zipRight(a.acquire(name), Deferred.succeed(holding, undefined)), release.await))
         )
+        fibers.holder = holder
         yield* step_("the holder's acquire", Deferred.await(holding))
         const waiter = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name), (l) => l.token)))
         yield* step_("the waiter queued", queued(bFaults, name))
@@ -480,7 +507,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect(token > 0n).toBe(true)
         // The whole case within 25 s, under the test's 30 s; its message lists the steps that ended
         // and their times, so a case past it says whether a step was slow or the closing hung.
-      }))), Duration.seconds(25), trail)
+      }))), Duration.seconds(25), trail, () => `the case's fiber: ${fiberState(fibers.body)}; the holder's: ${fiberState(fibers.holder)}`)
     })
 
     test("locks are not re-entrant: the same process asking again waits", () =>
