@@ -318,7 +318,10 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         }
         const stalled = `longest event-loop stall ${Math.round(stalls.max / 1e6)} ms`
         const seen = state === undefined ? "" : `; ${state()}`
-        return Effect.dieMessage(`${what}: not within ${Duration.format(bound)} (${stalled})${trail === undefined ? "" : `; ${trail.join(", ")}`}${seen}`)
+        const message = `${what}: not within ${Duration.format(bound)} (${stalled})${trail === undefined ? "" : `; ${trail.join(", ")}`}${seen}`
+        // In the trail too: an enclosing step whose closing then hangs still names this one.
+        trail?.push(`${what}: not within ${Duration.format(bound)} (${stalled})`)
+        return Effect.dieMessage(message)
       })
     })
   }
