@@ -3,6 +3,7 @@
  * backend under TestClock, the PostgreSQL ones with short real durations.
  */
 import { describe, expect, it } from "@effect/vitest"
+import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -850,20 +851,19 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const faults = makeFaults()
         const a = yield* node(faults)
         const name = freshName("margin")
+        // The store counts the lease's ttl from its grant, which comes after this: it lets the
+        // lease go at askedAt + ttl at the earliest (one clock: the store's host is this one).
+        const askedAt = yield* Clock.currentTimeMillis
         const lease = yield* a.acquire(name, { ttl: target.ttl })
         faults.failRenew = true
         const lostAt = yield* Effect.fork(
           Effect.flatMap(failureOf(lease.lost), () => Effect.clockWith((c) => c.currentTimeMillis))
         )
-        const heldInStore = yield* Effect.fork(
-          Effect.gen(function*() {
-            yield* Fiber.await(lostAt)
-            return yield* target.storeHolders(name)
-          })
-        )
         yield* target.advance(Duration.millis(ttlMillis * 0.9))
-        // When the holder learned of the loss the store still held its lease: it was told first.
-        expect(yield* Fiber.join(heldInStore)).toBe(1)
+        // The holder learned of the loss before the store could let its lease go: it was told
+        // first. (Timed, not read back from the store after the news: on a loaded host that read
+        // came after the expiry once, though the holder had been told 600 ms before it.)
+        expect(yield* Fiber.join(lostAt)).toBeLessThan(askedAt + ttlMillis)
         expect(yield* lease.isHeld).toBe(false)
       }))
 
