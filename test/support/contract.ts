@@ -310,15 +310,25 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
       // run for is told from one the library left hanging.
       const stalls = monitorEventLoopDelay({ resolution: 20 })
       stalls.enable()
+      // The state 2 s and 1 s before the bound, read by plain timers: by the time the bound's own
+      // branch runs, its interruption of `self` has already reached the fibers it describes.
+      const early: Array<string> = []
+      const boundMs = Duration.toMillis(bound)
+      const peeks = state === undefined ? [] : [2_000, 1_000].filter((before) => boundMs > before).map((before) =>
+        setTimeout(() => early.push(`${before / 1000} s before the bound: ${state()}`), boundMs - before))
       // Stall-safe (the library's own timeout): after a stall, an answer already received is read before the bound is judged.
-      return Effect.flatMap(Effect.ensuring(timeoutOption(self, bound), Effect.sync(() => stalls.disable())), (ended) => {
+      const stop = Effect.sync(() => {
+        stalls.disable()
+        for (const peek of peeks) clearTimeout(peek)
+      })
+      return Effect.flatMap(Effect.ensuring(timeoutOption(self, bound), stop), (ended) => {
         if (Option.isSome(ended)) {
           // When each step ended, for the message of an enclosing step that runs out of time.
           trail?.push(`${what} in ${Date.now() - started} ms`)
           return Effect.succeed(ended.value)
         }
         const stalled = `longest event-loop stall ${Math.round(stalls.max / 1e6)} ms`
-        const seen = state === undefined ? "" : `; ${state()}`
+        const seen = state === undefined ? "" : `; ${[...early, `at the bound: ${state()}`].join("; ")}`
         const message = `${what}: not within ${Duration.format(bound)} (${stalled})${trail === undefined ? "" : `; ${trail.join(", ")}`}${seen}`
         // In the trail too: an enclosing step whose closing then hangs still names this one.
         trail?.push(`${what}: not within ${Duration.format(bound)} (${stalled})`)
@@ -504,6 +514,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect(Option.isNone(yield* Fiber.poll(waiter))).toBe(true)
         expect(yield* step_("reading the queue again", isQueued(bFaults, name))).toBe(true)
         yield* release.open
+        trail.push("the holder's latch opened")
         // Above the library's own bound on a release (`releaseTimeout`, 10 s, and its 1 s grace):
         // within it, the release is still keeping its promise.
         yield* step("the holder's release", Fiber.join(holder), Duration.seconds(15), trail)
