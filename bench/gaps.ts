@@ -18,15 +18,13 @@
  * while takes longer to wake (see bench/README.md, "Where the remaining time goes").
  */
 import pg from "pg"
-import * as Crypto from "node:crypto"
 import { createRequire } from "node:module"
-import * as Os from "node:os"
 import * as LeaseSql from "../src/internal/lease/pg/sql.js"
 import { runMain, withScratchDatabase } from "./lib/postgres.js"
 import type { Subject } from "./lib/rounds.js"
 import { redisAvailable, startRedis } from "../tools/redisServer.js"
 import { FACTORIES as REDIS } from "./scenarios/redis.js"
-import { pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease } from "./scenarios/uncontended.js"
+import { type LeaseQuery, leaseStatements, pgAdvisorySubject, pgLeaseSubject, rawAdvisoryFenced, rawLease } from "./scenarios/uncontended.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
 const seconds = Number(arg("seconds") ?? "2")
@@ -126,21 +124,24 @@ const spin = (micros: number) => {
 
 /** The raw PgLease cycle with `micros` of CPU after each answer. */
 const spun = async (url: string, micros: ReadonlyArray<number>) => {
-  const table = LeaseSql.parseTable("bench_gap_leases") as LeaseSql.TableRef
-  const acquire = LeaseSql.acquire(table)
-  const release = LeaseSql.release(table)
+  const statements = leaseStatements(LeaseSql.parseTable("bench_gap_leases") as LeaseSql.TableRef, "bench-gaps")
   const client = new pg.Client({ connectionString: url, application_name: "bench-gaps" })
   await client.connect()
-  await client.query(LeaseSql.createTable(table))
-  const host = Os.hostname()
+  await client.query(statements.createTable)
+  // Prepared, as PgLease's own connections send them.
+  const names = new Map<string, string>()
+  const query: LeaseQuery = (text, values) => {
+    let name = names.get(text)
+    if (name === undefined) names.set(text, name = `gap_${names.size}`)
+    return client.query({ name, text, values: [...values] })
+  }
   const loop = async (ms: number, gap: number) => {
     const end = performance.now() + ms
     let n = 0
     while (performance.now() < end) {
-      const owner = Crypto.randomUUID()
-      await client.query({ name: "gap_acquire", text: acquire, values: ["gap", owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, "bench-gaps", host, process.pid, true] })
+      const owner = await statements.acquire(query, "gap")
       spin(gap)
-      await client.query({ name: "gap_release", text: release, values: ["gap", owner, null, table.relname] })
+      await statements.release(query, "gap", owner)
       spin(gap)
       n++
     }

@@ -93,6 +93,14 @@ const rawScripts = async (client: Redis, prefix: string) => {
   }
 }
 
+/** One uncontended acquire of `name` by a new owner and place, which must be granted; its owner, for the release. */
+const grantedOwner = async (raw: Awaited<ReturnType<typeof rawScripts>>, keys: ReadonlyArray<string>, name: string, row: string) => {
+  const owner = Crypto.randomUUID()
+  const granted = await raw.acquire(keys, name, owner, Crypto.randomUUID())
+  if (granted.token === null) throw new Error(`${row}: ${name} was not granted`)
+  return owner
+}
+
 // ---------------------------------------------------------------- uncontended
 
 /** Raw ioredis on one connection: `Scripts.acquire` then `Scripts.release`, same keys and arguments. */
@@ -107,10 +115,7 @@ const rawRedisLease = (url: string, concurrency: number, durationMs: number): Su
     return {
       run: (round) =>
         promiseLoop(concurrency, lengthOf(round, durationMs), async (w) => {
-          const owner = Crypto.randomUUID()
-          const waiter = Crypto.randomUUID()
-          const granted = await raw.acquire(keys[w]!, names[w]!, owner, waiter)
-          if (granted.token === null) throw new Error(`raw redis lease ${names[w]} was not granted`)
+          const owner = await grantedOwner(raw, keys[w]!, names[w]!, "raw redis lease")
           // No place to name: a granted holder's release sends none, as RedisLease's (checked with INFO commandstats).
           await raw.release(keys[w]!, names[w]!, owner, "")
         }),
@@ -135,12 +140,7 @@ const effectRedisFloor = (url: string, concurrency: number, durationMs: number):
     const runtime = await openRuntime(Layer.empty)
     const cycle = (w: number) =>
       Effect.scoped(Effect.acquireRelease(
-        Effect.promise(async () => {
-          const owner = Crypto.randomUUID()
-          const granted = await raw.acquire(keys[w]!, names[w]!, owner, Crypto.randomUUID())
-          if (granted.token === null) throw new Error(`effect floor ${names[w]} was not granted`)
-          return owner
-        }),
+        Effect.promise(() => grantedOwner(raw, keys[w]!, names[w]!, "effect floor")),
         // No place to name, as the raw row's release.
         (owner) => Effect.promise(() => raw.release(keys[w]!, names[w]!, owner, ""))
       ))

@@ -155,29 +155,48 @@ export const rawAdvisoryFenced = (
   )
 }
 
+/** Sends a statement with parameters and answers its rows (node-postgres's `query`, however it is queued or prepared). */
+export type LeaseQuery = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<unknown>) => Promise<pg.QueryResult<R>>
+
+/**
+ * PgLease's acquire and owner-scoped release (+ notify) on `table`, with the parameters PgLease
+ * sends: what the raw floor, the Effect floor and `bench/gaps.ts` all send.
+ */
+export const leaseStatements = (table: LeaseSql.TableRef, application: string) => {
+  const acquire = LeaseSql.acquire(table)
+  const release = LeaseSql.release(table)
+  const host = Os.hostname()
+  return {
+    createTable: LeaseSql.createTable(table),
+    /** One granted acquire of `name`; its owner, for the release. */
+    acquire: async (query: LeaseQuery, name: string): Promise<string> => {
+      const owner = Crypto.randomUUID()
+      // A waiting place id (`waiter`), the mode, the ttl, the place's ttl, who holds, and true to
+      // take a place when not granted (a waiting acquire).
+      const granted = await query<{ token: string | null }>(acquire, [
+        name, owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, application, host, process.pid, true
+      ])
+      if (granted.rows[0]?.token == null) throw new Error(`${application}: lease ${name} was not granted`)
+      return owner
+    },
+    release: (query: LeaseQuery, name: string, owner: string) => query(release, [name, owner, null, table.relname])
+  }
+}
+
 /** Raw pg: PgLease's acquire upsert and owner-scoped release (+ notify), same parameters, prepared. */
 export const rawLease = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const names = workerNames("raw-lease", concurrency)
-  const acquire = LeaseSql.acquire(RAW_LEASE_TABLE)
-  const release = LeaseSql.release(RAW_LEASE_TABLE)
-  const host = Os.hostname()
+  const statements = leaseStatements(RAW_LEASE_TABLE, "bench-raw-lease")
   return rawSubject(
     `raw-lease-${concurrency}`,
     database,
     concurrency,
     concurrency,
     durationMs,
-    (client) => client.query(LeaseSql.createTable(RAW_LEASE_TABLE)),
+    (client) => client.query(statements.createTable),
     async (query, w) => {
-      const name = names[w]!
-      const owner = Crypto.randomUUID()
-      // Parameters as PgLease sends them: a waiting place id (`waiter`), the mode, the ttl, the
-      // place's ttl, who holds, and true to take a place when not granted (a waiting acquire).
-      const granted = await query<{ token: string | null }>(acquire, [
-        name, owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, "bench-raw-lease", host, process.pid, true
-      ])
-      if (granted.rows[0]?.token == null) throw new Error(`raw lease ${name} was not granted`)
-      await query(release, [name, owner, null, RAW_LEASE_TABLE.relname])
+      const owner = await statements.acquire(query, names[w]!)
+      await statements.release(query, names[w]!, owner)
     },
     // Prepared, as PgLease's own connections send them.
     true
@@ -191,27 +210,18 @@ export const rawLease = (database: Database, concurrency: number, durationMs: nu
  */
 export const effectLeaseFloor = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const names = workerNames("effect-lease", concurrency)
-  const acquire = LeaseSql.acquire(RAW_LEASE_TABLE)
-  const release = LeaseSql.release(RAW_LEASE_TABLE)
-  const host = Os.hostname()
+  const statements = leaseStatements(RAW_LEASE_TABLE, "bench-effect-lease")
   return {
     id: `effect-lease-floor-${concurrency}`,
     open: async () => {
       const clients = await connectMany(database.url, concurrency, `bench-effect-lease-floor-${concurrency}`)
-      await clients[0]!.query(LeaseSql.createTable(RAW_LEASE_TABLE))
+      await clients[0]!.query(statements.createTable)
       const queries = clients.map(serializedPrepared)
       const runtime = await openRuntime(Layer.empty)
       const cycle = (w: number) =>
         Effect.scoped(Effect.acquireRelease(
-          Effect.promise(async () => {
-            const owner = Crypto.randomUUID()
-            const granted = await queries[w]!<{ token: string | null }>(acquire, [
-              names[w]!, owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, "bench-effect-lease", host, process.pid, true
-            ])
-            if (granted.rows[0]?.token == null) throw new Error(`effect floor lease ${names[w]} was not granted`)
-            return owner
-          }),
-          (owner) => Effect.promise(() => queries[w]!(release, [names[w]!, owner, null, RAW_LEASE_TABLE.relname]))
+          Effect.promise(() => statements.acquire(queries[w]!, names[w]!)),
+          (owner) => Effect.promise(() => statements.release(queries[w]!, names[w]!, owner))
         ))
       return {
         run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), cycle)),
