@@ -28,6 +28,16 @@ contractSuite("PgLease", {
   advance: (duration) => Effect.sleep(duration),
   // The operator's revoke, through a pool of its own.
   revoke: (name) => Effect.scoped(Effect.flatMap(poolOn(() => db.url), (env) => Effect.provide(PgLease.revoke(name), env))),
+  // Each live place's time left, by the server's clock after the statement's snapshot.
+  placesLeft: (name) =>
+    Effect.map(
+      query<{ left: number }>(
+        `select (extract(epoch from expires_at - clock_timestamp()) * 1000)::float8 as left from ${PgLease.DEFAULT_TABLE}_queue
+         where name = $1 and token is null and expires_at > clock_timestamp()`,
+        [name]
+      ),
+      (rows) => rows.map((row) => row.left)
+    ),
   settle: probe.settle,
   maxNameBytes: PgLease.defaults.maxNameBytes,
   minTtl: PgLease.defaults.minTtl

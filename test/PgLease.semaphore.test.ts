@@ -43,6 +43,17 @@ const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<
   Effect.promise(() => harnessPool().query<R>(text, [...values]).then((r) => r.rows))
 
 /** The semaphore `name` as the server has it, read with the server's clock: live permits held, live places in order. */
+/** What is left (ms, by the server's clock) of each live place of the semaphore `name`. */
+const placesLeftOf = (name: string): Effect.Effect<ReadonlyArray<number>> =>
+  Effect.promise(() =>
+    harnessPool().query<{ left: number }>(
+      `select ((x.w->>'expires')::numeric - extract(epoch from clock_timestamp()) * 1000)::float8 as left
+       from ${SEM_TABLE} s, jsonb_array_elements(s.waiters) as x(w)
+       where s.name = $1 and (x.w->>'expires')::numeric > extract(epoch from clock_timestamp()) * 1000`,
+      [name]
+    ).then((result) => result.rows.map((row) => row.left))
+  )
+
 const stateOf = (name: string, table = SEM_TABLE): Effect.Effect<StoreState> =>
   Effect.promise(() =>
     harnessPool().query<{ held: number; waiting: ReadonlyArray<number> }>(
@@ -104,6 +115,7 @@ semaphoreContractSuite("PgLease", {
   ttl: LIVE_CONTRACT_TTL,
   makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => Effect.map(backendOn(env, {}, counted), (backend) => backend.semaphore)),
   state: (name) => stateOf(name),
+  placesLeft: (name) => placesLeftOf(name),
   revoke: (name) => Effect.asVoid(Effect.provide(PgLease.revokePermits(name), PgTest.layer(db))),
   advance: (duration) => Effect.sleep(duration),
   rounds: 6,

@@ -451,9 +451,11 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const victim = "pglease-listen-victim"
       const b = yield* Effect.flatMap(poolOn(() => db.url, victim), (own) =>
         processOn(own, { pollInterval: Duration.seconds(1), listenCheckInterval: Duration.millis(300) }))
+      // A LISTEN done (idle after it), not one still running: a NOTIFY committed before it ends is not
+      // delivered to it, and the next handoff then waits for its place's look again (357 ms, loaded).
       const listeners = Effect.map(
         query<{ pid: number }>(
-          `select pid from pg_stat_activity where application_name = $1 and query ilike 'listen%'`,
+          `select pid from pg_stat_activity where application_name = $1 and query ilike 'listen%' and state = 'idle'`,
           [victim]
         ),
         (rows) => rows.map((row) => row.pid)

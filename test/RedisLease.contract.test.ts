@@ -6,6 +6,7 @@
  * file's own. Without a server, the file skips and says why.
  */
 import { Duration, Effect } from "effect"
+import * as Keys from "effect-lock/internal/redis/keys"
 import * as Make from "effect-lock/internal/redis/make"
 import * as RedisLease from "effect-lock/RedisLease"
 import { Redis } from "ioredis"
@@ -26,6 +27,27 @@ afterAll(async () => {
   await client?.quit().catch(() => client?.disconnect())
 })
 
+/**
+ * Each live place's time left (server ms) in `key`: the lock's places hash ("$": one JSON entry
+ * per field), or the semaphore hash's `waiters` field (a JSON array).
+ */
+const placesLeft = (key: string, field: "$" | "waiters"): Effect.Effect<ReadonlyArray<number>> =>
+  Effect.promise(async () => {
+    const client = inspector()
+    const [time, entries] = await Promise.all([
+      client.time(),
+      field === "$"
+        ? client.hvals(key).then((values) => values.map((raw) => JSON.parse(raw) as { readonly expires: number }))
+        : client.hget(key, field).then((raw) => {
+          const parsed: unknown = raw === null ? [] : JSON.parse(raw)
+          // Lua's cjson encodes an empty table as an object (`{}`): no places.
+          return Array.isArray(parsed) ? parsed as Array<{ readonly expires: number }> : []
+        })
+    ])
+    const nowMs = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000)
+    return entries.map((entry) => entry.expires - nowMs).filter((left) => left > 0)
+  })
+
 describeWithRedis("RedisLease contract", () => {
   contractSuite("RedisLease", {
     clock: "live",
@@ -36,6 +58,7 @@ describeWithRedis("RedisLease contract", () => {
     advance: (duration) => Effect.sleep(duration),
     // The operator's revoke, on a client of its own.
     revoke: (name) => Effect.suspend(() => Effect.asVoid(RedisLease.revoke(inspector(), name))),
+    placesLeft: (name) => placesLeft(Keys.lockKeys(Keys.DEFAULT_PREFIX, name).places, "$"),
     maxNameBytes: RedisLease.defaults.maxNameBytes,
     minTtl: RedisLease.defaults.minTtl
   })
@@ -62,6 +85,7 @@ describeWithRedis("RedisLease semaphore contract", () => {
       Effect.map(Make.makeBackend({ url: redis.url(), ttl: LIVE_CONTRACT_TTL, pollInterval: Duration.millis(100) }, counted), (b) => b.semaphore)
     ),
     state: stateOf,
+    placesLeft: (name) => placesLeft(Keys.semKey(Keys.DEFAULT_PREFIX, name), "waiters"),
     // The operator's revoke, on a client of its own.
     revoke: (name) => Effect.suspend(() => Effect.asVoid(RedisLease.revokePermits(inspector(), name))),
     advance: (duration) => Effect.sleep(duration),

@@ -62,6 +62,7 @@ semaphoreContractSuite("SqliteLease", {
     )
   ),
   state: (name) => Effect.sync(() => stateOf(name)),
+  placesLeft: (name) => Effect.sync(() => file.permitPlacesLeft(name)),
   revoke: (name) => Effect.asVoid(SqliteLease.revokePermits(name).pipe(Effect.provide(SqliteClient.layer({ filename: file.path })))),
   advance: (duration) => Effect.sleep(duration),
   rounds: 6,

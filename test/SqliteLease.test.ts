@@ -67,6 +67,7 @@ contractSuite("SqliteLease", {
   // Queued in the store itself: a live waiting place in the queue table.
   waiting: (name) => Effect.sync(() => file.livePlaces(name) > 0),
   waitingCount: (name) => Effect.sync(() => file.livePlaces(name)),
+  placesLeft: (name) => Effect.sync(() => file.placesLeft(name)),
   advance: (duration) => Effect.sleep(duration),
   revoke: (name) => Effect.provide(SqliteLease.revoke(name), SqliteClient.layer({ filename: file.path })),
   maxNameBytes: SqliteLease.defaults.maxNameBytes,

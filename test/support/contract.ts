@@ -65,6 +65,12 @@ export interface ContractTarget {
    */
   readonly orderWithin?: Duration.Duration
   /**
+   * What is left (ms, by the store's clock) of each live waiting place of `name` in a lease
+   * store's queue. Absent where waits do not queue in places of the store (the memory backend,
+   * PgAdvisory): the case about keeping a place is skipped, saying why.
+   */
+  readonly placesLeft?: (name: string) => Effect.Effect<ReadonlyArray<number>, unknown>
+  /**
    * Takes the lock `name` away from its holder, as an operator would (a lease row revoked, the
    * holding session terminated): its holder learns of the loss on its own.
    */
@@ -157,6 +163,44 @@ export const fiberState = (fiber: Fiber.RuntimeFiber<unknown, unknown> | undefin
     `${internals._queue?.length ?? "?"} message(s) queued, runner draining ${String(runner?.running)} with ` +
     `${runner?.tasks?.buckets?.length ?? "?"} bucket(s) of tasks`
 }
+
+/** How long a waiting place is watched after it is taken: past its waiter's second retry (at most 1.5 s apart). */
+const PLACE_WATCH_MS = 3_300
+/**
+ * The least a live waiting place may have left while its waiter retries on time. Written again
+ * only once half of its 5 s was gone, a place fell to 2–2.5 s before its next write (so a retry
+ * held back 2 s lost it); written again below 4/5, to 3.5 s. The 750 ms between leave room for
+ * a retry a loaded host held back.
+ */
+export const PLACE_KEPT_ABOVE_MS = 2_750
+
+/**
+ * The least time the one live place of `name` had left (store ms), read from the store every
+ * 20 ms for `PLACE_WATCH_MS` from when it is first seen. Dies, naming what it last read, if the
+ * place is not seen within the live bound or is gone before the watch ends.
+ */
+export const leastPlaceLeft = (placesLeft: (name: string) => Effect.Effect<ReadonlyArray<number>, unknown>, name: string) =>
+  Effect.gen(function*() {
+    let seen: ReadonlyArray<number> = []
+    yield* waitUntil("live", () => `one live place of "${name}" in the store (last read: ${JSON.stringify(seen)})`,
+      Effect.map(placesLeft(name), (left) => {
+        seen = left
+        return left.length === 1
+      }))
+    const started = Date.now()
+    let least = Number.POSITIVE_INFINITY
+    while (Date.now() - started < PLACE_WATCH_MS) {
+      const left = yield* placesLeft(name)
+      if (left.length !== 1) {
+        return yield* Effect.dieMessage(`the place of "${name}" was gone ${Date.now() - started} ms after it was seen ` +
+          `(read ${JSON.stringify(left)}; least left before: ${least} ms)`)
+      }
+      least = Math.min(least, left[0]!)
+      // The cadence of the readings, not a wait for something to happen.
+      yield* Effect.sleep(Duration.millis(20))
+    }
+    return least
+  })
 
 /** `service` holds `name` from now on; the effect returned lets it go and waits for the release. */
 export const holdFor = (service: DistributedLock.Service, name: string, options?: DistributedLock.AcquireOptions) =>
@@ -477,6 +521,25 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           expect(error.message).toContain(`"${name}"`)
         }
       }))
+
+    const placeTitle = "a waiting request's place keeps more than half of its time between retries: a retry held back 2 s does not lose its turn"
+    if (target.placesLeft === undefined) {
+      base.skip(`${placeTitle} (no places: this backend's waits do not queue in the store's places)`, () => Effect.void)
+    } else {
+      const placesLeft = target.placesLeft
+      test(placeTitle, () =>
+        Effect.gen(function*() {
+          const [a, b] = [yield* node(), yield* node()]
+          const name = freshName("place-kept")
+          // 60 s: a holder that lost a renewal on a loaded host would let the waiter in, ending its place.
+          const letGo = yield* holdFor(a, name, { ttl: Duration.seconds(60) })
+          const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name, { timeout: Duration.seconds(30) })))
+          const least = yield* leastPlaceLeft(placesLeft, name)
+          yield* Fiber.interrupt(waiter)
+          yield* step("the holder's release", letGo, Duration.seconds(15))
+          expect(least, `least left of the place's 5 s while its waiter retried: ${least} ms`).toBeGreaterThan(PLACE_KEPT_ABOVE_MS)
+        }))
+    }
 
     test("a zero or negative timeout makes one attempt", () =>
       Effect.gen(function*() {

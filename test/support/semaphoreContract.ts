@@ -21,7 +21,7 @@ import * as Scope from "effect/Scope"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import type { PermitRequest, SemaphoreBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
-import { failureOf, freshName, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
+import { failureOf, freshName, leastPlaceLeft, PLACE_KEPT_ABOVE_MS, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
 import { yieldTimes } from "./faults.js"
 import { occupancy } from "./occupancy.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
@@ -69,6 +69,11 @@ export interface SemaphoreTarget {
    * skipped, saying why.
    */
   readonly sessionBound?: boolean | undefined
+  /**
+   * What is left (ms, by the store's clock) of each live waiting place of `name`. Absent where
+   * waits do not queue in places of the store: the case about keeping a place is skipped.
+   */
+  readonly placesLeft?: ((name: string) => Effect.Effect<ReadonlyArray<number>, unknown>) | undefined
 }
 
 /** What a test can make a wrapped store do, and what it saw. */
@@ -429,6 +434,25 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         expect(yield* Fiber.join(waiter)).toHaveLength(1)
         yield* stateIs(name, { held: 0, waiting: [] })
       }))
+
+    const placeTitle = "a waiting request's place keeps more than half of its time between retries: a retry held back 2 s does not lose its turn"
+    if (target.placesLeft === undefined) {
+      base.skip(`${placeTitle} (no places: this backend's waits do not queue in the store's places)`, () => Effect.void)
+    } else {
+      const placesLeft = target.placesLeft
+      spec(placeTitle, () =>
+        Effect.gen(function*() {
+          const [a, b] = [yield* node(), yield* node()]
+          const name = freshName("place-kept")
+          const holder = yield* hold(a, name, { limit: 1 })
+          const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 1, ttl: LONG_TTL, timeout: Duration.seconds(30) })))
+          const least = yield* leastPlaceLeft(placesLeft, name)
+          yield* Fiber.interrupt(waiter)
+          yield* holder.release
+          yield* stateIs(name, { held: 0, waiting: [] })
+          expect(least, `least left of the place's 5 s while its waiter retried: ${least} ms`).toBeGreaterThan(PLACE_KEPT_ABOVE_MS)
+        }))
+    }
 
     spec("a timed-out wait fails with LockTimeout and gives its place up at once: the waiter behind it is served", () =>
       Effect.gen(function*() {

@@ -15,6 +15,7 @@ import * as FencingToken from "../../FencingToken.js"
 import type { LockMode } from "../../Lease.js"
 import type { AcquireRequest, Grant } from "../../LockBackend.js"
 import type { LockBackendError } from "../../LockError.js"
+import * as Place from "./place.js"
 import { clockMillis, monotonicMillis } from "../core/clock.js"
 import { Cell } from "../runtime/cell.js"
 import { uninterruptibleMaskClock } from "../runtime/mask.js"
@@ -78,7 +79,7 @@ interface NotGranted {
 export type Attempt = Outcome<LeaseGrant>
 
 /** How long a waiting place lasts unless its waiter keeps it (by retrying): a dead waiter loses it after this. */
-export const PLACE_TTL = Duration.seconds(5)
+export const PLACE_TTL = Duration.millis(Place.PLACE_TTL_MILLIS)
 
 export interface AttemptSettings {
   readonly application: string

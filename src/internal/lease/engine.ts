@@ -24,6 +24,7 @@ import * as Lane from "./lane.js"
 import { uninterruptibleMask } from "../runtime/mask.js"
 import type { Owner } from "../runtime/owner.js"
 import * as Permits from "./permits.js"
+import * as Place from "./place.js"
 import * as Renew from "./renew.js"
 import * as Sweep from "./sweep.js"
 import type { Subscription, WakeHub } from "./waiters.js"
@@ -38,8 +39,7 @@ export const MIN_TTL = Duration.seconds(1)
  * listener is caught sooner, by its next check, which wakes every waiter.
  */
 const TRUSTED_POLL_FACTOR = 6
-/** A waiter retries at least this often: each retry keeps its place (which lasts `PLACE_TTL`). */
-const PLACE_REFRESH_MILLIS = Duration.toMillis(Attempt.PLACE_TTL) * 0.3
+const PLACE_REFRESH_MILLIS = Place.PLACE_RETRY_MILLIS
 /** The look again after taking a place: this many times the taking statement's duration, plus a floor. */
 const FOLLOW_UP_FACTOR = 3
 const FOLLOW_UP_MIN_MILLIS = 5

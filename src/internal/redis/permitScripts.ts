@@ -29,6 +29,7 @@
  * a ttl, and when its hash is gone the server's µs clock is past every token it handed out: its
  * next grant's tokens are larger (same caveat as locks: a server clock stepping back).
  */
+import { PLACE_REFRESH_BELOW } from "../lease/place.js"
 import { prelude } from "./scripts.js"
 
 /** Loading and saving the hash of one semaphore (KEYS[1]); only live entries are kept. */
@@ -128,8 +129,8 @@ if takePlace then
     table.insert(waiters, { place = waiter, permits = permits, expires = placeUntil, since = nowMs,
       application = application, host = host, pid = pid })
     save(name)
-  elseif waiters[mineAt].expires <= nowMs + placeMs / 2 then
-    -- Kept: refreshed only once less than half its time is left (most retries write nothing).
+  elseif waiters[mineAt].expires <= nowMs + placeMs * ${PLACE_REFRESH_BELOW} then
+    -- Kept: written again once at most 4/5 of its time is left (lease/place).
     waiters[mineAt].expires = placeUntil
     save(name)
   end

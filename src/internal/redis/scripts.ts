@@ -29,8 +29,8 @@
  *
  * **Waiting order** (as PgLease's `acquire`, `lease/pg/sql`): a request with no live waiter ahead
  * of it — for an exclusive request any waiter, for a shared one an exclusive waiter — takes the
- * lock if the lease allows; otherwise a request that waits takes (or keeps, refreshing it once
- * less than half its time is left) its place at the back of the queue, and learns how long until
+ * lock if the lease allows; otherwise a request that waits takes (or keeps, writing it again once
+ * at most 4/5 of its time is left) its place at the back of the queue, and learns how long until
  * something could change without a wake-up. Places are scored `max(lastScore + 1, serverMicros)`:
  * arrival order, and never below a place still queued even if the queue's keys had expired. A
  * place that ran out (its waiter died) is dropped when a script walks past it; its waiter, if
@@ -38,6 +38,8 @@
  *
  * **Answers.** Lua `false` is a nil reply; numbers are integer replies; tokens are strings.
  */
+
+import { PLACE_REFRESH_BELOW } from "../lease/place.js"
 
 /** Helpers every script starts with: the server's time, and keeping a key alive until a moment. */
 export const prelude = `
@@ -166,8 +168,8 @@ end
 if takePlace then
   local placeUntil = nowMs + placeMs
   if mine then
-    -- Kept: refreshed only once less than half its time is left (most retries write nothing).
-    if mine.expires <= nowMs + placeMs / 2 then
+    -- Kept: written again once at most 4/5 of its time is left (lease/place).
+    if mine.expires <= nowMs + placeMs * ${PLACE_REFRESH_BELOW} then
       mine.expires = placeUntil
       redis.call('HSET', placesKey, waiter, cjson.encode(mine))
       keepUntil(placesKey, placeUntil)

@@ -32,6 +32,7 @@
 import * as Tokens from "../../sql/tokens.js"
 import type { Tables } from "./sql.js"
 import { commitsUnflushed, WAITER_PREFIX } from "./sql.js"
+import { PLACE_REFRESH_BELOW } from "../place.js"
 
 /** The server's time in milliseconds since the epoch (numeric: microseconds kept). */
 const NOW = "(extract(epoch from now()) * 1000)"
@@ -91,9 +92,9 @@ const holder = (first: string) =>
 const place = `jsonb_build_object('place', $3::text, 'permits', $5::integer, 'expires', ${NOW} + $7::bigint,
     'since', ${NOW}, 'application', $8::text, 'host', $9::text, 'pid', $10::integer)`
 
-/** The attempt writes only when it grants, takes a place, or refreshes one with less than half its time left. */
+/** The attempt writes only when it grants, takes a place, or refreshes one with at most 4/5 of its time left (`lease/place`). */
 const writes = (d: string) =>
-  `(${d}.fits or ($11::boolean and not ${d}.mismatch and (${d}.mineat is null or ${d}.mineexpires <= ${NOW} + $7::bigint / 2.0)))`
+  `(${d}.fits or ($11::boolean and not ${d}.mismatch and (${d}.mineat is null or ${d}.mineexpires <= ${NOW} + $7::bigint * ${PLACE_REFRESH_BELOW})))`
 
 /**
  * One attempt at `permits` of the semaphore `name`. On the newest row: in use with another limit

@@ -24,6 +24,7 @@ import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from 
 import * as Tokens from "../../sql/tokens.js"
 import type { LeaseTables } from "../dialect.js"
 import { notRenewed, takeOver } from "../leaseSql.js"
+import { PLACE_REFRESH_BELOW } from "../place.js"
 
 export { parseTable, type TableRef }
 
@@ -206,8 +207,8 @@ const heads = (queue: TableRef, when: string) =>
  * allows: exclusive when no lease is live (bumping the token and taking the row), shared when no
  * exclusive lease is live (bumping the token, counting itself in and recording its own row). A
  * granted waiter leaves the queue in the same statement. Otherwise a waiting request takes its
- * place at the back of the queue, or keeps it (refreshed once less than half its time is left,
- * so most retries write nothing), and learns how long until something could change without a
+ * place at the back of the queue, or keeps it (written again once at most 4/5 of its time is
+ * left, `lease/place`), and learns how long until something could change without a
  * notification: the holder's lease or the place of a waiter ahead running out (a crashed one
  * sends nothing), and whether a live place was ahead of its own (`behind`: then it need not look
  * again after taking its place, `lease/engine`). Nothing is locked or written when the snapshot
@@ -272,7 +273,7 @@ const acquireSql = ({ leases, queue }: Tables): string => {
   insert into ${queue.sql} as q (owner, name, mode, expires_at, enqueued_at, holder_application, holder_host, holder_pid)
   select $3::uuid, $1::text, $4::text, now() + ${ms("$6")}, now(), $7::text, $8::text, $9::integer
   where $10::boolean and not exists (select 1 from granted) and not exists (
-    select 1 from ${queue.sql} m where m.owner = $3::uuid and m.token is null and m.expires_at > now() + ${ms("$6")} / 2)
+    select 1 from ${queue.sql} m where m.owner = $3::uuid and m.token is null and m.expires_at > now() + ${ms("$6")} * ${PLACE_REFRESH_BELOW})
   on conflict (owner) do update
     set expires_at = excluded.expires_at,
         seq = case when q.expires_at <= now() then nextval(pg_get_serial_sequence('${queue.sql}', 'seq')) else q.seq end,

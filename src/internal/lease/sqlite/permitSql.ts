@@ -20,6 +20,7 @@
  * Parameters are numbered (`?1` …) in the engine's order; arrays arrive as JSON text and booleans
  * as 0/1 (the dialect, `sqlite/dialect`, encodes them).
  */
+import { PLACE_REFRESH_BELOW } from "../place.js"
 import { COUNTER, NEVER, NOW, raiseCounter, RENEW_INPUT, type Tables, trigger } from "./schema.js"
 
 /**
@@ -53,7 +54,7 @@ const heads = `(select json_group_array(x.place) from (
  * this request's holder entry is appended, its place leaves the queue, expired entries are
  * dropped; a waiting request takes its place at the back or keeps it (a new row starts at the
  * counter: at or above every token its name had).
- * Only a grant, a mismatch, a new place or one past half its time writes; an attempt that changes
+ * Only a grant, a mismatch, a new place or one with at most 4/5 of its time left writes; an attempt that changes
  * nothing writes nothing and returns no row (busy, wait unknown).
  *
  * Parameters: ?1 name, ?2 owner, ?3 waiter, ?4 limit, ?5 permits, ?6 ttl ms, ?7 place ttl ms,
@@ -110,7 +111,7 @@ select ?1,
   revoked
 from d
 -- A mismatch writes the row unchanged, only so that the statement returns it (and its limit).
-where mismatch or fits or (?11 and (mineat is null or mineexpires <= now + ${PLACE_TTL} / 2))
+where mismatch or fits or (?11 and (mineat is null or mineexpires <= now + ${PLACE_TTL} * ${PLACE_REFRESH_BELOW}))
 on conflict (name) do update set permit_limit = excluded.permit_limit, token = excluded.token, holders = excluded.holders,
   waiters = excluded.waiters
 returning

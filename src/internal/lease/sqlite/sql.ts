@@ -28,6 +28,7 @@
  * booleans as 0/1 (the dialect, `sqlite/dialect`, encodes them).
  */
 import { notRenewed, takeOver } from "../leaseSql.js"
+import { PLACE_REFRESH_BELOW } from "../place.js"
 import * as Permits from "./permitSql.js"
 import {
   COUNTER,
@@ -152,8 +153,8 @@ export const createTable = (tables: Tables): ReadonlyArray<string> => {
  * the name's row (`counterTrigger` sets the counter to it). Otherwise it reports how long until
  * something could change unannounced (the holder's lease or the place of a waiter ahead running
  * out). A row is written — and the trigger grants, or takes or refreshes this request's place —
- * only when something changes: a grant, or a waiting request whose place is missing or past half
- * its time. A retry that changes nothing writes nothing and returns no row (busy, wait unknown).
+ * only when something changes: a grant, or a waiting request whose place is missing or has at
+ * most 4/5 of its time left (`lease/place`). A retry that changes nothing writes nothing and returns no row (busy, wait unknown).
  *
  * Parameters: ?1 name, ?2 owner, ?3 waiter, ?4 mode, ?5 ttl ms, ?6 place ttl ms, ?7 application,
  * ?8 host, ?9 pid, ?10 take a place (0/1).
@@ -183,7 +184,7 @@ export const acquire = ({ leases, queue, op }: Tables): string =>
 insert into ${op.sql} (kind, name, owner, waiter, mode, ttl, place, application, host, pid, now, token, wait)
 select 'acquire', ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, now, token, case when token is null then wait end
 from decided
-where token is not null or (?10 and (mine is null or mine <= now + ?6 / 2))
+where token is not null or (?10 and (mine is null or mine <= now + ?6 * ${PLACE_REFRESH_BELOW}))
 returning cast(token as text) as token, cast(wait as real) as wait`
 
 const acquireTrigger = (tables: Tables): string => {
