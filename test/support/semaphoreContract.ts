@@ -21,6 +21,7 @@ import * as Scope from "effect/Scope"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import type { PermitRequest, SemaphoreBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
+import { timeoutOption } from "effect-lock/internal/runtime/stallSafe"
 import { failureOf, freshName, leastPlaceLeft, PLACE_KEPT_ABOVE_MS, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
 import { yieldTimes } from "./faults.js"
 import { occupancy } from "./occupancy.js"
@@ -432,6 +433,25 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         yield* back.open
         yield* done.open
         expect(yield* Fiber.join(waiter)).toHaveLength(1)
+        yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
+    spec("closing a process ends its waits, also without a timeout: the waiter fails at once and the process closes", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("close-ends-wait")
+        const holder = yield* hold(a, name, { limit: 1 })
+        const bScope = yield* Scope.make()
+        const b = yield* Scope.extend(node(), bScope)
+        const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 1, ttl: LONG_TTL })))
+        yield* waitingAre(name, [1], waiter)
+        // Well under a close's own 10 s bound on acquisitions in flight; disconnected, so that a
+        // close (uninterruptible) that hangs fails here instead of holding the case.
+        const closed = yield* timeoutOption(Effect.disconnect(Scope.close(bScope, Exit.void)), Duration.seconds(live ? 5 : 60))
+        expect(Option.isSome(closed), "the waiter's process closed within 5 s").toBe(true)
+        const error = yield* failureOf(Fiber.join(waiter))
+        expect(error).toMatchObject({ _tag: "LockBackendError" })
+        yield* holder.release
         yield* stateIs(name, { held: 0, waiting: [] })
       }))
 

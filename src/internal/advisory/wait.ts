@@ -112,10 +112,14 @@ export const blockingWait = (
         undefined,
         slice + engine.options.heartbeatTimeoutMillis
       )
-      const settled = yield* request.interruptible(sent.outcome).pipe(
+      // Raced with the service closing (and the deadline): a closing layer does not wait for a
+      // lock that another process may hold for hours.
+      const raced = yield* request.waitUntilDeadline(sent.outcome).pipe(
         // The layer's work: a body's stall watch must not stop the cancel half-way (a zombie session).
         Effect.onInterrupt(() => engine.owner.run(abandonWait(engine, session, sent)))
       )
+      const settled = Option.isSome(raced) ? raced.value : yield* sliceEnd(engine, session, request, sent)
+      if (settled === undefined) return TimedOut
       if (settled._tag === "Ok") {
         const token = tokenOf(settled)
         if (token !== undefined) return yield* recordGrant(engine, session, key, keyText, token, request, admission, true)
@@ -138,6 +142,18 @@ export const blockingWait = (
       })
     }
   })
+
+/**
+ * The slice's wait ended without its outcome. At the deadline, the slice ends by itself now (its
+ * `lock_timeout` is what was left): its outcome is awaited as any slice's. Otherwise the service
+ * is closing: the wait is taken back at the server (cancelled, the session proven clean) and the
+ * acquisition ends (`undefined`), which the core reports as the closed service.
+ */
+const sliceEnd = (engine: Engine, session: Session, request: AcquireRequest, sent: Submitted): Effect.Effect<Settled | undefined> =>
+  Effect.flatMap(monotonicMillis, (now) =>
+    Option.isSome(request.deadline) && now >= request.deadline.value
+      ? request.interruptible(sent.outcome).pipe(Effect.onInterrupt(() => engine.owner.run(abandonWait(engine, session, sent))))
+      : Effect.as(engine.owner.run(abandonWait(engine, session, sent)), undefined))
 
 /** Waits for a hint that concerns `keyText`: a session came free, or the key was released. */
 export const nextHint = (hints: Queue.Dequeue<Hint>, keyText: string): Effect.Effect<"changed" | "released"> =>

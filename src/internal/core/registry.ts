@@ -11,7 +11,7 @@ import type * as Scope from "effect/Scope"
 import type { HeldLock, Lease, LockMode } from "../../Lease.js"
 import type { Grant, LockBackend, RenewOutcome } from "../../LockBackend.js"
 import { LockLost, type LostReason } from "../../LockError.js"
-import { stallSafeTimer, timeoutOption } from "../runtime/stallSafe.js"
+import { stallSafeTimer, timeoutOption, within } from "../runtime/stallSafe.js"
 import { clockOf, fiberMillis, monotonicMillis, sleepMillis, wholeMillis } from "./clock.js"
 import { makeLoopAlarm } from "./loopAlarm.js"
 import * as metrics from "./metrics.js"
@@ -405,7 +405,8 @@ export const makeRegistry = <G extends Grant>(
             renewing === undefined
               ? giveBack(held.name, held.grant, held.labels)
               // Bounded: a renewal is itself cut off at its budget, this is only a backstop.
-              : Effect.zipRight(timeoutOption(Deferred.await(renewing), wholeMillis(releaseTimeoutMillis)), giveBack(held.name, held.grant, held.labels)),
+              // `within`: the wait runs interruptibly, so the backstop holds in an uninterruptible caller too.
+              : Effect.zipRight(within(Deferred.await(renewing), wholeMillis(releaseTimeoutMillis)), giveBack(held.name, held.grant, held.labels)),
             (renewing === undefined ? 1 : 2) * releaseTimeoutMillis + RELEASE_GRACE_MS,
             held.name,
             String(held.grant.token),
@@ -720,7 +721,9 @@ export const makeRegistry = <G extends Grant>(
             ).pipe(Effect.annotateLogs("lock.backend", backend.backend)))
         })),
         // 3. Acquisitions in flight settle: a grant that arrives now is given back by its own caller.
-        Effect.zipRight(timeoutOption(Deferred.await(takesSettled), SHUTDOWN_TAKE_WAIT_MS)),
+        // `within`, not `timeoutOption`: a close runs uninterruptibly (a finalizer), and the wait must
+        // be cut off at its bound there too (with `timeoutOption` it waited for the last acquisition).
+        Effect.zipRight(within(Deferred.await(takesSettled), SHUTDOWN_TAKE_WAIT_MS)),
         // Renewals stop only now, right before the give-backs: a release waits for a renewal in flight.
         Effect.zipRight(stopRenewals(held)),
         // 4. Every lease is given back, and every release under way is awaited before the
