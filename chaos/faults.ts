@@ -2,6 +2,7 @@
  * The faults a chaos run injects, one at a time, each with the bound within which the cluster
  * must have recovered (a new accepted write) after the fault ended.
  */
+import { PLACE_TTL_MILLIS } from "effect-lock/internal/lease/place"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
 import type { Redis } from "ioredis"
 import * as Fs from "node:fs"
@@ -33,10 +34,13 @@ export const RECOVERY_SLACK_MS = 3_000
  * fault ended. A session advisory lock (PgAdvisory) goes when its session does — at once for a
  * killed process or a terminated or restarted backend — and a frozen advisory holder keeps it
  * until it is resumed, by design (README "Not a lease"), so the bound counts from the resume.
- * A Redis lease (RedisLease) is a lease as PgLease's: taken over at most one ttl after.
+ * A Redis lease (RedisLease) is a lease as PgLease's: taken over at most one ttl after. A killed
+ * process that was waiting on a lease store leaves its place in the queue, which those behind it
+ * may not overtake until it runs out: at most `PLACE_TTL_MILLIS` (5 s) after its last retry.
  */
-export const recoveryBoundMs = (_kind: FaultKind, backend: Backend, ttlMs: number): number =>
-  (backend === "pg-advisory" ? 0 : ttlMs) + longestRoundMs(ttlMs) + RECOVERY_SLACK_MS
+export const recoveryBoundMs = (kind: FaultKind, backend: Backend, ttlMs: number): number =>
+  Math.max(backend === "pg-advisory" ? 0 : ttlMs, kind === "worker-kill" && backend !== "pg-advisory" ? PLACE_TTL_MILLIS : 0) +
+  longestRoundMs(ttlMs) + RECOVERY_SLACK_MS
 
 /**
  * What each fault does, for the report. On `redis` the lock's server is Redis: `session-terminate`,
@@ -57,8 +61,8 @@ export const FAULT_DESCRIPTIONS: Readonly<Record<FaultKind, string>> = {
 export const RECOVERY_REASONS: Readonly<Record<FaultKind, Readonly<Record<Backend, string>>>> = {
   "worker-kill": {
     "pg-advisory": "the kernel closes the dead process's sockets; the server drops its locks at once",
-    "pg-lease": "the dead holder's row expires at most one ttl after its last renewal",
-    "redis": "the dead holder's keys expire at most one ttl after its last renewal"
+    "pg-lease": "the dead holder's row expires at most one ttl after its last renewal; a dead waiter's place at most 5 s after its last retry",
+    "redis": "the dead holder's keys expire at most one ttl after its last renewal; a dead waiter's place at most 5 s after its last retry"
   },
   "worker-freeze": {
     "pg-advisory": "a frozen client keeps its lock while its connection lives (\"Not a lease\"): counted from the resume",
