@@ -568,6 +568,39 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* step("the holder's release", letGo, Duration.seconds(15))
       }))
 
+    // From a finalizer or acquireRelease's acquire (uninterruptible), guard's watcher for the loss
+    // was forked uninterruptible and ending it after the body waited for a loss that never came.
+    test("guard and withLock called from an uninterruptible region (a finalizer) end with their body", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("uninterruptible-guard")
+        const guarded = Effect.uninterruptible(Effect.scoped(Effect.flatMap(a.acquire(name), (lease) => DistributedLock.guard(lease, Effect.succeed(7)))))
+        // Disconnected: one that hangs fails the step at its bound instead of holding the case.
+        expect(yield* step("guard from an uninterruptible region", Effect.disconnect(guarded), Duration.seconds(5))).toBe(7)
+        const inFinalizer = Effect.scoped(Effect.addFinalizer(() =>
+          Effect.orDie(Effect.provideService(DistributedLock.withLock(Effect.void, name), DistributedLock.DistributedLock, a))))
+        yield* step("withLock in a finalizer", Effect.disconnect(inFinalizer), Duration.seconds(5))
+      }))
+
+    // The wait raced its deadline in the caller's region: uninterruptible, the losing wait could not
+    // be ended and the timeout waited for the lock (the memory store; PgAdvisory within a process).
+    test("a timeout holds when acquire runs uninterruptibly (acquireRelease's acquire): LockTimeout on time", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const bFaults = makeFaults()
+        const b = yield* node(bFaults)
+        const name = freshName("uninterruptible-timeout")
+        yield* a.acquire(name)
+        const waiter = yield* Effect.fork(Effect.uninterruptible(Effect.scoped(b.acquire(name, { timeout: Duration.millis(300) }))))
+        yield* until(
+          `an acquire of "${name}" waits in the backend, or has ended`,
+          Effect.zipWith(isQueued(bFaults, name), Fiber.poll(waiter), (waits, done) => waits || Option.isSome(done))
+        )
+        yield* target.advance(Duration.millis(400))
+        const exit = yield* step("the uninterruptible acquire's end", Fiber.await(waiter), Duration.seconds(5))
+        expect(yield* failureOf(exit)).toMatchObject({ _tag: "LockTimeout", name })
+      }))
+
     test("a zero or negative timeout makes one attempt", () =>
       Effect.gen(function*() {
         const a = yield* node()

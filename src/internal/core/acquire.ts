@@ -216,7 +216,9 @@ const attemptOnce = <G extends Grant, X extends object>(
     waitUntilDeadline: (step) =>
       Effect.flatMap(monotonicMillis, (now) =>
         restore(Effect.raceFirst(
-          Effect.asSome(step),
+          // Interruptible whatever the caller's region (a waiting step grants nothing): a caller in a
+          // finalizer still has its deadline and the closing service end the wait.
+          Effect.asSome(Effect.interruptible(step)),
           // Interruptible even inside an uninterruptible caller: the losing end must stop at once.
           Effect.interruptible(waitEnd(registry, Option.map(deadline, (at) => wholeMillis(at - now)), liveClock))
         ))),

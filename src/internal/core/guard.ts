@@ -33,8 +33,10 @@ export const guard = <A, E, R>(lease: Lease, self: Effect.Effect<A, E, R>): Effe
         if (held !== undefined) addBody(held, body)
         let lostWith: LockLost | undefined
         // The body is interrupted and awaited here, so it stops before anyone releases.
+        // Interruptible whatever the caller's region: it only waits for the loss, and guard ends it
+        // after the body; forked uninterruptible (a caller in a finalizer) it could not be ended.
         const watcher = yield* Effect.fork(
-          restore(Effect.catchAll(lease.lost, (error) => {
+          Effect.interruptible(Effect.catchAll(lease.lost, (error) => {
             lostWith = error
             return Fiber.interrupt(body)
           }))

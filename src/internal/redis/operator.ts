@@ -24,10 +24,11 @@ export interface OperatorOptions {
 
 /** `attempt` with the client-side bound of every operator command. */
 const bounded = <A>(operation: string, name: string | undefined, attempt: () => Promise<A>): Effect.Effect<A, LockBackendError> =>
-  Effect.tryPromise({
+  // Interruptible whatever the caller's region (a finalizer): the bound abandons the promise.
+  Effect.interruptible(Effect.tryPromise({
     try: attempt,
     catch: (cause) => new LockBackendError({ operation, ...(name === undefined ? {} : { name }), cause })
-  }).pipe(
+  })).pipe(
     Effect.timeoutFail({
       duration: BOUND,
       onTimeout: () =>
@@ -284,6 +285,8 @@ export const listNodes = (client: Redis | Cluster, options?: ListOptions): Effec
     const parts = yield* Effect.forEach(masters, (node) => listServer(node, prefix, limit), { concurrency: "unbounded" })
     return { listing: merge(parts, limit), nodes: masters.length }
   }).pipe(
+    // Interruptible whatever the caller's region: the bound cuts the listing off.
+    Effect.interruptible,
     Effect.timeoutFail({
       duration: LIST_BOUND,
       onTimeout: () => new LockBackendError({ operation: "inspect", cause: new Error("listing took longer than 60 s") })

@@ -152,7 +152,8 @@ const ownPool = (driver: Driver.Driver, config: pg.ClientConfig, size: number) =
   Effect.gen(function*() {
     const pool = yield* Effect.acquireRelease(Effect.sync(() => Driver.makePool(driver, config, size)), (pool) => Effect.sync(pool.close))
     const idleMillis = Duration.toMillis(IDLE_TIMEOUT)
-    yield* Effect.forkScoped(Effect.repeat(Effect.sync(() => pool.reap(idleMillis)), Schedule.spaced(Duration.millis(idleMillis / 2))))
+    // Interruptible whatever the builder's region: the scope's close interrupts and awaits it.
+    yield* Effect.forkScoped(Effect.interruptible(Effect.repeat(Effect.sync(() => pool.reap(idleMillis)), Schedule.spaced(Duration.millis(idleMillis / 2)))))
     return pool
   })
 
