@@ -436,6 +436,18 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         yield* stateIs(name, { held: 0, waiting: [] })
       }))
 
+    spec("withPermits called from an uninterruptible region (a finalizer) ends with its body", () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const name = freshName("uninterruptible-permits")
+        const inFinalizer = Effect.scoped(Effect.addFinalizer(() =>
+          Effect.orDie(provide(a)(DistributedSemaphore.withPermits(Effect.void, name, { limit: 2 })))))
+        // Disconnected: one that hangs fails here at the bound instead of holding the case.
+        const ended = yield* timeoutOption(Effect.disconnect(inFinalizer), Duration.seconds(live ? 5 : 60))
+        expect(Option.isSome(ended), "withPermits in a finalizer ended within 5 s").toBe(true)
+        yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
     spec("closing a process ends its waits, also without a timeout: the waiter fails at once and the process closes", () =>
       Effect.gen(function*() {
         const a = yield* node()
