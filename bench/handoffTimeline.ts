@@ -94,7 +94,7 @@ const STAGES = ["releasing → release sent", "release sent → its reply", "its
 type Stages = Record<(typeof STAGES)[number], Array<number>>
 
 /** Each handoff of the round (releasing, then a grant to another contender) cut into its stages, in µs. */
-const cut = (moments: ReadonlyArray<Moment>, into: Stages) => {
+const cut = (moments: ReadonlyArray<Moment>, into: Stages, wakeFirst: [number]) => {
   for (let i = 0; i < moments.length; i++) {
     const start = moments[i]!
     if (start.kind !== "releasing") continue
@@ -105,11 +105,17 @@ const cut = (moments: ReadonlyArray<Moment>, into: Stages) => {
     const replies = between.filter((m) => m.kind === "acquireReply")
     const lastReply = replies[replies.length - 1]
     if (sent === undefined || lastReply === undefined) continue
-    // The grant's own attempt, and the wake-up that named its place.
-    const acquireSent = between.find((m) => m.kind === "acquireSent" && m.id === lastReply.id)
+    // The grant's own attempt (the last one of its request sent before that reply), and the first
+    // copy read of the wake-up that named its place (each layer's subscriber gets one).
+    const acquireSent = between.filter((m) => m.kind === "acquireSent" && m.id === lastReply.id && m.at < lastReply.at).pop()
     const message = between.find((m) => m.kind === "message" && m.id === lastReply.id && m.at > sent.at)
     const reply = moments.find((m, j) => j > i && m.kind === "releaseReply" && m.id === sent.id)
-    if (acquireSent === undefined || message === undefined || reply === undefined || reply.at > message.at) continue
+    if (acquireSent === undefined || message === undefined || reply === undefined) continue
+    // Read before the release's own reply: counted apart, not cut into the stages below.
+    if (reply.at > message.at) {
+      wakeFirst[0]++
+      continue
+    }
     const us = (from: Moment, to: Moment) => (to.at - from.at) * 1000
     into["releasing → release sent"].push(us(start, sent))
     into["release sent → its reply"].push(us(sent, reply))
@@ -145,6 +151,7 @@ runMain(async () => {
     for (const row of rows) opened.push(await row.spec.subject.open())
     const stages = rows.map(() => Object.fromEntries(STAGES.map((s) => [s, [] as Array<number>])) as Stages)
     const handoffs = rows.map(() => 0)
+    const wakeFirst = rows.map((): [number] => [0])
     try {
       // A warm-up round each, then alternating measured rounds.
       for (const subject of opened) await subject.run({ warmup: true })
@@ -154,7 +161,7 @@ runMain(async () => {
           const result = await subject.run({ warmup: false })
           const moments = recording
           recording = undefined
-          cut(moments, stages[i]!)
+          cut(moments, stages[i]!, wakeFirst[i]!)
           handoffs[i] += result.handoffs
         }
       }
@@ -166,6 +173,7 @@ runMain(async () => {
     console.log(`|---|${rows.map(() => "---:").join("|")}|`)
     for (const stage of STAGES) console.log(`| ${stage} | ${stages.map((s) => median(s[stage]).toFixed(0)).join(" | ")} |`)
     console.log(`| matched | ${stages.map((s, i) => `${s.handoff.length} / ${handoffs[i]}`).join(" | ")} |`)
+    console.log(`| handoffs whose wake-up was read before the release's reply (not cut) | ${wakeFirst.map((w) => w[0]).join(" | ")} |`)
     const early = "(release's reply → another acquire sent before the wake-up)" as const
     console.log(`| handoffs with such an acquire | ${stages.map((s) => `${Math.round((100 * s[early].length) / Math.max(1, s.handoff.length))} %`).join(" | ")} |`)
   } finally {

@@ -39,9 +39,11 @@ export interface AcquireRequest {
   /** Runs a step interruptibly. The step must clean up after itself if interrupted. */
   readonly interruptible: <A, E, R>(step: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
   /**
-   * Runs a waiting step interruptibly, cut off at the deadline (`None` when it passed first).
-   * The step's result may be discarded when the deadline strikes as it completes, so use it only
-   * for steps that grant nothing (a wake-up signal, a sleep) — never for the granting statement.
+   * Runs a waiting step interruptibly (whatever the caller's region), cut off at the deadline or
+   * when the service starts closing (`None` when either came first). The step's result may be
+   * discarded when the cut comes as it completes, so use it for steps that grant nothing (a
+   * wake-up signal, a sleep); a granting statement raced this way must recover its outcome when
+   * cut off (PgAdvisory's wait slice cancels it at the server and undoes a grant that raced).
    */
   readonly waitUntilDeadline: <A, E, R>(step: Effect.Effect<A, E, R>) => Effect.Effect<Option.Option<A>, E, R>
   /** The backend calls this when it learns the grant is gone (session died, revoked). */

@@ -42,7 +42,6 @@ afterAll(async () => {
 const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<unknown> = []) =>
   Effect.promise(() => harnessPool().query<R>(text, [...values]).then((r) => r.rows))
 
-/** The semaphore `name` as the server has it, read with the server's clock: live permits held, live places in order. */
 /** What is left (ms, by the server's clock) of each live place of the semaphore `name`. */
 const placesLeftOf = (name: string): Effect.Effect<ReadonlyArray<number>> =>
   Effect.promise(() =>
@@ -54,6 +53,7 @@ const placesLeftOf = (name: string): Effect.Effect<ReadonlyArray<number>> =>
     ).then((result) => result.rows.map((row) => row.left))
   )
 
+/** The semaphore `name` as the server has it, read with the server's clock: live permits held, live places in order. */
 const stateOf = (name: string, table = SEM_TABLE): Effect.Effect<StoreState> =>
   Effect.promise(() =>
     harnessPool().query<{ held: number; waiting: ReadonlyArray<number> }>(

@@ -467,7 +467,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         yield* stateIs(name, { held: 0, waiting: [] })
       }))
 
-    const placeTitle = "a waiting request's place is written again once a fifth of it is gone, not half: a retry held back 2 s does not lose its turn"
+    const placeTitle = "a waiting request's place is written again once a fifth of it is gone, not half: it keeps 2.5 s or more between retries"
     if (target.placesLeft === undefined) {
       base.skip(`${placeTitle} (no places: this backend's waits do not queue in the store's places)`, () => Effect.void)
     } else {

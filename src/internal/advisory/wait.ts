@@ -151,7 +151,9 @@ export const blockingWait = (
  */
 const sliceEnd = (engine: Engine, session: Session, request: AcquireRequest, sent: Submitted): Effect.Effect<Settled | undefined> =>
   Effect.flatMap(monotonicMillis, (now) =>
-    Option.isSome(request.deadline) && now >= request.deadline.value
+    // Within a millisecond of the deadline it is the deadline (the timer's clock and this one may
+    // differ by less): the slice's lock_timeout, set to what was left, ends it now.
+    Option.isSome(request.deadline) && now >= request.deadline.value - 1
       ? request.interruptible(sent.outcome).pipe(Effect.onInterrupt(() => engine.owner.run(abandonWait(engine, session, sent))))
       : Effect.as(engine.owner.run(abandonWait(engine, session, sent)), undefined))
 

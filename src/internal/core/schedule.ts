@@ -195,8 +195,8 @@ export const run = <Out, R2, E, R>(
           // Held until atLeastFor after the grant, never past the next occurrence, and not once lost.
           const elapsed = (yield* monotonicMillis) - grantedAt
           const hold = Math.min(atLeastFor - elapsed, next - (yield* clock.now))
-          // The loss side interruptible whatever the caller's region: the race ends it when the hold does.
-          if (hold > 0) yield* Effect.raceFirst(sleepMillis(hold), Effect.interruptible(Effect.either(lease.lost)))
+          // Both sides interruptible whatever the caller's region: the race ends the loser, whichever.
+          if (hold > 0) yield* Effect.raceFirst(Effect.interruptible(sleepMillis(hold)), Effect.interruptible(Effect.either(lease.lost)))
         })
 
       const runJob = (lease: Lease): Effect.Effect<void, JobFailed<E>, R> => {

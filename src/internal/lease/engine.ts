@@ -39,7 +39,6 @@ export const MIN_TTL = Duration.seconds(1)
  * listener is caught sooner, by its next check, which wakes every waiter.
  */
 const TRUSTED_POLL_FACTOR = 6
-const PLACE_REFRESH_MILLIS = Place.PLACE_RETRY_MILLIS
 /** The look again after taking a place: this many times the taking statement's duration, plus a floor. */
 const FOLLOW_UP_FACTOR = 3
 const FOLLOW_UP_MIN_MILLIS = 5
@@ -150,7 +149,7 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
       const untilChange = wakeAt === undefined ? Number.POSITIVE_INFINITY : wakeAt - now
       // Never past the deadline: the next attempt then reports the timeout.
       const untilDeadline = Option.match(deadline, { onNone: () => Number.POSITIVE_INFINITY, onSome: (at) => at - now })
-      return Duration.millis(Math.max(0, Math.min(cap, PLACE_REFRESH_MILLIS, untilChange, untilDeadline)))
+      return Duration.millis(Math.max(0, Math.min(cap, Place.PLACE_RETRY_MILLIS, untilChange, untilDeadline)))
     })
 
   /**
