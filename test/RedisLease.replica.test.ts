@@ -59,9 +59,13 @@ const TTL = Duration.seconds(1)
 const processOn = (options?: RedisLease.Options) =>
   Effect.flatMap(RedisLease.makeBackend({ url: primary!.url, ttl: TTL, ...options }), (backend) => DistributedLock.make(backend))
 
-/** The replica is attached and streaming (`master_link_status:up`). */
-const replicaUp = Effect.promise(() => clientOf(replica!.url).info("replication")).pipe(
-  Effect.map((info) => info.includes("master_link_status:up"))
+/**
+ * The replica is attached and streaming, as both ends see it: `master_link_status:up` on the
+ * replica, and `state=online` on the primary. WAIT counts only replicas the primary has online;
+ * right after the first sync a loaded run saw the replica's end up and WAIT answer 0 of 1 in 1 s.
+ */
+const replicaUp = Effect.promise(() => Promise.all([clientOf(replica!.url).info("replication"), clientOf(primary!.url).info("replication")])).pipe(
+  Effect.map(([onReplica, onPrimary]) => onReplica.includes("master_link_status:up") && onPrimary.includes("state=online"))
 )
 
 describe.skipIf(skip)("RedisLease with a replica and WAIT", () => {
