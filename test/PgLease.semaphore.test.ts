@@ -183,7 +183,10 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease semaphores", (it
       for (let i = 0; i < 10; i++) times.push(yield* handoff(freshName("sem-handoff")))
       const s = stats(times)
       console.log(`PgLease semaphore handoff with LISTEN/NOTIFY (release sent → waiter granted), ms: ${JSON.stringify(s)}`)
-      expect(s.max).toBeLessThan(200)
+      // Without the notification a handoff waits for the waiter's next retry (up to 1.5 s, 750 ms
+      // typical): the middle well under it, and none as long. A loaded CI run read p50 52, max 427.
+      expect(s.p50).toBeLessThan(100)
+      expect(s.max).toBeLessThan(1_000)
       // One wake-up per handoff, naming the waiter's place.
       yield* waitFor("11 wake-ups", Effect.sync(() => heard.length >= 11), Duration.seconds(2))
       expect(heard.every((payload) => payload.startsWith("w"))).toBe(true)
