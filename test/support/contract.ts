@@ -174,6 +174,14 @@ const PLACE_WATCH_MS = 5_000
  */
 export const PLACE_LEFT_AT_WRITE_MS = 3_000
 
+/** The place case's title in the lock and the semaphore contracts, and the reason it is skipped where there are no places. */
+export const PLACE_CASE = "a waiting request's place is written again once a fifth of it is gone, not half: it keeps 2.5 s or more between retries"
+export const NO_PLACES = " (no places: this backend's waits do not queue in the store's places)"
+
+/** The place case's verdict on `placeLeftAtWrites`' readings. */
+export const expectPlaceWrittenEarly = (atWrites: ReadonlyArray<number>) =>
+  expect(middleOf(atWrites), `left of the place's 5 s when written again: ${JSON.stringify(atWrites)} ms`).toBeGreaterThan(PLACE_LEFT_AT_WRITE_MS)
+
 /**
  * The time the one live place of `name` had left (store ms) each time it was written again,
  * read from the store every 20 ms for `PLACE_WATCH_MS` from when it is first seen: the last
@@ -343,6 +351,12 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
   const isQueued = (faults: Faults, name: string): Effect.Effect<boolean, unknown> =>
     target.waiting === undefined ? Effect.sync(() => waitingFor(faults, name) > 0) : target.waiting(name)
   const queued = (faults: Faults, name: string) => until(`an acquire of "${name}" waits in the backend`, isQueued(faults, name))
+  /** Queued, or already ended: on real time a loaded machine may spend a short timeout before the wait is seen. */
+  const queuedOrEnded = (faults: Faults, name: string, waiter: Fiber.Fiber<unknown, unknown>) =>
+    until(
+      `an acquire of "${name}" waits in the backend, or has ended`,
+      Effect.zipWith(isQueued(faults, name), Fiber.poll(waiter), (waits, done) => waits || Option.isSome(done))
+    )
   /**
    * On real time, a step that must end soon fails naming itself past the live bound, rather than
    * as the test's anonymous timeout (on the TestClock the step's own bound would be virtual).
@@ -511,10 +525,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         yield* a.acquire(name)
         const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name, { timeout: Duration.millis(300) })))
         // On real time a loaded machine may spend the whole 300 ms before the wait is seen: done also counts.
-        yield* until(
-          `an acquire of "${name}" waits in the backend, or has ended`,
-          Effect.zipWith(isQueued(bFaults, name), Fiber.poll(waiter), (waits, done) => waits || Option.isSome(done))
-        )
+        yield* queuedOrEnded(bFaults, name, waiter)
         yield* target.advance(Duration.millis(400))
         const exit = yield* Fiber.await(waiter)
         expect(Exit.isFailure(exit)).toBe(true)
@@ -527,12 +538,11 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         }
       }))
 
-    const placeTitle = "a waiting request's place is written again once a fifth of it is gone, not half: it keeps 2.5 s or more between retries"
     if (target.placesLeft === undefined) {
-      base.skip(`${placeTitle} (no places: this backend's waits do not queue in the store's places)`, () => Effect.void)
+      base.skip(`${PLACE_CASE}${NO_PLACES}`, () => Effect.void)
     } else {
       const placesLeft = target.placesLeft
-      test(placeTitle, () =>
+      test(PLACE_CASE, () =>
         Effect.gen(function*() {
           const [a, b] = [yield* node(), yield* node()]
           const name = freshName("place-kept")
@@ -542,7 +552,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
           const atWrites = yield* placeLeftAtWrites(placesLeft, name)
           yield* Fiber.interrupt(waiter)
           yield* step("the holder's release", letGo, Duration.seconds(15))
-          expect(middleOf(atWrites), `left of the place's 5 s when written again: ${JSON.stringify(atWrites)} ms`).toBeGreaterThan(PLACE_LEFT_AT_WRITE_MS)
+          expectPlaceWrittenEarly(atWrites)
         }))
     }
 
@@ -592,10 +602,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const name = freshName("uninterruptible-timeout")
         yield* a.acquire(name)
         const waiter = yield* Effect.fork(Effect.uninterruptible(Effect.scoped(b.acquire(name, { timeout: Duration.millis(300) }))))
-        yield* until(
-          `an acquire of "${name}" waits in the backend, or has ended`,
-          Effect.zipWith(isQueued(bFaults, name), Fiber.poll(waiter), (waits, done) => waits || Option.isSome(done))
-        )
+        yield* queuedOrEnded(bFaults, name, waiter)
         yield* target.advance(Duration.millis(400))
         const exit = yield* step("the uninterruptible acquire's end", Fiber.await(waiter), Duration.seconds(5))
         const error = yield* failureOf(exit)

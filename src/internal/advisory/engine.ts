@@ -445,13 +445,13 @@ export const makeWith = (
       homeOpening: undefined
     }
 
-    // Lost leases are told from a fiber: the driver's events arrive outside any fiber.
-    // Interruptible whatever the builder's region: the scope's close interrupts and awaits it.
-    yield* Effect.forkScoped(Effect.interruptible(
+    // Lost leases are told from a fiber: the driver's events arrive outside any fiber. The layer's
+    // work, on its owner (interruptible whatever the builder's region; stopped when the layer closes).
+    yield* owner.fork(
       Effect.forever(
         Effect.flatMap(Queue.take(engine.lost), (holder) => holder.handed ? holder.onLost("connection-lost") : Effect.void)
       )
-    ))
+    )
 
     // Heartbeat: a dead idle session (network drop, frozen backend, server restart without a FIN)
     // is noticed within interval + timeout and its leases are told. Busy sessions are covered by
@@ -463,7 +463,7 @@ export const makeWith = (
         { concurrency: "unbounded", discard: true }
       )
     )
-    yield* Effect.forkScoped(Effect.interruptible(Effect.repeat(heartbeat, Schedule.spaced(Duration.millis(options.heartbeatIntervalMillis)))))
+    yield* owner.fork(Effect.repeat(heartbeat, Schedule.spaced(Duration.millis(options.heartbeatIntervalMillis))))
 
     // Idle lock names' fencing rows, on the home session (never blocking: rows locked elsewhere are
     // skipped), in small rounds so a release queued behind one waits little; failures wait for the next pass.

@@ -127,12 +127,13 @@ const refusedAsWhole = (exit: Exit.Exit<unknown, unknown>): boolean =>
 export const own = (
   config: pg.ClientConfig,
   connections: number,
-  listenBound: Duration.Duration
+  listenBound: Duration.Duration,
+  owner: Owner
 ): Effect.Effect<Lane & { readonly openConnections: () => number }, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     const driver = yield* Driver.load
-    const lock = yield* ownPool(driver, config, connections)
-    const renewals = yield* ownPool(driver, config, RENEW_CONNECTIONS)
+    const lock = yield* ownPool(driver, config, connections, owner)
+    const renewals = yield* ownPool(driver, config, RENEW_CONNECTIONS, owner)
     return {
       kind: "own",
       run: statementOn(lock),
@@ -148,12 +149,12 @@ export const own = (
   })
 
 /** A pool of own connections, closed with the scope; idle connections are closed after `IDLE_TIMEOUT`. */
-const ownPool = (driver: Driver.Driver, config: pg.ClientConfig, size: number) =>
+const ownPool = (driver: Driver.Driver, config: pg.ClientConfig, size: number, owner: Owner) =>
   Effect.gen(function*() {
     const pool = yield* Effect.acquireRelease(Effect.sync(() => Driver.makePool(driver, config, size)), (pool) => Effect.sync(pool.close))
     const idleMillis = Duration.toMillis(IDLE_TIMEOUT)
-    // Interruptible whatever the builder's region: the scope's close interrupts and awaits it.
-    yield* Effect.forkScoped(Effect.interruptible(Effect.repeat(Effect.sync(() => pool.reap(idleMillis)), Schedule.spaced(Duration.millis(idleMillis / 2)))))
+    // The layer's work, on its owner (interruptible whatever the builder's region; stopped when the layer closes).
+    yield* owner.fork(Effect.repeat(Effect.sync(() => pool.reap(idleMillis)), Schedule.spaced(Duration.millis(idleMillis / 2))))
     return pool
   })
 

@@ -82,7 +82,7 @@ export const makeBackend = (
     const owner = yield* Owner.make
     const lane = wrapLane(
       pool === "own" && Option.isSome(pg)
-        ? yield* Lane.own(Lane.clientConfig(pg.value.config, application, statementTimeout), connections, statementTimeout)
+        ? yield* Lane.own(Lane.clientConfig(pg.value.config, application, statementTimeout), connections, statementTimeout, owner)
         : yield* Lane.application(sql, Option.getOrUndefined(Option.map(pg, (client) => client.listen)), owner)
     )
     if (listen === true && lane.listen === undefined) {
