@@ -20,6 +20,7 @@ import { clockOf, fiberMillis, monotonicMillis, wholeMillis } from "./clock.js"
 import * as metrics from "./metrics.js"
 import { type Held, makeRegistry, type Registry, safetyDeadlineOf } from "./registry.js"
 import { sleepThenReadIO, stallSafeTimer } from "../runtime/stallSafe.js"
+import { raceEnd } from "../runtime/raceEnd.js"
 import { isTraced } from "./tracing.js"
 import { clampTtl, decodeDuration, modeProblem, nameProblem } from "./validate.js"
 
@@ -214,14 +215,20 @@ const attemptOnce = <G extends Grant, X extends object>(
     // A wait also ends when the service starts closing (an ordered shutdown does not wait for it).
     // One race per wait: the step against one callback-driven end (deadline timer, closing).
     waitUntilDeadline: (step) =>
-      Effect.flatMap(monotonicMillis, (now) =>
-        restore(Effect.raceFirst(
-          // Interruptible whatever the caller's region (a waiting step grants nothing): a caller in a
-          // finalizer still has its deadline and the closing service end the wait.
-          Effect.asSome(Effect.interruptible(step)),
-          // Interruptible even inside an uninterruptible caller: the losing end must stop at once.
-          Effect.interruptible(waitEnd(registry, Option.map(deadline, (at) => wholeMillis(at - now)), liveClock))
-        ))),
+      Effect.flatMap(monotonicMillis, (now) => {
+        const millis = Option.map(deadline, (at) => wholeMillis(at - now))
+        return restore(
+          liveClock
+            // The step runs interruptibly whatever the caller's region (a waiting step grants
+            // nothing): a caller in a finalizer still has its deadline and the closing service end the wait.
+            ? raceEnd(step, (end) => armEnd(registry, millis, end))
+            : Effect.raceFirst(
+              Effect.asSome(Effect.interruptible(step)),
+              // Interruptible even inside an uninterruptible caller: the losing end must stop at once.
+              Effect.interruptible(clockEnd(registry, millis))
+            )
+        )
+      }),
     onLost: (reason) =>
       Effect.suspend(() => {
         if (state.discarded) return Effect.void
@@ -238,42 +245,50 @@ const attemptOnce = <G extends Grant, X extends object>(
 }
 
 /**
- * `None` once `millis` have passed (stall-safe: an answer that had arrived is read first) or the
- * service starts closing, whichever is first; never without a deadline until closing.
+ * Calls `end` once `millis` have passed on the live clock (stall-safe: an answer that had arrived
+ * is read first) or the service starts closing, whichever is first; never without a deadline
+ * until closing. Returns the cancel.
  */
-const waitEnd = (
+const armEnd = (
   registry: Pick<Registry<Grant>, "whenClosing">,
   millis: Option.Option<number>,
-  liveClock: boolean
+  end: () => void
+): () => void => {
+  if (Option.isNone(millis)) return registry.whenClosing(end)
+  const until = performance.now() + millis.value
+  let cancelTimer = () => {}
+  // libuv fires a timer on its cached whole-millisecond loop clock, up to 1 ms before the
+  // monotonic clock reaches the deadline: re-armed for what is left, so that a wait never ends
+  // (and `LockTimeout.waited` never reads) short of its timeout.
+  const arm = (ms: number) => {
+    cancelTimer = stallSafeTimer(ms, () => {
+      const left = until - performance.now()
+      if (left > 0) arm(wholeMillis(left))
+      else end()
+    })
+  }
+  arm(millis.value)
+  const unsubscribe = registry.whenClosing(end)
+  return () => {
+    cancelTimer()
+    unsubscribe()
+  }
+}
+
+/**
+ * `None` once `millis` have passed on the fiber's own clock (a TestClock, or the user's Clock:
+ * its sleep, a second race, off the production path) or the service starts closing.
+ */
+const clockEnd = (
+  registry: Pick<Registry<Grant>, "whenClosing">,
+  millis: Option.Option<number>
 ): Effect.Effect<Option.Option<never>> => {
   const closing = Effect.async<Option.Option<never>>((resume) => {
     const unsubscribe = registry.whenClosing(() => resume(Effect.succeedNone))
     return Effect.sync(unsubscribe)
   })
   if (Option.isNone(millis)) return closing
-  // On another clock the deadline is its sleep (a second race, off the production path).
-  if (!liveClock) return Effect.raceFirst(Effect.as(sleepThenReadIO(Duration.millis(millis.value)), Option.none()), closing)
-  return Effect.async<Option.Option<never>>((resume) => {
-    const end = () => resume(Effect.succeedNone)
-    const until = performance.now() + millis.value
-    let cancelTimer = () => {}
-    // libuv fires a timer on its cached whole-millisecond loop clock, up to 1 ms before the
-    // monotonic clock reaches the deadline: re-armed for what is left, so that a wait never ends
-    // (and `LockTimeout.waited` never reads) short of its timeout.
-    const arm = (ms: number) => {
-      cancelTimer = stallSafeTimer(ms, () => {
-        const left = until - performance.now()
-        if (left > 0) arm(wholeMillis(left))
-        else end()
-      })
-    }
-    arm(millis.value)
-    const unsubscribe = registry.whenClosing(end)
-    return Effect.sync(() => {
-      cancelTimer()
-      unsubscribe()
-    })
-  })
+  return Effect.raceFirst(Effect.as(sleepThenReadIO(Duration.millis(millis.value)), Option.none()), closing)
 }
 
 /** The Clock of the default runtime: a fiber on it runs on real time. */

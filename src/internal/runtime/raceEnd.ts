@@ -1,0 +1,58 @@
+/**
+ * A step raced against an end that a callback delivers (a timer, a closing service), with one
+ * fiber instead of `Effect.raceFirst`'s two: the step runs in a child fiber whose exit and the end
+ * are both plain callbacks, and the caller waits for whichever comes first in one `Effect.async`.
+ * Every contended acquire waits through this (`AcquireRequest.waitUntilDeadline`), a waiter of a
+ * handoff once per grant, so the race's fibers and its loser's interruption were on the
+ * handoff's path.
+ */
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+
+/**
+ * `step` (run interruptibly, whatever the caller's region), or `None` once `arm`'s `end` is
+ * called first; `arm` returns its own cancel, called once the race is decided either way. As
+ * with `Effect.raceFirst`, the loser never outlives the race: a step the end beat is interrupted
+ * and awaited, and so is the step when the caller is interrupted while it waits.
+ * `arm` may call `end` at once (an end that has already come).
+ */
+export const raceEnd = <A, E, R>(
+  step: Effect.Effect<A, E, R>,
+  arm: (end: () => void) => () => void
+): Effect.Effect<Option.Option<A>, E, R> =>
+  Effect.flatMap(Effect.fork(Effect.interruptible(step)), (child) =>
+    Effect.async<Option.Option<A>, E>((resume) => {
+      let decided = false
+      let disarm: (() => void) | undefined
+      const onExit = (exit: Exit.Exit<A, E>) => {
+        if (decided) return
+        decided = true
+        disarm?.()
+        resume(Exit.isSuccess(exit) ? Effect.succeed(Option.some(exit.value)) : Effect.failCause(exit.cause))
+      }
+      const end = () => {
+        if (decided) return
+        decided = true
+        child.removeObserver(onExit)
+        // The loser stops before the caller goes on, as in a race of fibers.
+        resume(Effect.as(Fiber.interrupt(child), Option.none()))
+      }
+      // Called at once when the step has already ended.
+      child.addObserver(onExit)
+      if (!decided) {
+        disarm = arm(end)
+        // The end came while arming: it is decided, and the end's own resources go now.
+        if (decided) disarm()
+      }
+      // The caller interrupted while it waits: nothing more is decided; the step stops and is awaited.
+      return Effect.suspend(() => {
+        if (!decided) {
+          decided = true
+          child.removeObserver(onExit)
+          disarm?.()
+        }
+        return Fiber.interrupt(child)
+      })
+    }))
