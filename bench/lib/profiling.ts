@@ -149,6 +149,9 @@ export const print = (label: string, p: Profiled): void => {
 }
 
 
+/** How many functions each allocation listing names (`BENCH_ALLOC_TOP`, default 10). */
+const TOP = Number(process.env["BENCH_ALLOC_TOP"] ?? "10")
+
 /** What one round allocated, from V8's sampling heap profiler: bytes per place and the top allocating functions. */
 export interface Allocated {
   readonly id: string
@@ -160,6 +163,8 @@ export interface Allocated {
   readonly top: ReadonlyArray<readonly [string, number]>
   /** The same, of effect-lock's own functions only. */
   readonly topOwn: ReadonlyArray<readonly [string, number]>
+  /** Bytes by the nearest effect-lock frame on the allocating stack (what its calls into Effect or the driver allocated too). */
+  readonly topCaller: ReadonlyArray<readonly [string, number]>
 }
 
 interface HeapNode {
@@ -189,7 +194,13 @@ export const allocationRound = <R>(id: string, run: () => Promise<R>, cyclesOf: 
     const bytes: Partial<Record<Where, number>> = {}
     const byFunction = new Map<string, number>()
     const byOwnFunction = new Map<string, number>()
-    const walk = (node: HeapNode) => {
+    const byCaller = new Map<string, number>()
+    const walk = (node: HeapNode, caller: string) => {
+      const own = whereOf(node.callFrame) === "effect-lock"
+      const here = own
+        ? `${node.callFrame.functionName || "(anonymous)"} ${node.callFrame.url.split("/bench-build/").pop()?.split("/src/").pop()}:${(node.callFrame as { readonly lineNumber?: number }).lineNumber ?? "?"}`
+        : caller
+      if (node.selfSize > 0) byCaller.set(here, (byCaller.get(here) ?? 0) + node.selfSize)
       if (node.selfSize > 0) {
         const where = whereOf(node.callFrame)
         bytes[where] = (bytes[where] ?? 0) + node.selfSize
@@ -201,12 +212,12 @@ export const allocationRound = <R>(id: string, run: () => Promise<R>, cyclesOf: 
           byOwnFunction.set(line, (byOwnFunction.get(line) ?? 0) + node.selfSize)
         }
       }
-      for (const child of node.children) walk(child)
+      for (const child of node.children) walk(child, here)
     }
-    walk(profile.head)
-    const largest = (map: Map<string, number>) => [...map].sort((a, b) => b[1] - a[1]).slice(0, 10)
+    walk(profile.head, "(no effect-lock frame)")
+    const largest = (map: Map<string, number>, n = TOP) => [...map].sort((a, b) => b[1] - a[1]).slice(0, n)
     await session.post("HeapProfiler.disable")
-    return { id, cycles: cyclesOf(result), wallMs, bytes, top: largest(byFunction), topOwn: largest(byOwnFunction) }
+    return { id, cycles: cyclesOf(result), wallMs, bytes, top: largest(byFunction), topOwn: largest(byOwnFunction), topCaller: largest(byCaller) }
   })
 
 /** Opens `subject`, warms it up, and samples the allocations of one round. */
@@ -228,4 +239,5 @@ export const printAllocations = (label: string, a: Allocated): void => {
   console.log(`  by place: ${PLACES.map((where) => `${where} ${perCycle(a.bytes[where] ?? 0)}`).join(", ")}`)
   console.log(`  top allocating: ${a.top.map(([name, n]) => `${name} ${perCycle(n)}`).join("; ")}`)
   if (a.topOwn.length > 0) console.log(`  top in effect-lock (function file:line): ${a.topOwn.map(([name, n]) => `${name} ${perCycle(n)}`).join("; ")}`)
+  if (a.topCaller.length > 0) console.log(`  by nearest effect-lock frame on the stack: ${a.topCaller.map(([name, n]) => `${name} ${perCycle(n)}`).join("; ")}`)
 }
