@@ -20,6 +20,7 @@ import * as metrics from "../core/metrics.js"
 import { clockMillis, monotonicMillis } from "../core/clock.js"
 import * as driver from "../pg/driver.js"
 import { Cell } from "../runtime/cell.js"
+import { callbackStep } from "../runtime/raceEnd.js"
 import { sleepThenReadIO } from "../runtime/stallSafe.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, RELEASE_BATCH_SQL, releaseSql, setupSql, tryBatchSql } from "./sql.js"
@@ -338,13 +339,15 @@ export interface Submitted {
   readonly job: Job
   /** Waits for the outcome. */
   readonly outcome: Effect.Effect<Settled>
+  /** `outcome` as a callback step: raced with a deadline (`waitUntilDeadline`) without a fiber. */
+  readonly outcomeStep: () => Effect.Effect<Settled>
   /** The outcome when it is already there. */
   readonly settled: () => Settled | undefined
 }
 
 const submitted = (session: Session, job: Job, cell: Cell<Settled>): Submitted => {
   if (!submit(session, job)) cell.set(CLOSED)
-  return { job, outcome: cell.await, settled: cell.poll }
+  return { job, outcome: cell.await, outcomeStep: () => callbackStep(cell.register), settled: cell.poll }
 }
 
 /** Takes a job back if it has not been sent; true when it was taken back. */

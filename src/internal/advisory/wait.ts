@@ -114,7 +114,7 @@ export const blockingWait = (
       )
       // Raced with the service closing (and the deadline): a closing layer does not wait for a
       // lock that another process may hold for hours.
-      const raced = yield* request.waitUntilDeadline(sent.outcome).pipe(
+      const raced = yield* request.waitUntilDeadline(sent.outcomeStep()).pipe(
         // The layer's work: a body's stall watch must not stop the cancel half-way (a zombie session).
         Effect.onInterrupt(() => engine.owner.run(abandonWait(engine, session, sent)))
       )

@@ -8,6 +8,9 @@
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import type * as Scope from "effect/Scope"
+import { callbackStep } from "../runtime/raceEnd.js"
+
+const noop = () => {}
 
 /** What a waiter holds while it waits for one name. */
 export interface Subscription {
@@ -86,22 +89,26 @@ export const makeWaiters = (): Waiters => {
     // A raw timer and a callback in one step, not the Clock's sleep raced against the wake-up:
     // that race is two fibers per wait on every handoff's path (issue 23), and an interrupted
     // sleep is the TestClock trap of Effect-TS/effect#6910. Lease backends run on real time only.
+    // A callback step: the core races it with the deadline and the closing service without a fiber.
     wait: (mark, delay) =>
-      Effect.async<boolean>((resume) => {
-        if (waiter.wakes !== mark) return resume(Effect.succeed(true))
+      callbackStep<boolean>((done) => {
+        if (waiter.wakes !== mark) {
+          done(true)
+          return noop
+        }
         const timer = setTimeout(() => {
           if (waiter.resume === woken) waiter.resume = undefined
-          resume(Effect.succeed(false))
+          done(false)
         }, Duration.toMillis(delay))
         const woken = () => {
           clearTimeout(timer)
-          resume(Effect.succeed(true))
+          done(true)
         }
         waiter.resume = woken
-        return Effect.sync(() => {
+        return () => {
           clearTimeout(timer)
           if (waiter.resume === woken) waiter.resume = undefined
-        })
+        }
       })
   })
 

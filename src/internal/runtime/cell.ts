@@ -6,6 +6,8 @@
  */
 import * as Effect from "effect/Effect"
 
+const noop = () => {}
+
 export class Cell<A> {
   private done = false
   private value: A | undefined = undefined
@@ -23,6 +25,24 @@ export class Cell<A> {
 
   /** The outcome when it is there. */
   readonly poll = (): A | undefined => this.value
+
+  /**
+   * Calls `done` with the outcome once it is there (at once if it is); returns the cancel, after
+   * which `done` is never called. For `callbackStep`: a wait raced without a fiber.
+   */
+  readonly register = (done: (value: A) => void): () => void => {
+    if (this.done) {
+      done(this.value as A)
+      return noop
+    }
+    let live = true
+    ;(this.waiters ??= []).push((value: A) => {
+      if (live) done(value)
+    })
+    return () => {
+      live = false
+    }
+  }
 
   /**
    * The outcome, once it is there. Interrupting the wait only stops this waiter: its callback

@@ -4,12 +4,58 @@
  * are both plain callbacks, and the caller waits for whichever comes first in one `Effect.async`.
  * Every contended acquire waits through this (`AcquireRequest.waitUntilDeadline`), a waiter of a
  * handoff once per grant, so the race's fibers and its loser's interruption were on the
- * handoff's path.
+ * handoff's path. A step made by `callbackStep` (a wake-up, a statement's outcome) is itself a
+ * callback: then no fiber at all.
  */
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
+
+/** A wait that is a plain callback: `register` arranges `done` to be called once, and returns the cancel. */
+export type Register<A> = (done: (value: A) => void) => () => void
+
+/** The callbacks behind the effects `callbackStep` made (a WeakMap: the effect's shape stays the runtime's). */
+const registers = new WeakMap<object, Register<unknown>>()
+
+/** The effect that waits for `register`'s callback, which `raceEnd` races without a fiber. */
+export const callbackStep = <A>(register: Register<A>): Effect.Effect<A> => {
+  const step = Effect.async<A>((resume) => {
+    const cancel = register((value) => resume(Effect.succeed(value)))
+    return Effect.sync(cancel)
+  })
+  registers.set(step, register as Register<unknown>)
+  return step
+}
+
+/** `raceEnd` of a callback step: both sides are callbacks, decided in one `async`. */
+const raceCallbacks = <A>(register: Register<A>, arm: (end: () => void) => () => void): Effect.Effect<Option.Option<A>> =>
+  Effect.async<Option.Option<A>>((resume) => {
+    let decided = false
+    let cancelStep: (() => void) | undefined
+    let disarm: (() => void) | undefined
+    // The loser's cancel is synchronous: nothing of it outlives the race.
+    const decide = (outcome: Option.Option<A>) => {
+      if (decided) return
+      decided = true
+      cancelStep?.()
+      disarm?.()
+      resume(Effect.succeed(outcome))
+    }
+    cancelStep = register((value) => decide(Option.some(value)))
+    // The step ended while registering: its cancel runs now that it is known.
+    if (decided) cancelStep()
+    else {
+      disarm = arm(() => decide(Option.none()))
+      if (decided) disarm()
+    }
+    return Effect.sync(() => {
+      if (decided) return
+      decided = true
+      cancelStep?.()
+      disarm?.()
+    })
+  })
 
 /**
  * `step` (run interruptibly, whatever the caller's region), or `None` once `arm`'s `end` is
@@ -19,6 +65,14 @@ import * as Option from "effect/Option"
  * `arm` may call `end` at once (an end that has already come).
  */
 export const raceEnd = <A, E, R>(
+  step: Effect.Effect<A, E, R>,
+  arm: (end: () => void) => () => void
+): Effect.Effect<Option.Option<A>, E, R> => {
+  const register = registers.get(step) as Register<A> | undefined
+  return register !== undefined ? raceCallbacks(register, arm) : raceFiber(step, arm)
+}
+
+const raceFiber = <A, E, R>(
   step: Effect.Effect<A, E, R>,
   arm: (end: () => void) => () => void
 ): Effect.Effect<Option.Option<A>, E, R> =>
