@@ -21,6 +21,8 @@ import * as DistributedLock from "../src/DistributedLock.js"
 import * as MemoryBackend from "../src/MemoryBackend.js"
 import * as PgAdvisory from "../src/PgAdvisory.js"
 import * as PgLease from "../src/PgLease.js"
+import * as RedisLease from "../src/RedisLease.js"
+import { INSTALL_HINT, redisAvailable, startRedis } from "../tools/redisServer.js"
 import { runMain, withScratchDatabase } from "./lib/postgres.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
@@ -75,8 +77,8 @@ const perCycle = async <S>(
   }
 }
 
-const handoff = async (url: string) => {
-  const runtimes = Array.from({ length: 8 }, (_, i) => ManagedRuntime.make(PgAdvisory.layer({ url, applicationName: `bench-ops-${i}` })))
+const handoff = async (label: string, layer: (i: number) => Layer.Layer<DistributedLock.DistributedLock, unknown>) => {
+  const runtimes = Array.from({ length: 8 }, (_, i) => ManagedRuntime.make(layer(i)))
   try {
     let grants = 0
     const contender = (ms: number) =>
@@ -90,10 +92,13 @@ const handoff = async (url: string) => {
     await Promise.all(runtimes.map((runtime) => runtime.runPromise(contender(1_000))))
     grants = 0
     const supervisor = new Counting()
+    resumptions.count = 0
+    resumptions.counting = true
     await Promise.all(runtimes.map((runtime) => runtime.runPromise(counted(contender(3_000), supervisor))))
+    resumptions.counting = false
     console.log(
-      `${"PgAdvisory handoff × 8".padEnd(22)} ${(supervisor.ops / grants).toFixed(0).padStart(4)} Effect ops, ` +
-        `${(supervisor.fibers / grants).toFixed(2)} fibers started per grant (${grants} grants)`
+      `${`${label} handoff × 8`.padEnd(22)} ${(supervisor.ops / grants).toFixed(0).padStart(4)} Effect ops, ` +
+        `${(supervisor.fibers / grants).toFixed(2)} fibers started, ${(resumptions.count / grants).toFixed(2)} fiber resumptions (every runtime's) per grant (${grants} grants)`
     )
   } finally {
     await Promise.all(runtimes.map((runtime) => runtime.dispose()))
@@ -116,6 +121,13 @@ runMain(() =>
         sql.withTransaction(sql`select pg_try_advisory_xact_lock(${"1"}::bigint) as granted`.withoutTransform))
     )
     await perCycle("withXactLock", pool, PgAdvisory.withXactLock(Effect.void, "ops-xact"))
-    await handoff(database.url)
+    await handoff("PgAdvisory", (i) => PgAdvisory.layer({ url: database.url, applicationName: `bench-ops-${i}` }))
+    if (!redisAvailable()) return console.log(`RedisLease handoff skipped: ${INSTALL_HINT}`)
+    const redis = await startRedis()
+    try {
+      await handoff("RedisLease", () => RedisLease.layer({ url: redis.url, prefix: "bench-ops:" }))
+    } finally {
+      await redis.stop()
+    }
   })
 )
