@@ -30,6 +30,17 @@ const manualStep = <A>() => {
   return { state, step }
 }
 
+/** A fiber step that never ends by itself; `stopped` once it was interrupted (its finalizer ran). */
+const stoppableStep = () => {
+  const state = { stopped: false }
+  const step = Effect.onInterrupt(Effect.never, () => Effect.sync(() => { state.stopped = true }))
+  return { state, step }
+}
+
+/** `self` forked and given two turns: its child fiber (if any) has started and registered. */
+const started = <A, E>(self: Effect.Effect<A, E>) =>
+  Effect.tap(Effect.fork(self), () => Effect.zipRight(Effect.yieldNow(), Effect.yieldNow()))
+
 describe("raceEnd: a step raced with an end that a callback delivers", () => {
   it.effect("a fiber step that ends first wins, and the end is disarmed", () =>
     Effect.gen(function*() {
@@ -46,14 +57,11 @@ describe("raceEnd: a step raced with an end that a callback delivers", () => {
   it.effect("an end that comes first gives None only once the fiber step has stopped (its finalizer ran)", () =>
     Effect.gen(function*() {
       const { arm, state } = manualEnd()
-      let stopped = false
-      const step = Effect.onInterrupt(Effect.never, () => Effect.sync(() => { stopped = true }))
-      const fiber = yield* Effect.fork(raceEnd(step, arm))
-      yield* Effect.yieldNow()
-      yield* Effect.yieldNow()
+      const stoppable = stoppableStep()
+      const fiber = yield* started(raceEnd(stoppable.step, arm))
       state.fire!()
       expect(yield* Fiber.join(fiber)).toEqual(Option.none())
-      expect(stopped).toBe(true)
+      expect(stoppable.state.stopped).toBe(true)
     }))
 
   it.effect("an end already there when armed decides at once, and its cancel still runs", () =>
@@ -80,13 +88,10 @@ describe("raceEnd: a step raced with an end that a callback delivers", () => {
   it.effect("an interrupted caller stops the fiber step before its interrupt returns, and disarms the end", () =>
     Effect.gen(function*() {
       const { arm, state } = manualEnd()
-      let stopped = false
-      const step = Effect.onInterrupt(Effect.never, () => Effect.sync(() => { stopped = true }))
-      const fiber = yield* Effect.fork(raceEnd(step, arm))
-      yield* Effect.yieldNow()
-      yield* Effect.yieldNow()
+      const stoppable = stoppableStep()
+      const fiber = yield* started(raceEnd(stoppable.step, arm))
       yield* Fiber.interrupt(fiber)
-      expect(stopped).toBe(true)
+      expect(stoppable.state.stopped).toBe(true)
       expect(state.armed).toBe(0)
     }))
 
