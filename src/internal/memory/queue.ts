@@ -31,7 +31,6 @@
  * Why a queue of its own rather than Effect's `Semaphore`: a store is shared by several layers
  * (processes), and its holders have leases that expire, are renewed, revoked and fenced.
  */
-import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -41,6 +40,8 @@ import * as FencingToken from "../../FencingToken.js"
 import type { AcquireRequest, AcquireResult, Grant, RenewOutcome } from "../../LockBackend.js"
 import type { LostReason } from "../../LockError.js"
 import { fiberMillis } from "../core/clock.js"
+import { Cell } from "../runtime/cell.js"
+import { callbackStep } from "../runtime/raceEnd.js"
 
 /** The units of a lock: an exclusive holder takes them all, a shared one a single unit. */
 export const LOCK_UNITS = Number.MAX_SAFE_INTEGER
@@ -69,7 +70,8 @@ interface Waiter {
   readonly units: number
   /** Set by `pump` in the step that sets its units aside; the waiter takes them when it resumes. */
   woken: boolean
-  readonly signal: Deferred.Deferred<void>
+  /** Set by `pump`: a cell, so that the wait races its deadline without a fiber (`callbackStep`). */
+  readonly signal: Cell<void>
   /** The expiry alarm of the waiter's backend, which sweeps the holders ahead of it. */
   readonly alarm: Alarm
 }
@@ -202,7 +204,7 @@ const pump = (entry: Entry): void => {
     // Set aside in the same step as the wake-up: nobody else can take these units meanwhile.
     waiter.woken = true
     entry.reserved += waiter.units
-    Deferred.unsafeDone(waiter.signal, Exit.void)
+    waiter.signal.set(undefined)
   }
 }
 
@@ -293,7 +295,7 @@ const claim = (entry: Entry, wanted: Claim, alarm: Alarm, fiber: Fiber.RuntimeFi
     return Effect.succeed({ _tag: "Granted", grant: grant(entry, wanted, alarm, now) })
   }
   if (wanted.request.attempt === "once") return Effect.succeed({ _tag: "Busy" })
-  const waiter: Waiter = { units: wanted.units, woken: false, signal: Deferred.unsafeMake<void>(fiber.id()), alarm }
+  const waiter: Waiter = { units: wanted.units, woken: false, signal: new Cell<void>(), alarm }
   // Queued in the same step as the check: whatever frees units after it wakes this waiter.
   entry.queue.push(waiter)
   watch(entry, alarm)
@@ -301,7 +303,7 @@ const claim = (entry: Entry, wanted: Claim, alarm: Alarm, fiber: Fiber.RuntimeFi
   if (waiter.woken) return Effect.succeed(take(entry, waiter, wanted, alarm, now))
   const expiry = nextExpiry(entry)
   if (expiry !== Number.POSITIVE_INFINITY) alarm.arm(expiry)
-  const waited: Effect.Effect<Claimed> = Effect.flatMap(wanted.request.waitUntilDeadline(Deferred.await(waiter.signal)), (woke) =>
+  const waited: Effect.Effect<Claimed> = Effect.flatMap(wanted.request.waitUntilDeadline(callbackStep(waiter.signal.register)), (woke) =>
     Option.isNone(woke)
       ? Effect.succeed<Claimed>({ _tag: "TimedOut" })
       // Woken only by `pump`, which set the units aside: they are taken in this step.
