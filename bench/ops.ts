@@ -77,8 +77,10 @@ const perCycle = async <S>(
   }
 }
 
-const handoff = async (label: string, layer: (i: number) => Layer.Layer<DistributedLock.DistributedLock, unknown>) => {
-  const runtimes = Array.from({ length: 8 }, (_, i) => ManagedRuntime.make(layer(i)))
+/** 8 contenders on `layers` layers (8: one each, as 8 processes; 1: 8 fibers of one layer). */
+const handoff = async (label: string, layer: (i: number) => Layer.Layer<DistributedLock.DistributedLock, unknown>, layers = 8) => {
+  const runtimes = Array.from({ length: layers }, (_, i) => ManagedRuntime.make(layer(i)))
+  const contenders = Array.from({ length: 8 }, (_, i) => runtimes[i % layers]!)
   try {
     let grants = 0
     const contender = (ms: number) =>
@@ -89,15 +91,15 @@ const handoff = async (label: string, layer: (i: number) => Layer.Layer<Distribu
           grants++
         }
       })
-    await Promise.all(runtimes.map((runtime) => runtime.runPromise(contender(1_000))))
+    await Promise.all(contenders.map((runtime) => runtime.runPromise(contender(1_000))))
     grants = 0
     const supervisor = new Counting()
     resumptions.count = 0
     resumptions.counting = true
-    await Promise.all(runtimes.map((runtime) => runtime.runPromise(counted(contender(3_000), supervisor))))
+    await Promise.all(contenders.map((runtime) => runtime.runPromise(counted(contender(3_000), supervisor))))
     resumptions.counting = false
     console.log(
-      `${`${label} handoff × 8`.padEnd(22)} ${(supervisor.ops / grants).toFixed(0).padStart(4)} Effect ops, ` +
+      `${`${label} handoff ${layers === 8 ? "× 8" : `${layers}×8`}`.padEnd(22)} ${(supervisor.ops / grants).toFixed(0).padStart(4)} Effect ops, ` +
         `${(supervisor.fibers / grants).toFixed(2)} fibers started, ${(resumptions.count / grants).toFixed(2)} fiber resumptions (every runtime's) per grant (${grants} grants)`
     )
   } finally {
@@ -122,6 +124,7 @@ runMain(() =>
     )
     await perCycle("withXactLock", pool, PgAdvisory.withXactLock(Effect.void, "ops-xact"))
     await handoff("PgAdvisory", (i) => PgAdvisory.layer({ url: database.url, applicationName: `bench-ops-${i}` }))
+    await handoff("PgAdvisory", () => PgAdvisory.layer({ url: database.url, applicationName: "bench-ops-one" }), 1)
     if (!redisAvailable()) return console.log(`RedisLease handoff skipped: ${INSTALL_HINT}`)
     const redis = await startRedis()
     try {

@@ -6,16 +6,17 @@
  * (later shared requests join the server grant the first one got). Admission is FIFO per key, so
  * a queued exclusive request is not starved by a stream of shared ones.
  */
-import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
-import * as FiberId from "effect/FiberId"
 import * as Option from "effect/Option"
 import type { LockMode } from "../../Lease.js"
+import { Cell } from "../runtime/cell.js"
+import { callbackStep } from "../runtime/raceEnd.js"
 
 interface Ticket {
   readonly mode: LockMode
-  readonly admitted: Deferred.Deferred<void>
+  /** Set by `pump`: a cell, so that the wait races its deadline as a callback, with no fiber (`callbackStep`). */
+  readonly admitted: Cell<void>
   state: "queued" | "admitted" | "abandoned"
 }
 
@@ -101,7 +102,7 @@ export const makeLocalKeys = (): LocalKeys => {
       entry.queue.shift()
       take(entry, head.mode)
       head.state = "admitted"
-      Deferred.unsafeDone(head.admitted, Exit.void)
+      head.admitted.set(undefined)
     }
     if (!entry.exclusive && !entry.sharedPending && entry.sharedHeld === 0 && entry.queue.length === 0) {
       entries.delete(key)
@@ -127,11 +128,11 @@ export const makeLocalKeys = (): LocalKeys => {
     // ticket always gets its clean-up below, or it would hold up the key for good.
     Effect.uninterruptibleMask((restore) => {
       const entry = entryOf(key)
-      const ticket: Ticket = { mode, admitted: Deferred.unsafeMake<void>(FiberId.none), state: "queued" }
+      const ticket: Ticket = { mode, admitted: new Cell<void>(), state: "queued" }
       entry.queue.push(ticket)
       pump(key, entry)
       if (ticket.state === "admitted") return Effect.succeed(Option.some<Admission>({ key, mode }))
-      return restore(wait(Deferred.await(ticket.admitted))).pipe(
+      return restore(wait(callbackStep(ticket.admitted.register))).pipe(
         Effect.onExit((exit) =>
           Effect.sync(() => {
             if (Exit.isSuccess(exit) && Option.isSome(exit.value)) return
