@@ -125,6 +125,11 @@ runMain(() =>
     await perCycle("withXactLock", pool, PgAdvisory.withXactLock(Effect.void, "ops-xact"))
     await handoff("PgAdvisory", (i) => PgAdvisory.layer({ url: database.url, applicationName: `bench-ops-${i}` }))
     await handoff("PgAdvisory", () => PgAdvisory.layer({ url: database.url, applicationName: "bench-ops-one" }), 1)
+    await handoff("PgLease", (i) =>
+      Layer.provide(
+        PgLease.layer({ connections: 2, listen: true }),
+        PgClient.layer({ url: Redacted.make(database.url), maxConnections: 2, applicationName: `bench-ops-lease-${i}` })
+      ))
     if (!redisAvailable()) return console.log(`RedisLease handoff skipped: ${INSTALL_HINT}`)
     const redis = await startRedis()
     try {
