@@ -48,14 +48,34 @@ export const nodeArgsFor = (entry: string): ReadonlyArray<string> => {
   return ["--import", "tsx", entry]
 }
 
+/** Whether a process with this pid is alive (signal 0 only checks). */
+const alive = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch (error) {
+    // EPERM: it exists, under another user.
+    return (error as NodeJS.ErrnoException).code === "EPERM"
+  }
+}
+
 /**
- * Bundles every program of `ENTRY_GLOBS` under `<root>/.tmp/children` (same relative paths,
- * `.mjs`), `effect-lock` imports resolved to `src/` as the tests resolve them. Returns the
- * directory, to be put in `CHILDREN_DIR_ENV`.
+ * Bundles every program of `ENTRY_GLOBS` under `<root>/.tmp/children-<pid>` (same relative
+ * paths, `.mjs`), `effect-lock` imports resolved to `src/` as the tests resolve them. Returns the
+ * directory, to be put in `CHILDREN_DIR_ENV`; `removeChildren` deletes it. A directory per run:
+ * two test runs in one checkout no longer delete each other's bundles. Those of runs whose
+ * process is gone (killed before their teardown) are deleted here.
  */
 export const buildChildren = async (root: string): Promise<string> => {
   const esbuild = await import("esbuild")
-  const outdir = Path.join(root, ".tmp", "children")
+  const tmp = Path.join(root, ".tmp")
+  for (const entry of Fs.existsSync(tmp) ? Fs.readdirSync(tmp) : []) {
+    const owner = /^children(?:-(\d+))?$/.exec(entry)
+    if (owner !== null && (owner[1] === undefined || !alive(Number(owner[1])))) {
+      Fs.rmSync(Path.join(tmp, entry), { recursive: true, force: true })
+    }
+  }
+  const outdir = Path.join(tmp, `children-${process.pid}`)
   Fs.rmSync(outdir, { recursive: true, force: true })
   const entryPoints = ENTRY_GLOBS.flatMap(([dir, keep]) =>
     Fs.readdirSync(Path.join(root, dir)).filter(keep).map((file) => Path.join(root, dir, file))
@@ -99,6 +119,9 @@ export const buildChildren = async (root: string): Promise<string> => {
   })
   return outdir
 }
+
+/** Deletes the bundles `buildChildren` wrote (a run's teardown). */
+export const removeChildren = (dir: string): void => Fs.rmSync(dir, { recursive: true, force: true })
 
 /** Entries whose imports the tests check (what importing them loads), relative to the root. */
 const IMPORT_ENTRIES = ["src/index.ts", "src/PgAdvisory.ts", "src/PgLease.ts"]

@@ -8,7 +8,7 @@
  */
 import type { TestProject } from "vitest/node"
 import { fileURLToPath } from "node:url"
-import { buildChildren, CHILDREN_DIR_ENV } from "../../tools/children.js"
+import { buildChildren, CHILDREN_DIR_ENV, removeChildren } from "../../tools/children.js"
 import { redactUrl, startPostgres } from "../../tools/embeddedPostgres.js"
 
 declare module "vitest" {
@@ -39,5 +39,11 @@ export default async function setup(project: TestProject): Promise<() => Promise
   }
   project.provide("pgAdminUrl", server.url)
   process.env[ADMIN_URL_ENV] = server.url
-  return server.stop
+  return async () => {
+    try {
+      await server.stop()
+    } finally {
+      removeChildren(built.value)
+    }
+  }
 }
