@@ -160,4 +160,38 @@ describe("raceEnd: a step raced with an end that a callback delivers", () => {
       yield* Fiber.interrupt(second)
       expect(state.registered).toBe(1) // the first registration's callback fired; only the second was cancelled
     }))
+  // Review of bfba86d: the callback path ran in the caller's region, so an uninterruptible caller
+  // (a finalizer, acquireRelease's acquire) interrupted while it waited kept waiting for the step.
+  it.effect("an uninterruptible caller interrupted while it waits on a callback step ends the wait, both sides cancelled", () =>
+    Effect.gen(function*() {
+      const { arm, state: end } = manualEnd()
+      const { state, step } = manualStep<string>()
+      const fiber = yield* started(Effect.uninterruptible(raceEnd(step, arm)))
+      expect(state.registered).toBe(1)
+      const exit = yield* Fiber.interrupt(fiber)
+      expect(Exit.isInterrupted(exit)).toBe(true)
+      expect(state.registered).toBe(0)
+      expect(end.armed).toBe(0)
+    }))
+
+  it.effect("an uninterruptible caller interrupted while it waits on a fiber step ends the wait, the step stopped", () =>
+    Effect.gen(function*() {
+      const { arm, state: end } = manualEnd()
+      const stoppable = stoppableStep()
+      const fiber = yield* started(Effect.uninterruptible(raceEnd(stoppable.step, arm)))
+      const exit = yield* Fiber.interrupt(fiber)
+      expect(Exit.isInterrupted(exit)).toBe(true)
+      expect(stoppable.state.stopped).toBe(true)
+      expect(end.armed).toBe(0)
+    }))
+
+  it.effect("an end whose arming throws cancels the callback step's registration", () =>
+    Effect.gen(function*() {
+      const { state, step } = manualStep<string>()
+      const exit = yield* Effect.exit(raceEnd(step, () => {
+        throw new Error("arming failed")
+      }))
+      expect(Exit.isFailure(exit)).toBe(true)
+      expect(state.registered).toBe(0)
+    }))
 })

@@ -28,7 +28,10 @@ export class Cell<A> {
 
   /**
    * Calls `done` with the outcome once it is there (at once if it is); returns the cancel, after
-   * which `done` is never called. For `callbackStep`: a wait raced without a fiber.
+   * which `done` is never called. For `callbackStep`: a wait raced without a fiber. A cancelled
+   * registration stays in the list (ignored) until the cell is set or dropped: fine for the
+   * one-shot cells it serves (a statement's outcome, a ticket, a claim), not for a long-lived
+   * cell registered again and again.
    */
   readonly register = (done: (value: A) => void): () => void => {
     if (this.done) {

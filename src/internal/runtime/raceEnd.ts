@@ -28,9 +28,13 @@ export const callbackStep = <A>(register: Register<A>): Effect.Effect<A> => {
   return step
 }
 
-/** `raceEnd` of a callback step: both sides are callbacks, decided in one `async`. */
+/**
+ * `raceEnd` of a callback step: both sides are callbacks, decided in one `async`. Interruptible
+ * whatever the caller's region, as the step's child fiber is on the other path (Effect passes a
+ * parent's interruption to its children at once): a waiting step grants nothing.
+ */
 const raceCallbacks = <A>(register: Register<A>, arm: (end: () => void) => () => void): Effect.Effect<Option.Option<A>> =>
-  Effect.async<Option.Option<A>>((resume) => {
+  Effect.interruptible(Effect.async<Option.Option<A>>((resume) => {
     let decided = false
     let cancelStep: (() => void) | undefined
     let disarm: (() => void) | undefined
@@ -46,7 +50,14 @@ const raceCallbacks = <A>(register: Register<A>, arm: (end: () => void) => () =>
     // The step ended while registering: its cancel runs now that it is known.
     if (decided) cancelStep()
     else {
-      disarm = arm(() => decide(Option.none()))
+      try {
+        disarm = arm(() => decide(Option.none()))
+      } catch (defect) {
+        // Arming failed (a defect): the step's registration must not outlive the race.
+        decided = true
+        cancelStep()
+        throw defect
+      }
       if (decided) disarm()
     }
     return Effect.sync(() => {
@@ -55,7 +66,7 @@ const raceCallbacks = <A>(register: Register<A>, arm: (end: () => void) => () =>
       cancelStep?.()
       disarm?.()
     })
-  })
+  }))
 
 /**
  * `step` (run interruptibly, whatever the caller's region), or `None` once `arm`'s `end` is
