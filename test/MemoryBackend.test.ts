@@ -11,6 +11,7 @@ import * as Option from "effect/Option"
 import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as DistributedLock from "effect-lock/DistributedLock"
+import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import type { LockMode } from "effect-lock/Lease"
 import type { LostReason } from "effect-lock/LockError"
 import type { AcquireRequest, Grant, LockBackend } from "effect-lock/LockBackend"
@@ -633,6 +634,25 @@ describe("DistributedLock on the memory backend", () => {
       yield* until("the release reached the store", Effect.map(MemoryBackend.holders(shared), (held) => held.length === 0))
       expect(logs.filter((line) => line.includes("failed"))).toEqual([])
     }))
+
+  // Review of bfba86d: on the live clock a wait is a callback raced with its deadline, in the
+  // caller's region; an uninterruptible caller interrupted while it waited then waited on for the holder.
+  it.live("on the live clock, an uninterruptible acquire interrupted while it waits ends at once and leaves no waiter", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const semaphores = yield* Effect.flatMap(MemoryBackend.makeBackend({ store: shared }), (backend) => DistributedSemaphore.make(backend.semaphore))
+      const waitingOn = (name: string) =>
+        Effect.map(MemoryBackend.semaphores(shared), (all) => all.find((s) => s.name === name)?.waiting ?? [])
+      yield* semaphores.acquire("held", { limit: 1 })
+      const waiter = yield* Effect.fork(Effect.uninterruptible(Effect.scoped(semaphores.acquire("held", { limit: 1 }))))
+      yield* waitUntil("live", "the waiter is queued", Effect.map(waitingOn("held"), (w) => w.length === 1))
+      const started = Date.now()
+      const exit = yield* Fiber.interrupt(waiter)
+      // The holder keeps its permit for its 30 s ttl: the interrupt, not the holder, ended the wait.
+      expect(Date.now() - started).toBeLessThan(1_000)
+      expect(Exit.isInterrupted(exit)).toBe(true)
+      expect(yield* waitingOn("held")).toEqual([])
+    }).pipe(Effect.scoped))
 
   it.live("a release that never settles, even uninterruptibly, holds the scope's close for its bound only", () =>
     Effect.gen(function*() {
