@@ -73,15 +73,20 @@ describe.concurrent("examples run against a real PostgreSQL", () => {
     // What the example printed, for a failure's message.
     const trail = lines.map((line) => `${line.at} ${line.level} ${line.message}`).join("\n")
     expect(before.length, trail).toBeGreaterThan(0)
-    expect(before[0]!.who, trail).toBe("replica-a")
-    // Never two leaders: replica-b, started 300 ms after replica-a, first runs after replica-a's
-    // last run, and only once replica-a let go: at its shutdown, or when it was told of a loss (a
-    // starved host can fail its renewals; a CI run once read replica-b's first run before the shutdown).
-    const firstB = runs.findIndex((r) => r.who === "replica-b")
-    const lastA = runs.findLastIndex((r) => r.who === "replica-a")
-    expect(firstB, trail).toBeGreaterThan(lastA)
-    const lostAt = lines.findIndex((line) => line.message.startsWith(`lost lock "example-nightly-report"`))
-    expect(runs[firstB]!.i > shutdown || (lostAt >= 0 && lostAt < runs[firstB]!.i), trail).toBe(true)
+    // Never two leaders: the runs of the two replicas never interleave. Whoever leads first (on a
+    // loaded host replica-a's first acquire, which creates the tables, can take longer than the
+    // 300 ms replica-b starts after it: measured 2 of 6 loaded runs at 385d853 and at this commit)
+    // runs alone until it lets go; the other's first run comes after its last one.
+    const leader = runs[0]!.who
+    const firstOther = runs.findIndex((r) => r.who !== leader)
+    const lastLeader = runs.findLastIndex((r) => r.who === leader)
+    if (firstOther >= 0) {
+      expect(firstOther, trail).toBeGreaterThan(lastLeader)
+      // And only once the leader let go: replica-a at its shutdown, or a loss it was told of (a
+      // starved host can fail its renewals).
+      const lostAt = lines.findIndex((line) => line.message.startsWith(`lost lock "example-nightly-report"`))
+      expect(runs[firstOther]!.i > shutdown || (lostAt >= 0 && lostAt < runs[firstOther]!.i), trail).toBe(true)
+    }
     expect(after.length, trail).toBeGreaterThan(0)
     expect(after.every((r) => r.who === "replica-b"), trail).toBe(true)
     // The header's promise: the next replica takes over within a lease's ttl (2 s here).
