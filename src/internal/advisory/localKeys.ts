@@ -11,7 +11,6 @@ import * as Exit from "effect/Exit"
 import * as Option from "effect/Option"
 import type { LockMode } from "../../Lease.js"
 import { Cell } from "../runtime/cell.js"
-import { callbackStep } from "../runtime/raceEnd.js"
 
 interface Ticket {
   readonly mode: LockMode
@@ -132,7 +131,7 @@ export const makeLocalKeys = (): LocalKeys => {
       entry.queue.push(ticket)
       pump(key, entry)
       if (ticket.state === "admitted") return Effect.succeed(Option.some<Admission>({ key, mode }))
-      return restore(wait(callbackStep(ticket.admitted.register))).pipe(
+      return restore(wait(ticket.admitted.step)).pipe(
         Effect.onExit((exit) =>
           Effect.sync(() => {
             if (Exit.isSuccess(exit) && Option.isSome(exit.value)) return

@@ -20,7 +20,6 @@ import * as metrics from "../core/metrics.js"
 import { clockMillis, monotonicMillis } from "../core/clock.js"
 import * as driver from "../pg/driver.js"
 import { Cell } from "../runtime/cell.js"
-import { callbackStep } from "../runtime/raceEnd.js"
 import { sleepThenReadIO } from "../runtime/stallSafe.js"
 import { probeAffinity } from "./bootstrap.js"
 import { CHANNEL, RELEASE_BATCH_SQL, releaseSql, setupSql, tryBatchSql } from "./sql.js"
@@ -347,7 +346,7 @@ export interface Submitted {
 
 const submitted = (session: Session, job: Job, cell: Cell<Settled>): Submitted => {
   if (!submit(session, job)) cell.set(CLOSED)
-  return { job, outcome: cell.await, outcomeStep: () => callbackStep(cell.register), settled: cell.poll }
+  return { job, outcome: cell.await, outcomeStep: () => cell.step, settled: cell.poll }
 }
 
 /** Takes a job back if it has not been sent; true when it was taken back. */

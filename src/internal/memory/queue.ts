@@ -41,7 +41,6 @@ import type { AcquireRequest, AcquireResult, Grant, RenewOutcome } from "../../L
 import type { LostReason } from "../../LockError.js"
 import { fiberMillis } from "../core/clock.js"
 import { Cell } from "../runtime/cell.js"
-import { callbackStep } from "../runtime/raceEnd.js"
 
 /** The units of a lock: an exclusive holder takes them all, a shared one a single unit. */
 export const LOCK_UNITS = Number.MAX_SAFE_INTEGER
@@ -303,7 +302,7 @@ const claim = (entry: Entry, wanted: Claim, alarm: Alarm, fiber: Fiber.RuntimeFi
   if (waiter.woken) return Effect.succeed(take(entry, waiter, wanted, alarm, now))
   const expiry = nextExpiry(entry)
   if (expiry !== Number.POSITIVE_INFINITY) alarm.arm(expiry)
-  const waited: Effect.Effect<Claimed> = Effect.flatMap(wanted.request.waitUntilDeadline(callbackStep(waiter.signal.register)), (woke) =>
+  const waited: Effect.Effect<Claimed> = Effect.flatMap(wanted.request.waitUntilDeadline(waiter.signal.step), (woke) =>
     Option.isNone(woke)
       ? Effect.succeed<Claimed>({ _tag: "TimedOut" })
       // Woken only by `pump`, which set the units aside: they are taken in this step.

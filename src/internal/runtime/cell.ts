@@ -5,6 +5,7 @@
  * than the rest of a cycle's bookkeeping.
  */
 import * as Effect from "effect/Effect"
+import { callbackStep } from "./raceEnd.js"
 
 const noop = () => {}
 
@@ -45,6 +46,11 @@ export class Cell<A> {
     return () => {
       live = false
     }
+  }
+
+  /** The outcome as a callback step (`raceEnd`): a wait raced with its deadline without a fiber. */
+  get step(): Effect.Effect<A> {
+    return callbackStep(this.register)
   }
 
   /**

@@ -87,6 +87,8 @@ const raceFiber = <A, E, R>(
   step: Effect.Effect<A, E, R>,
   arm: (end: () => void) => () => void
 ): Effect.Effect<Option.Option<A>, E, R> =>
+  // A child of the caller's fiber on purpose (as raceFirst's were): the step is the caller's own
+  // wait, interrupted with it and awaited before it goes on; it is no work of the layer's.
   Effect.flatMap(Effect.fork(Effect.interruptible(step)), (child) =>
     Effect.async<Option.Option<A>, E>((resume) => {
       let decided = false
