@@ -20,8 +20,11 @@
  * cost 10 statements per renewal round) and says, for the misses, whether the lease was `stolen`
  * (a newer holder), `expired` or `revoked`; release is owner-scoped — a holder whose lease expired
  * and was taken can neither renew nor release the new holder's lease — and, when it frees the lock
- * and someone waits, notifies the waiters now at the head in the same statement (an uncontended
- * release notifies nothing: NOTIFY serializes commits server-wide).
+ * and someone waits, acts for the waiters now at the head in the same statement (an uncontended
+ * release notifies nothing: NOTIFY serializes commits server-wide): an exclusive request at the
+ * head whose place was written in the last 2.5 s is **handed the lease** (its place becomes the
+ * holder, with a new token and its own ttl, and the notification says so: it holds the lease with
+ * no statement of its own); other heads are notified to try again.
  *
  * **Fairness.** Waiters are served in arrival order: a request takes the lock only when no live
  * waiter is ahead of it (for a shared request, no exclusive waiter), so a releaser that asks again
@@ -101,7 +104,10 @@
  * successful renewal, before the store can let anyone else in. Hence the default ttl of 30 s
  * and the floor of 1 s: shorter requests are clamped up.
  *
- * **Waiting.** A waiter retries when it is woken by a notification naming it (LISTEN/NOTIFY on a
+ * **Waiting.** A waiter holds a lease handed to it as soon as its notification arrives, or its next
+ * attempt finds it (its deadline: the server's expiry less how far the server's clock was ahead of
+ * this process's monotonic clock at its latest attempts, less 0.1 %). It retries when it is woken
+ * by a notification naming it (LISTEN/NOTIFY on a
  * connection of its own, or `PgClient.listen` with `pool: "application"`), when what blocks it
  * runs out (the failed attempt returns the time left), or on a jittered poll. The listener proves
  * it hears with pings while anyone waits; when it cannot (PgBouncer transaction mode, a killed

@@ -262,7 +262,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(elapsed).toBeGreaterThanOrEqual(300)
       expect(elapsed).toBeLessThan(1500)
       yield* holder.release
-      expect((yield* rowOf(name))!.owner).toBeNull()
+      // The timed-out waiter leaves its place in the background: a release before that hands it
+      // the lease, which its leave then gives back.
+      yield* waitFor("the lock free", Effect.map(rowOf(name), (row) => row === undefined || row.owner === null), Duration.seconds(5))
     }))
 
   it.scoped("a grant answered past its safety margin reports validUntil from before it was sent, and gives the row back cleanly", () =>
@@ -414,11 +416,11 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       console.log(`PgLease handoff with LISTEN/NOTIFY (release sent → waiter granted), ms: ${JSON.stringify(s)}`)
       // The waiter polls only every 2.5-5 s here: these times can only come from notifications.
       expect(s.max).toBeLessThan(200)
-      // One wake-up per handoff, naming the waiter at the head. This test's own listener is another
-      // connection: its copy of the last NOTIFY may lag.
-      yield* waitFor("21 wake-ups", Effect.sync(() => released.length >= 21), Duration.seconds(2))
+      // One notification per handoff: the release handed the lease to the waiter at the head. This
+      // test's own listener is another connection: its copy of the last NOTIFY may lag.
+      yield* waitFor("21 handovers", Effect.sync(() => released.length >= 21), Duration.seconds(2))
       expect(released.length).toBe(21)
-      expect(released.every((payload) => payload.startsWith("w"))).toBe(true)
+      expect(released.every((payload) => payload.startsWith("h"))).toBe(true)
       // Uncontended releases send nothing: a NOTIFY would serialize their commits server-wide.
       for (let i = 0; i < 5; i++) yield* Effect.scoped(a.acquire(freshName("quiet")))
       // Notifications arrive in commit order: once a marker sent afterwards is heard, any
@@ -426,6 +428,85 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* query("select pg_notify($1, $2)", [PgLease.DEFAULT_TABLE, "marker"])
       yield* waitFor("the marker notification", Effect.sync(() => released.includes("marker")), Duration.seconds(5))
       expect(released.length).toBe(22)
+    }))
+
+  // Issue 37: the release that frees a lease hands it to the waiter at the head, in its own statement.
+  it.scoped("a release hands the lease to the waiter at the head: granted from the notification with no statement of its own, its token above the releaser's, validUntil within its lease at the store", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const counted = countingLane()
+      const waiter = yield* backendOn(env, { pollInterval: Duration.seconds(5) }, counted.wrap)
+      const released = yield* releaseNotifications
+      const name = freshName("handover")
+      const holderScope = yield* Scope.make()
+      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const waiting = yield* Effect.fork(waiter.acquire(request(name, "wait", Duration.seconds(3))))
+      yield* probe.waitingLong(name)
+      const acquiresBefore = counted.byOperation("acquire")
+      yield* Scope.close(holderScope, Exit.void)
+      const result = yield* Fiber.join(waiting)
+      if (result._tag !== "Granted") return yield* Effect.dieMessage(`expected a grant, got ${result._tag}`)
+      const grant = result.grant
+      // Handed over: the waiter's place holds the row, and the waiter sent no statement for it.
+      expect(grant.token > held.token).toBe(true)
+      expect(counted.byOperation("acquire")).toBe(acquiresBefore)
+      const row = (yield* rowOf(name))!
+      // Read once the store's answer is in: the store's clock read came before it.
+      const readAt = yield* monotonicMillis
+      expect(row).toMatchObject({ owner: grant.owner, token: String(grant.token) })
+      expect(released.some((payload) => payload.startsWith(`h${grant.owner}:${grant.token}:`))).toBe(true)
+      // What the waiter believes it has left never exceeds what the store left it.
+      const believed = Option.getOrThrow(grant.validUntil) - readAt
+      expect(believed).toBeGreaterThan(2_000)
+      expect(believed).toBeLessThanOrEqual(row.left!)
+      // Its release frees it: the handed lease is the waiter's like any grant.
+      yield* grant.release
+      expect((yield* rowOf(name))!.owner).toBeNull()
+    }))
+
+  it.scoped("a waiter that misses the handover's notification finds the lease handed to it at its next attempt", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const poll = Duration.millis(200)
+      const waiter = yield* processOn(env, { listen: false, pollInterval: poll })
+      const name = freshName("handover-missed")
+      const holderScope = yield* Scope.make()
+      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const waiting = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), (lease) => lease.token)))
+      yield* waitFor("the waiter's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
+      yield* Scope.close(holderScope, Exit.void)
+      // Handed at the release (nobody hears it): the row is the waiter's before it asks again.
+      const row = (yield* rowOf(name))!
+      expect(row.owner).not.toBeNull()
+      expect(BigInt(row.token) > held.token).toBe(true)
+      // Within a poll (200 ms, jittered 100-200) it learns it holds that very lease.
+      expect(yield* Fiber.join(waiting).pipe(Effect.timeout(Duration.seconds(2)))).toBe(BigInt(row.token))
+      expect(yield* placesOf(name)).toBe(0)
+    }))
+
+  it.scoped("a head whose place was not written lately is woken, not handed the lease: a dead waiter costs its place, not a ttl", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const released = yield* releaseNotifications
+      const name = freshName("handover-stale")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      // A place as a waiter that stopped retrying 3 s ago leaves it: 2 s left of its 5.
+      const place = Crypto.randomUUID()
+      yield* query(
+        `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
+         values ($1, $2, 'exclusive', now() + interval '2 seconds', now(), 10000)`,
+        [place, name]
+      )
+      yield* Scope.close(holderScope, Exit.void)
+      expect((yield* rowOf(name))!.owner).toBeNull()
+      yield* waitFor("the wake-up", Effect.sync(() => released.includes(`w${place}`)), Duration.seconds(5))
+      expect(released.some((payload) => payload.startsWith("h"))).toBe(false)
+      // The dead waiter's place, which would otherwise run out after the file's leak check.
+      yield* query(`delete from ${PgLease.DEFAULT_TABLE}_queue where owner = $1`, [place])
     }))
 
   it.scoped("without notifications a waiter still acquires by polling", () =>
@@ -815,6 +896,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* Scope.extend(holder.acquire(name), holderScope)
       const waiting = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), (lease) => lease.token)))
       yield* waitFor("the waiter's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
+      // As a waiter of a version before the handover: the release wakes it rather than hand it the lease.
+      yield* query(`update ${PgLease.DEFAULT_TABLE}_queue set ttl_ms = null where name = $1`, [name])
       yield* Scope.close(holderScope, Exit.void)
       expect((yield* rowOf(name))!.owner).toBeNull()
       // Free, yet the waiter has a live place: a try and a fresh wait both go behind it.
@@ -905,7 +988,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         listen: (channel, deliver) =>
           lane.listen!(channel, (payload) => {
             deliver(payload)
-            if (payload.startsWith("w")) Deferred.unsafeDone(delivered, Exit.void)
+            if (payload.startsWith("w") || payload.startsWith("h")) Deferred.unsafeDone(delivered, Exit.void)
           })
       })
       const waiter = yield* Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(5) }, holding), DistributedLock.make)
@@ -1024,12 +1107,21 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         const placed = await acquire(Crypto.randomUUID(), waiter)
         expect(placed.answer.token).toBeNull()
         expect(placed.commit).toBe("off")
+        // The release hands the lease to the waiting place: a grant, so its commit waits for the disk.
         const released = await release(holder)
         expect(released.answer.released).toBe(true)
-        expect(released.commit).toBe("off")
+        expect(released.commit).toBe("on")
+        // The waiter's next attempt finds the lease handed to it and writes nothing.
         const taken = await acquire(next, waiter)
         expect(taken.answer.token).not.toBeNull()
-        expect(taken.commit).toBe("on")
+        expect(taken.answer.handedLeft).toBeGreaterThan(0)
+        expect(taken.commit).toBe("off")
+        const freed = await run(locks.release, { name, owner: waiter, waiter: null })
+        expect(freed.answer.released).toBe(true)
+        expect(freed.commit).toBe("off")
+        // Without a place to hand it to, a release is a give-back: nothing granted, nothing to wait for.
+        const again = await acquire(next, Crypto.randomUUID())
+        expect(again.commit).toBe("on")
         expect((await release(next)).commit).toBe("off")
 
         // The semaphore's statements alike: limit 1, one permit each.

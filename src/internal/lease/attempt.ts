@@ -65,6 +65,14 @@ export interface Busy {
   readonly tookMillis: number
   /** A live waiter's place was ahead of this request's when the store answered. */
   readonly behind: boolean
+  /**
+   * The store's clock when it answered (epoch ms) less the monotonic time before sending: the
+   * store's clock was at most this far ahead of the monotonic one (`lease/handover`). Undefined
+   * where the store does not say.
+   */
+  readonly storeAhead: number | undefined
+  /** Monotonic ms before the statement was sent. */
+  readonly sentAt: number
 }
 
 /** What an answer says, before it is timed: granted, not granted (`wait`: ms from the store, null when unknown), or `X`. */
@@ -74,6 +82,8 @@ interface NotGranted {
   readonly _tag: "NotGranted"
   readonly wait: number | null
   readonly behind: boolean
+  /** The store's clock when it answered (epoch ms), where it says. */
+  readonly now?: number | null | undefined
 }
 
 export type Attempt = Outcome<LeaseGrant>
@@ -102,19 +112,30 @@ export interface AttemptDeps {
 export interface AttemptSpec<Q extends AcquireRequest, I, A, G, X> {
   readonly statement: Statement<AttemptInput & I, A>
   readonly input: (request: Q) => I
-  /** `held`: the grant's common part, should the answer be a grant. */
-  readonly verdict: (answer: A, request: Q, held: Held) => Verdict<G, X>
+  /** The grant of `token` from its common part: for kinds of requests a release may hand a lease to. */
+  readonly grantOf?: ((request: Q, token: bigint, held: Held) => G) | undefined
+  /**
+   * `held`: the grant's common part, should the answer be a grant; `handedTo(left)`: the same
+   * for a lease a release handed to the request's place, `left` ms of it left at the answer.
+   */
+  readonly verdict: (answer: A, request: Q, held: Held, handedTo: (leftMillis: number) => Held) => Verdict<G, X>
 }
 
 /**
  * One attempt of `request` for its waiting place `waiter`. `first`: a zero timeout still gets its
  * one attempt, bounded by the statement bound; later attempts past the deadline are not sent.
  */
-export type AttemptFn<Q extends AcquireRequest = AcquireRequest, G = LeaseGrant, X = never> = (
+export type AttemptFn<Q extends AcquireRequest = AcquireRequest, G = LeaseGrant, X = never> = ((
   request: Q,
   waiter: string,
   first: boolean
-) => Effect.Effect<Outcome<G, X>, LockBackendError>
+) => Effect.Effect<Outcome<G, X>, LockBackendError>) & {
+  /**
+   * The grant of a lease a release handed to the place `waiter` (as its notification says), valid
+   * until `validUntil` (monotonic ms); undefined for kinds of requests never handed a lease.
+   */
+  readonly handed?: ((request: Q, waiter: string, token: bigint, validUntil: number) => Granted<G>) | undefined
+}
 
 /** The lock's attempts: the dialect's lock acquire statement. */
 export const lockAttempts = (
@@ -125,11 +146,19 @@ export const lockAttempts = (
   attempts<AcquireRequest, { readonly mode: LockMode }, LockAcquireAnswer, LeaseGrant, never>(settings, deps, {
     statement,
     input: (request) => ({ mode: request.mode }),
-    verdict: (answer, request, held) =>
+    grantOf: (request, token, held) => ({ mode: request.mode, token: FencingToken.make(token), ...held }),
+    verdict: (answer, request, held, handedTo) =>
       answer.token === null
-        ? { _tag: "NotGranted", wait: answer.wait, behind: answer.behind }
+        ? { _tag: "NotGranted", wait: answer.wait, behind: answer.behind, now: answer.now }
         // Spread last: V8 builds `{ ...x, a, b }` (x non-empty) microseconds slower than `{ a, b, ...x }` (bench/README.md).
-        : { _tag: "Granted", grant: { mode: request.mode, token: FencingToken.make(answer.token), ...held } }
+        : {
+          _tag: "Granted",
+          grant: {
+            mode: request.mode,
+            token: FencingToken.make(answer.token),
+            ...(answer.handedLeft === null || answer.handedLeft === undefined ? held : handedTo(answer.handedLeft))
+          }
+        }
   })
 
 /**
@@ -163,34 +192,45 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
   })
 
   /** What an answer means, timed: `sentAt` and `receivedAt` are monotonic ms. */
-  const outcomeOf = (request: Q, owner: string, ttlMillis: number, value: A, sentAt: number, receivedAt: number) => {
-    const verdict = spec.verdict(value, request, {
-      name: request.name,
-      owner,
-      ttlMillis,
+  const outcomeOf = (request: Q, owner: string, waiter: string, ttlMillis: number, value: A, sentAt: number, receivedAt: number) => {
+    const verdict = spec.verdict(
+      value,
+      request,
       // Monotonic time before sending: the store's expiry is at least this plus the ttl, also
       // when the answer comes late. The core compares it with the arrival to drop a late grant.
-      validUntil: Option.some(sentAt + ttlMillis),
-      release: deps.giveBack.release(request.name, owner),
-      releaseNow: deps.giveBack.releaseNow?.(request.name, owner)
-    })
+      heldBy(request, owner, ttlMillis, sentAt + ttlMillis),
+      // Handed to the place: its expiry is at least `left` after the store's now(), which came after sending.
+      (left) => heldBy(request, waiter, ttlMillis, sentAt + Math.min(ttlMillis, left))
+    )
     if (verdict._tag === "Granted") deps.lane.prepareRenewals()
     if (verdict._tag !== "NotGranted") return verdict as Granted<G> | X
-    const { wait, behind } = verdict as NotGranted
+    const { behind, now, wait } = verdict as NotGranted
     return {
       _tag: "Busy",
       wakeAt: wait === null ? undefined : receivedAt + Math.ceil(wait) + 1,
       tookMillis: receivedAt - sentAt,
-      behind
+      behind,
+      storeAhead: now === null || now === undefined ? undefined : now - sentAt,
+      sentAt
     } satisfies Busy
   }
+
+  /** A grant's common part: `owner`'s lease (an attempt's, or a place's that was handed it). */
+  const heldBy = (request: Q, owner: string, ttlMillis: number, validUntil: number): Held => ({
+    name: request.name,
+    owner,
+    ttlMillis,
+    validUntil: Option.some(validUntil),
+    release: deps.giveBack.release(request.name, owner),
+    releaseNow: deps.giveBack.releaseNow?.(request.name, owner)
+  })
 
   /** The statement, and what its answer means; run in a fiber of its own. */
   const attempt = (request: Q, owner: string, waiter: string, ttlMillis: number) =>
     Effect.gen(function*() {
       yield* deps.ready
       const { sentAt, value } = yield* Lane.send(deps.lane, request.name, spec.statement, inputOf(request, owner, waiter, ttlMillis), settings.statementTimeout)
-      return outcomeOf(request, owner, ttlMillis, value, sentAt, yield* monotonicMillis)
+      return outcomeOf(request, owner, waiter, ttlMillis, value, sentAt, yield* monotonicMillis)
     })
 
   /**
@@ -205,7 +245,7 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
       Lane.sendNow(runNow, request.name, spec.statement, inputOf(request, owner, waiter, ttlMillis), settings.statementTimeout, (error, value) => {
         if (error !== undefined) return cell.set(Exit.fail(error))
         try {
-          cell.set(Exit.succeed(outcomeOf(request, owner, ttlMillis, value!, sentAt, clockMillis(clock))))
+          cell.set(Exit.succeed(outcomeOf(request, owner, waiter, ttlMillis, value!, sentAt, clockMillis(clock))))
         } catch (defect) {
           cell.set(Exit.die(defect))
         }
@@ -216,10 +256,16 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
     return cell
   }
 
+  const grantOf = spec.grantOf
+  const handed = grantOf === undefined ? undefined : (request: Q, waiter: string, token: bigint, validUntil: number): Granted<G> => {
+    deps.lane.prepareRenewals()
+    return { _tag: "Granted", grant: grantOf(request, token, heldBy(request, waiter, Duration.toMillis(request.ttl), validUntil)) }
+  }
+
   // Uninterruptible but for the wait, whoever calls (the core already is: then it costs nothing,
   // `uninterruptibleMaskClock`): nothing between starting the attempt and the match below can be interrupted, and an
   // interrupted wait reaches the abandon, which an interruptible region would skip.
-  return (request, waiter, first) =>
+  const attemptFn = (request: Q, waiter: string, first: boolean): Effect.Effect<Outcome<G, X>, LockBackendError> =>
     // One step for the mask and the clock; no mask at all where the caller is uninterruptible already.
     uninterruptibleMaskClock((restore, clock) => {
       // The deadline is on the monotonic timeline (the SPI's contract).
@@ -252,4 +298,5 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
         }
       })
     })
+  return Object.assign(attemptFn, { handed })
 }

@@ -70,6 +70,13 @@ export interface LockAcquireAnswer {
   readonly token: bigint | null
   readonly wait: number | null
   readonly behind: boolean
+  /**
+   * The token is of a lease a release handed to this request's place (PgLease): the ms it still
+   * had when the store answered. Null otherwise, and on stores that never hand a lease over.
+   */
+  readonly handedLeft?: number | null | undefined
+  /** The store's clock when it answered (epoch ms), on stores that say (PgLease). */
+  readonly now?: number | null | undefined
 }
 
 export interface PermitAcquireInput extends AttemptInput {
@@ -198,6 +205,7 @@ const flag = (column: string) => (rows: ReadonlyArray<Row>): boolean => {
 }
 
 const behind = flag("behind")
+const handed = flag("handed")
 
 /** The answers' decoders, the same on every database (their columns are). */
 export const decode = {
@@ -205,7 +213,9 @@ export const decode = {
     token: bigintOrNull(first(rows)?.["token"]),
     wait: numberOrNull(first(rows)?.["wait"]),
     // A dialect without the column answers false: its waiters keep looking again after taking a place.
-    behind: behind(rows)
+    behind: behind(rows),
+    handedLeft: handed(rows) ? numberOrNull(first(rows)?.["left"]) ?? 0 : null,
+    now: numberOrNull(first(rows)?.["now"])
   }),
   permitAcquire: (rows: ReadonlyArray<Row>): PermitAcquireAnswer => ({
     token: bigintOrNull(first(rows)?.["token"]),

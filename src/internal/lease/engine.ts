@@ -19,6 +19,7 @@ import type { LockBackendError } from "../../LockError.js"
 import { monotonicMillis } from "../core/clock.js"
 import * as Attempt from "./attempt.js"
 import * as GiveBack from "./giveBack.js"
+import * as Handover from "./handover.js"
 import type { Dialect } from "./dialect.js"
 import * as Lane from "./lane.js"
 import { uninterruptibleMask } from "../runtime/mask.js"
@@ -161,12 +162,24 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
     waiter: string,
     subscription: Subscription | undefined
   ): Effect.Effect<Attempt.Granted<G> | { readonly _tag: "TimedOut" } | X, LockBackendError> => {
+    // What this request's answers say of the store's clock: a lease handed to its place is timed by them.
+    const samples: Array<Handover.Sample> = []
     const attemptFrom = (first: boolean) => (mark: number) =>
       Effect.flatMap(attempt(request, waiter, first), (result) => isBusy(result) ? waitThen(result, mark, first) : Effect.succeed(result))
+    /** After a wake-up: the lease a release handed to this place, granted with no statement; else the next attempt. */
+    const afterWake = () => {
+      const handed = subscription?.handed()
+      if (handed !== undefined && attempt.handed !== undefined) {
+        const until = Handover.validUntil(handed.expiresMs, samples)
+        if (until !== undefined) return Effect.succeed(attempt.handed(request, waiter, handed.token, until))
+      }
+      return next(false)
+    }
     // Each attempt takes the wake-up count before it is sent, and waits on it after.
     const next = (first: boolean) =>
       subscription === undefined ? attemptFrom(first)(0) : Effect.flatMap(subscription.mark, attemptFrom(first))
     const waitThen = (result: Attempt.Busy, mark: number, first: boolean) => {
+      Handover.remember(samples, result.storeAhead, result.sentAt)
       // A release that started before this request's place was committed cannot see it, so
       // it wakes nobody for it: after taking its place, a waiter looks again once such a
       // release has had time to commit (a few of its own statement times). Not where every
@@ -184,7 +197,7 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
           request.waitUntilDeadline(subscription === undefined ? Effect.sleep(delay) : subscription.wait(mark, delay)),
           // Recursion through flatMap is a loop: the runtime returns to its run loop between steps.
           (woke): Effect.Effect<Attempt.Granted<G> | { readonly _tag: "TimedOut" } | X, LockBackendError> =>
-            Option.isNone(woke) ? Effect.succeed({ _tag: "TimedOut" } as const) : next(false)
+            Option.isNone(woke) ? Effect.succeed({ _tag: "TimedOut" } as const) : afterWake()
         )
       })
     }

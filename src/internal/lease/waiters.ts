@@ -21,6 +21,15 @@ export interface Subscription {
    * One wait at a time per subscription.
    */
   readonly wait: (mark: number, delay: Duration.Duration) => Effect.Effect<boolean>
+  /** The lease a release handed to this waiter's place, once the hub heard of it (PgLease). */
+  readonly handed: () => Handed | undefined
+}
+
+/** A lease a release handed to a waiting place, as its notification says (`pg/sql`'s release). */
+export interface Handed {
+  readonly token: bigint
+  /** When the lease runs out at the store, on the store's clock (epoch ms). */
+  readonly expiresMs: number
 }
 
 /** A subscription whose end is the caller's (`unsubscribe`, synchronous and idempotent). */
@@ -51,6 +60,7 @@ interface Waiter {
   readonly name: string
   wakes: number
   resume: (() => void) | undefined
+  handed: Handed | undefined
 }
 
 /** The registry a hub keeps its waiters in; every method is synchronous. */
@@ -63,6 +73,8 @@ export interface Waiters {
   readonly register: (name: string, waiter: string) => Unsubscribable
   /** Wakes the waiter with this id, if it is one of this process's. */
   readonly wakeWaiter: (waiter: string) => void
+  /** Tells the waiter with this id that its place was handed the lease, and wakes it; false when it is not one of this process's. */
+  readonly handWaiter: (waiter: string, handed: Handed) => boolean
   /** Wakes every waiter of the lock `name`. */
   readonly wakeName: (name: string) => void
   /** Wakes every waiter (their source of wake-ups was lost: they re-check and poll). */
@@ -86,6 +98,7 @@ export const makeWaiters = (): Waiters => {
 
   const subscriptionOf = (waiter: Waiter): Subscription => ({
     mark: Effect.sync(() => waiter.wakes),
+    handed: () => waiter.handed,
     // A raw timer and a callback in one step, not the Clock's sleep raced against the wake-up:
     // that race is two fibers per wait on every handoff's path (issue 23), and an interrupted
     // sleep is the TestClock trap of Effect-TS/effect#6910. Lease backends run on real time only.
@@ -114,7 +127,7 @@ export const makeWaiters = (): Waiters => {
 
   /** Registers a waiter in one synchronous step; the returned `unsubscribe` takes it off again. */
   const register = (name: string, id: string): Unsubscribable => {
-    const waiter: Waiter = { name, wakes: 0, resume: undefined }
+    const waiter: Waiter = { name, wakes: 0, resume: undefined, handed: undefined }
     byId.set(id, waiter)
     let named = byName.get(name)
     if (named === undefined) byName.set(name, named = new Set())
@@ -149,6 +162,13 @@ export const makeWaiters = (): Waiters => {
     wakeWaiter: (id) => {
       const waiter = byId.get(id)
       if (waiter !== undefined) fire(waiter)
+    },
+    handWaiter: (id, handed) => {
+      const waiter = byId.get(id)
+      if (waiter === undefined) return false
+      waiter.handed = handed
+      fire(waiter)
+      return true
     },
     wakeName: (name) => {
       for (const waiter of byName.get(name) ?? []) fire(waiter)

@@ -24,7 +24,7 @@ import { ensureTableSql, MAX_IDENTIFIER_BYTES, parseTable, type TableRef } from 
 import * as Tokens from "../../sql/tokens.js"
 import type { LeaseTables } from "../dialect.js"
 import { notRenewed, takeOver } from "../leaseSql.js"
-import { PLACE_REFRESH_BELOW } from "../place.js"
+import { PLACE_REFRESH_BELOW, PLACE_TTL_MILLIS } from "../place.js"
 
 export { parseTable, type TableRef }
 
@@ -127,8 +127,12 @@ create table if not exists ${queue.sql} (
   enqueued_at timestamptz not null,
   holder_application text,
   holder_host text,
-  holder_pid integer
+  holder_pid integer,
+  ttl_ms bigint
 );
+-- The ttl a waiting place asks for: a release hands the lease over at it. Null for a place of a
+-- version before the handover, whose waiter is woken instead (it cannot hear a handover).
+alter table ${queue.sql} add column if not exists ttl_ms bigint;
 create index if not exists ${quote(`${queue.relname.slice(0, 50)}_name_seq`)} on ${queue.sql} (name, seq)`
 
 /** The semaphore table (`pg/permitSql`): one row per semaphore name. */
@@ -156,7 +160,8 @@ const ensureTableText = (tables: Tables): string =>
   ensureTableSql(tables.leases, createTableSql(tables), DDL_NAMESPACE, {
     // Either table missing, or a lease table from before shared mode: create or upgrade.
     missing: `to_regclass('${tables.leases.sql}') is null or to_regclass('${tables.queue.sql}') is null
-    or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.leases.sql}') and attname = 'shared_since' and not attisdropped)`
+    or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.leases.sql}') and attname = 'shared_since' and not attisdropped)
+    or not exists (select 1 from pg_attribute where attrelid = to_regclass('${tables.queue.sql}') and attname = 'ttl_ms' and not attisdropped)`
   })
 
 /**
@@ -185,24 +190,6 @@ export const commitsUnflushed = (condition: string): string =>
 const HEAD_CANDIDATES = 16
 
 /**
- * The live waiters to wake once `name` ($1) is free: the oldest, and with it every shared waiter
- * ahead of the oldest exclusive one (they can all hold it together). `when` gates the read.
- * The places are read locked (`for update`): a waiter leaving or granted at this moment is waited
- * for and skipped, rather than woken from a stale snapshot while the next one sleeps on.
- */
-const heads = (queue: TableRef, when: string) =>
-  `waiting as (
-  select owner, mode, seq from ${queue.sql}
-  where name = $1::text and token is null and expires_at > now() and ${when}
-  order by seq limit ${HEAD_CANDIDATES}
-  for update
-), heads as (
-  select owner from waiting
-  where seq = (select min(seq) from waiting)
-    or (mode = 'shared' and seq < coalesce((select min(seq) from waiting where mode = 'exclusive'), 9223372036854775807))
-)`
-
-/**
  * One grant attempt. A request with no live waiter ahead of it takes the lock if the lease row
  * allows: exclusive when no lease is live (bumping the token and taking the row), shared when no
  * exclusive lease is live (bumping the token, counting itself in and recording its own row). A
@@ -225,6 +212,9 @@ const acquireSql = ({ leases, queue }: Tables): string => {
   const ns = Tokens.sweepGuardNamespace(leases)
   return `with me as (
   select seq from ${queue.sql} where owner = $3::uuid and token is null and expires_at > now()
+), mine as (
+  -- A lease a release handed to this request's place (see the release statement): it holds it already.
+  select h.token, h.expires_at from ${leases.sql} h where h.name = $1::text and h.owner = $3::uuid and h.expires_at > now()
 ), ahead as (
   select min(w.expires_at) as until from ${queue.sql} w
   where w.name = $1::text and w.token is null and w.expires_at > now() and w.owner <> $3::uuid
@@ -268,27 +258,33 @@ const acquireSql = ({ leases, queue }: Tables): string => {
   insert into ${queue.sql} (owner, name, mode, expires_at, token, enqueued_at, holder_application, holder_host, holder_pid)
   select $2::uuid, $1::text, 'shared', now() + ${ms("$5")}, token, now(), $7::text, $8::text, $9::integer from shared
 ), dequeued as (
-  delete from ${queue.sql} where owner = $3::uuid and token is null and exists (select 1 from granted)
+  -- With a handed lease: a place an attempt that missed the handover took again.
+  delete from ${queue.sql} where owner = $3::uuid and token is null and (exists (select 1 from granted) or exists (select 1 from mine))
 ), enqueued as (
-  insert into ${queue.sql} as q (owner, name, mode, expires_at, enqueued_at, holder_application, holder_host, holder_pid)
-  select $3::uuid, $1::text, $4::text, now() + ${ms("$6")}, now(), $7::text, $8::text, $9::integer
-  where $10::boolean and not exists (select 1 from granted) and not exists (
+  insert into ${queue.sql} as q (owner, name, mode, expires_at, enqueued_at, holder_application, holder_host, holder_pid, ttl_ms)
+  select $3::uuid, $1::text, $4::text, now() + ${ms("$6")}, now(), $7::text, $8::text, $9::integer, $5::bigint
+  where $10::boolean and not exists (select 1 from granted) and not exists (select 1 from mine) and not exists (
     select 1 from ${queue.sql} m where m.owner = $3::uuid and m.token is null and m.expires_at > now() + ${ms("$6")} * ${PLACE_REFRESH_BELOW})
   on conflict (owner) do update
     set expires_at = excluded.expires_at,
+        ttl_ms = excluded.ttl_ms,
         seq = case when q.expires_at <= now() then nextval(pg_get_serial_sequence('${queue.sql}', 'seq')) else q.seq end,
         enqueued_at = case when q.expires_at <= now() then now() else q.enqueued_at end
 )
-select (select token::text from granted) as token,
-  -- Nothing granted: the place (if any) need not wait for the disk.
+select coalesce((select token::text from granted), (select token::text from mine)) as token,
+  -- Nothing granted: the place (if any) need not wait for the disk (a handed lease's release waited).
   ${commitsUnflushed("not exists (select 1 from granted)")},
-  case when exists (select 1 from granted) then null else greatest(0, extract(epoch from least(
+  case when exists (select 1 from granted) or exists (select 1 from mine) then null else greatest(0, extract(epoch from least(
     (select case when h.owner is not null and h.expires_at > now() then h.expires_at end from ${leases.sql} h where h.name = $1::text),
     (select case when $4::text = 'exclusive' and h.shared_until > now() then h.shared_until end from ${leases.sql} h where h.name = $1::text),
     (select until from ahead)
   ) - now()) * 1000)::float8 end as wait,
   -- A live place ahead: a release this place's commit raced wakes that one, not this one.
-  not exists (select 1 from granted) and (select until from ahead) is not null as behind`
+  not exists (select 1 from granted) and not exists (select 1 from mine) and (select until from ahead) is not null as behind,
+  -- Handed to this request's place: what is left of its lease (ms), and the server's now() (epoch ms).
+  exists (select 1 from mine) as handed,
+  (select greatest(0, extract(epoch from expires_at - now()) * 1000)::float8 from mine) as left,
+  (extract(epoch from now()) * 1000)::float8 as now`
 }
 
 /**
@@ -345,24 +341,46 @@ left join ${leases.sql} h on h.name = i.name
 order by i.idx`
 
 /**
- * Gives back what one request holds of `name`: the exclusive lease of `owner`, or its shared
- * lease (counted out only if it belongs to the current group of shared holders — granted at or
- * after `shared_since`: once a group's bound passed, the next grant started a new count without
- * it), and the waiting place of `waiter`. All owner-scoped: a holder whose
- * lease expired and was taken can never free the new holder's. When this frees the lock, or a
- * place is left while no exclusive lease is live, the waiters now at the head are notified, in
- * the same statement (sent on commit): only they retry. Queue rows expired for over a minute
- * (crashed waiters and shared holders) are removed in passing.
+ * A place written within this many ms is a live waiter's (a waiter writes its place again at
+ * least every 1.5 s, `lease/place`): a release hands such a head the lease. An older place may be
+ * a crashed waiter's, which would keep a handed lease for a whole ttl: it is woken instead.
+ */
+const FRESH_MS = PLACE_TTL_MILLIS / 2
+
+/**
+ * Gives back what one request holds of `name`: the exclusive lease of `owner` (or of `waiter`, a
+ * lease a release handed to its place), or its shared lease (counted out only if it belongs to
+ * the current group of shared holders — granted at or after `shared_since`: once a group's bound
+ * passed, the next grant started a new count without it), and the waiting place of `waiter`. All
+ * owner-scoped: a holder whose lease expired and was taken can never free the new holder's.
+ *
+ * When it frees an exclusive lease and the head of the queue is an exclusive request whose
+ * waiter surely waits (its place written in the last `FRESH_MS`, by a version that records its
+ * ttl), the lease is **handed over** in this statement: the head's place becomes the holder
+ * (`owner` = its place id, a token drawn as a grant draws it, its own ttl from now), its place is
+ * deleted, and it is notified `h<place>:<token>:<expiry epoch ms>`; this commit then waits for
+ * the disk, as a grant's does. Otherwise, when this frees the lock, or a place is left while no
+ * exclusive lease is live, the waiters now at the head are notified (`w<place>`), in the same
+ * statement (sent on commit): only they retry. Queue rows expired for over a minute (crashed
+ * waiters and shared holders) are removed in passing.
+ *
+ * The lease row is locked first, as a granting acquire locks it; then the places, in `seq` order.
  *
  * Parameters: $1 name, $2 owner (or null), $3 waiter (or null), $4 channel.
  */
 export const release = (table: Tables | TableRef): string => releaseSql(tablesOf(table))
 
-const releaseSql = ({ leases, queue }: Tables): string =>
-  `with exclusive as (
-  update ${leases.sql} set owner = null, expires_at = null
-  where name = $1::text and owner = $2::uuid
-  returning 1
+const releaseSql = ({ leases, queue }: Tables): string => {
+  const seq = Tokens.tokenSequence(leases)
+  const ns = Tokens.sweepGuardNamespace(leases)
+  return `with lease_row as materialized (
+  -- Locked first, as a granting acquire locks it, and read as it is NOW, not as in this
+  -- statement's snapshot: a lease a release handed to $3 after this statement began is $3's too
+  -- (a leave racing its handover frees it). So matched by name only, and by owner after the lock.
+  select l.owner from ${leases.sql} l where l.name = $1::text
+  for no key update
+), held as materialized (
+  select 1 from lease_row where owner in ($2::uuid, $3::uuid)
 ), shared as (
   delete from ${queue.sql} where owner = $2::uuid and name = $1::text and token is not null
   returning token
@@ -373,7 +391,8 @@ const releaseSql = ({ leases, queue }: Tables): string =>
   where name = $1::text and shared_count > 0 and exists (select 1 from shared where shared.token >= shared_since)
   returning shared_count
 ), placed as (
-  delete from ${queue.sql} where owner = $3::uuid and token is null
+  -- With $2: a handed holder's place, taken again by an attempt that missed the handover.
+  delete from ${queue.sql} where owner in ($2::uuid, $3::uuid) and token is null
   returning 1
 ), tidied as (
   -- Rows of crashed waiters and shared holders, long expired: removed in passing, never waited for.
@@ -381,14 +400,55 @@ const releaseSql = ({ leases, queue }: Tables): string =>
     select owner from ${queue.sql} where name = $1::text and expires_at < now() - interval '1 minute'
     for update skip locked)
 ), freed as (
-  select 1 where exists (select 1 from exclusive) or exists (select 1 from counted where shared_count = 0)
+  select 1 where exists (select 1 from held) or exists (select 1 from counted where shared_count = 0)
     or (exists (select 1 from placed) and not exists (
       select 1 from ${leases.sql} h where h.name = $1::text and h.owner is not null and h.expires_at > now()))
-), ${heads(queue, "exists (select 1 from freed)")}
+), waiting as (
+  select owner, mode, seq, ttl_ms, expires_at, holder_application, holder_host, holder_pid from ${queue.sql}
+  where name = $1::text and token is null and expires_at > now() and exists (select 1 from freed)
+    and owner is distinct from $2::uuid and owner is distinct from $3::uuid
+  order by seq limit ${HEAD_CANDIDATES}
+  for update
+), heads as (
+  select owner from waiting
+  where seq = (select min(seq) from waiting)
+    or (mode = 'shared' and seq < coalesce((select min(seq) from waiting where mode = 'exclusive'), 9223372036854775807))
+), handing as materialized (
+  select w.owner, w.ttl_ms, w.holder_application, w.holder_host, w.holder_pid from waiting w
+  where exists (select 1 from held) and w.seq = (select min(seq) from waiting) and w.mode = 'exclusive'
+    and w.ttl_ms is not null and w.expires_at > now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))}
+), guard as materialized (
+  -- Taken before the draw, as an acquire takes it: the sweep cannot delete the row meanwhile.
+  select ${Tokens.holdGuard(ns, "$1::text")} from handing
+), drawn as materialized (
+  select h.owner, h.ttl_ms, h.holder_application, h.holder_host, h.holder_pid, ${Tokens.draw(seq)} as token from handing h, guard
+), exclusive as (
+  update ${leases.sql} as l set
+    owner = d.owner,
+    expires_at = now() + ${ms("d.ttl_ms")},
+    -- Above the row's last token even when a previous version's per-name count ran ahead of the sequence.
+    token = case when d.owner is null then l.token else greatest(l.token + 1, d.token) end,
+    acquired_at = case when d.owner is null then l.acquired_at else now() end,
+    holder_application = coalesce(d.holder_application, l.holder_application),
+    holder_host = coalesce(d.holder_host, l.holder_host),
+    holder_pid = coalesce(d.holder_pid, l.holder_pid)
+  from (select 1) as one left join drawn d on true
+  -- Not on the owner: in this statement's snapshot the row may still show the previous holder.
+  where l.name = $1::text and exists (select 1 from held)
+  returning l.owner, l.token, l.expires_at
+), handed as (
+  select owner, token, expires_at from exclusive where owner is not null
+), dequeued as (
+  delete from ${queue.sql} where owner = (select owner from handed) and token is null
+)
 select (select count(*) from exclusive) + (select count(*) from shared) as released,
-  -- A give-back grants nothing: its commit need not wait for the disk.
-  ${commitsUnflushed("true")},
-  (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from heads) as woken`
+  -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
+  ${commitsUnflushed("not exists (select 1 from handed)")},
+  (select count(pg_notify($4::text, '${HANDED_PREFIX}' || owner::text || ':' || token::text || ':' ||
+     (extract(epoch from expires_at) * 1000)::float8::text)) from handed)
+  + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from heads
+     where not exists (select 1 from handed)) as woken`
+}
 
 /**
  * One round of the idle-name sweep (`lease/sweep`): deletes at most $1 queue rows whose time ran
@@ -479,4 +539,6 @@ export const ping = "select pg_notify($1::text, $2::text)"
 /** Payload prefixes on the channel: a revoked lock's name (wake all its waiters), a waiter to wake, a health check. */
 export const RELEASED_PREFIX = "r"
 export const WAITER_PREFIX = "w"
+/** A lease handed to a waiting place by a release: \`h<place>:<token>:<expiry, epoch ms>\`. */
+export const HANDED_PREFIX = "h"
 export const PING_PREFIX = "p"

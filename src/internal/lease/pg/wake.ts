@@ -21,7 +21,7 @@ import * as Crypto from "node:crypto"
 import { monotonicMillis } from "../../core/clock.js"
 import { makeWaiters, type Subscription, type WakeHub } from "../waiters.js"
 import type { Owner } from "../../runtime/owner.js"
-import { PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./sql.js"
+import { HANDED_PREFIX, PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./sql.js"
 import { within } from "../../runtime/stallSafe.js"
 
 /** How long after its ping statement returned the echo may take before the listener is distrusted. */
@@ -81,6 +81,15 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
     const onPayload = (payload: string) => {
       if (payload.startsWith(WAITER_PREFIX)) {
         waiters.wakeWaiter(payload.slice(WAITER_PREFIX.length))
+      } else if (payload.startsWith(HANDED_PREFIX)) {
+        const [waiter, token, expires] = payload.slice(HANDED_PREFIX.length).split(":")
+        const expiresMs = Number(expires)
+        // A malformed payload still wakes its waiter: its next attempt finds the lease handed to it.
+        if (token !== undefined && /^[0-9]+$/.test(token) && Number.isFinite(expiresMs)) {
+          waiters.handWaiter(waiter!, { token: BigInt(token), expiresMs })
+        } else {
+          waiters.wakeWaiter(waiter!)
+        }
       } else if (payload.startsWith(RELEASED_PREFIX)) {
         waiters.wakeName(payload.slice(RELEASED_PREFIX.length))
       } else if (payload.startsWith(PING_PREFIX)) {
