@@ -178,6 +178,22 @@ export const PLACE_LEFT_AT_WRITE_MS = 3_000
 export const PLACE_CASE = "a waiting request's place is written again once a fifth of it is gone, not half: it keeps 2.5 s or more between retries"
 export const NO_PLACES = " (no places: this backend's waits do not queue in the store's places)"
 
+/**
+ * The case about an uninterruptible acquire interrupted while it waits (lock and semaphore
+ * contracts): a wait raced its end in the caller's region, and from a finalizer or
+ * acquireRelease's acquire an interrupted waiter went on waiting for the holder (fixed in 9b9e5f5).
+ * Run on real time on every target, a TestClock one too: the race it is about (`raceEnd`) is the
+ * live clock's, the production path; on a TestClock a wait races another way. (PgAdvisory's
+ * permit wait races as a fiber, which the bug never reached: there the case cannot fail by it.)
+ */
+export const UNINTERRUPTIBLE_INTERRUPT_CASE = "an uninterruptible acquire interrupted while it waits for a holder ends at once and leaves nothing queued"
+/**
+ * How soon that interrupt must return. The holder keeps its lease (or permit) for 60 s, so
+ * nothing but the interrupt ends the wait within it; with the bug the wait ran until the waiter's
+ * process closed. Above a server's round trips to withdraw the wait on a loaded 2-core host.
+ */
+export const INTERRUPT_BOUND = Duration.seconds(2)
+
 /** The place case's verdict on `placeLeftAtWrites`' readings. */
 export const expectPlaceWrittenEarly = (atWrites: ReadonlyArray<number>) =>
   expect(middleOf(atWrites), `left of the place's 5 s when written again: ${JSON.stringify(atWrites)} ms`).toBeGreaterThan(PLACE_LEFT_AT_WRITE_MS)
@@ -336,6 +352,9 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
       base(name, () => tight(body()), { concurrent: target.clock === "live" && options?.sequential !== true }),
     { skip: base.skip }
   )
+  /** A case on real time whatever the target's clock (see `UNINTERRUPTIBLE_INTERRUPT_CASE`). */
+  const liveTest = (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) =>
+    it.scopedLive(name, () => tight(body()), { concurrent: target.clock === "live" })
   /** A test about renewals or lease expiry: skipped for session-bound locks, which have neither. */
   const leaseTest = (
     name: string,
@@ -361,7 +380,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
    * On real time, a step that must end soon fails naming itself past the live bound, rather than
    * as the test's anonymous timeout (on the TestClock the step's own bound would be virtual).
    */
-  const step = <A, E, R>(
+  const stepOn = (clock: "test" | "live") => <A, E, R>(
     what: string,
     self: Effect.Effect<A, E, R>,
     bound: Duration.Duration = LIVE_BOUND,
@@ -369,7 +388,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
     /** What the message adds when the bound runs out (the state of the fibers involved). */
     state?: () => string
   ): Effect.Effect<A, E, R> => {
-    if (target.clock === "test") return self
+    if (clock === "test") return self
     return Effect.suspend(() => {
       const started = Date.now()
       // The longest event-loop stall over the step, for its message: a step this process did not
@@ -404,6 +423,9 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
       })
     })
   }
+  const step = stepOn(target.clock)
+  /** `step` bounded on real time whatever the target's clock: for the cases `liveTest` runs. */
+  const liveStep = stepOn("live")
   /**
    * Some renewal reached the store since `before` renew calls. With `lease`, a lease declared lost
    * meanwhile fails at once with its reason: no renewal comes for a lost lease, and "gave up
@@ -608,6 +630,30 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         const error = yield* failureOf(exit)
         expect(error).toMatchObject({ _tag: "LockTimeout", name })
         if (error._tag === "LockTimeout") expect(Duration.toMillis(error.waited)).toBeGreaterThanOrEqual(300)
+      }))
+
+    liveTest(UNINTERRUPTIBLE_INTERRUPT_CASE, () =>
+      Effect.gen(function*() {
+        const [a, c] = [yield* node(), yield* node()]
+        const bFaults = makeFaults()
+        const b = yield* node(bFaults)
+        const name = freshName("uninterruptible-interrupted")
+        // 60 s: neither the holder's release nor its expiry can end the wait within INTERRUPT_BOUND.
+        const letGo = yield* holdFor(a, name, { ttl: Duration.seconds(60) })
+        // No timeout: only the interrupt (or the waiter's process closing) can end this wait.
+        const waiter = yield* Effect.fork(Effect.uninterruptible(Effect.scoped(b.acquire(name))))
+        yield* waitUntil("live", `an acquire of "${name}" waits in the backend`, isQueued(bFaults, name))
+        const exit = yield* liveStep("the interrupt of the waiting uninterruptible acquire", Fiber.interrupt(waiter), INTERRUPT_BOUND)
+        expect(Exit.isInterrupted(exit), `the waiter's exit: ${printable(exit)}`).toBe(true)
+        // Nothing of it left queued when the interrupt returns: not in the backend's wait, nor in the store.
+        expect(yield* isQueued(bFaults, name)).toBe(false)
+        if (target.placesLeft !== undefined) expect(yield* target.placesLeft(name)).toEqual([])
+        // The holder still holds: the interrupt took nothing from it.
+        expect(yield* target.storeHolders(name)).toBe(1)
+        expect(Option.isNone(yield* Effect.scoped(c.tryAcquire(name)))).toBe(true)
+        yield* liveStep("the holder's release", letGo, Duration.seconds(15))
+        // No waiter of `b` ahead of it (a try never overtakes a waiter): a try right after the release gets the lock.
+        expect(yield* Effect.scoped(Effect.map(c.tryAcquire(name), Option.isSome))).toBe(true)
       }))
 
     test("a zero or negative timeout makes one attempt", () =>

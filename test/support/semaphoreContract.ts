@@ -22,7 +22,19 @@ import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import type { PermitRequest, SemaphoreBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
 import { timeoutOption } from "effect-lock/internal/runtime/stallSafe"
-import { failureOf, freshName, expectPlaceWrittenEarly, NO_PLACES, PLACE_CASE, placeLeftAtWrites, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./contract.js"
+import {
+  expectPlaceWrittenEarly,
+  failureOf,
+  freshName,
+  INTERRUPT_BOUND,
+  NO_PLACES,
+  PLACE_CASE,
+  placeLeftAtWrites,
+  TIGHT_YIELD_BUDGET,
+  UNINTERRUPTIBLE_INTERRUPT_CASE,
+  waitUntil,
+  withYieldBudget
+} from "./contract.js"
 import { yieldTimes } from "./faults.js"
 import { occupancy } from "./occupancy.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
@@ -204,14 +216,18 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
     /** A case about renewals, expiry or revoking: skipped for session-bound permits, which have none. */
     const leaseSpec = (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) =>
       target.sessionBound === true ? base.skip(`${name} (session-bound permits: no ttl, no renewal, no revoking)`, body) : spec(name, body)
+    /** A case on real time whatever the target's clock (see `UNINTERRUPTIBLE_INTERRUPT_CASE`). */
+    const liveSpec = (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) =>
+      it.scopedLive(name, () => tight(body()), { concurrent: live })
     const title = budget === undefined ? "the semaphore contract" : `the semaphore contract, yielding every ${budget} ops`
-    cases(`${label}: ${title}`, spec, leaseSpec, budget)
+    cases(`${label}: ${title}`, spec, leaseSpec, liveSpec, budget)
   }
 
   function cases(
     title: string,
     spec: (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>, timeout?: number, alone?: boolean) => void,
     leaseSpec: (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) => void,
+    liveSpec: (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) => void,
     budget: number | undefined
   ) {
   describe(title, () => {
@@ -446,6 +462,38 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const ended = yield* timeoutOption(Effect.disconnect(inFinalizer), Duration.seconds(live ? 5 : 60))
         expect(Option.isSome(ended), "withPermits in a finalizer ended within 5 s").toBe(true)
         yield* stateIs(name, { held: 0, waiting: [] })
+      }))
+
+    liveSpec(UNINTERRUPTIBLE_INTERRUPT_CASE, () =>
+      Effect.gen(function*() {
+        const [a, b, c] = [yield* node(), yield* node(), yield* node()]
+        const name = freshName("uninterruptible-interrupted")
+        // LONG_TTL (60 s): neither the holder's release nor its expiry can end the wait within INTERRUPT_BOUND.
+        const holder = yield* hold(a, name, { limit: 1 })
+        // No timeout: only the interrupt (or the waiter's process closing) can end this wait.
+        const waiter = yield* Effect.fork(Effect.uninterruptible(Effect.scoped(b.acquire(name, { limit: 1, ttl: LONG_TTL }))))
+        // On real time whatever the target's clock (`waitingAre` waits on the target's).
+        yield* waitUntil("live", `"${name}" has the waiter queued in the store`,
+          Effect.zipRight(stillWaiting([waiter]), Effect.map(target.state(name), (state) => state.held === 1 && state.waiting.length === 1)))
+        const started = Date.now()
+        // Stall-safe (the library's own timeout): an interrupt that returned is read before the bound is judged.
+        const ended = yield* timeoutOption(Fiber.interrupt(waiter), INTERRUPT_BOUND)
+        const took = Date.now() - started
+        if (Option.isNone(ended)) {
+          return expect.fail(`the interrupt of the waiting uninterruptible acquire did not return within ${Duration.format(INTERRUPT_BOUND)}`)
+        }
+        expect(Exit.isInterrupted(ended.value), `the waiter's exit after ${took} ms: ${ended.value._tag}`).toBe(true)
+        // Its place given up rather than left to expire (5 s on the lease stores): within the
+        // store's give-back bound, or, an in-process store's, by the time the interrupt returned.
+        // The holder's permit is untouched.
+        const placeGone = Effect.map(target.state(name), (state) => state.held === 1 && state.waiting.length === 0)
+        if (live) yield* within("the waiter's place is given up", target.giveBackBound, placeGone)
+        else expect(yield* target.state(name)).toEqual({ held: 1, waiting: [] })
+        expect(yield* Effect.scoped(c.tryAcquire(name, { limit: 1 }))).toEqual(Option.none())
+        yield* holder.release
+        // No waiter of `b` ahead of it (a try never overtakes a waiter): a try right after the release gets the permit.
+        expect(Option.isSome(yield* Effect.scoped(c.tryAcquire(name, { limit: 1 })))).toBe(true)
+        yield* waitUntil("live", `nothing is left of "${name}"`, leftNothing(name))
       }))
 
     spec("closing a process ends its waits, also without a timeout: the waiter fails at once and the process closes", () =>
