@@ -5,6 +5,7 @@ import { Clock, Config, ConfigProvider, Context, Deferred, Duration, Effect, Exe
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as FencingToken from "effect-lock/FencingToken"
 import type { AcquireRequest, LockBackend } from "effect-lock/LockBackend"
+import { LockBackendError } from "effect-lock/LockError"
 import { monotonicMillis } from "effect-lock/internal/core/clock"
 import type * as Lane from "effect-lock/internal/lease/pg/lane"
 import * as Wake from "effect-lock/internal/lease/pg/wake"
@@ -1140,6 +1141,67 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         expect(await setting()).toBe("on")
       })
     ))
+
+  it.effect("a waiter whose handed lease ran out before it heard keeps its turn: its next attempt takes the lock ahead of the places behind it", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+        if (typeof tables === "string") throw new Error(tables)
+        await client.query(LeaseSql.createTable(tables))
+        const { locks } = LeaseDialect.dialect(tables, "effect_lock_test_handed_expired")
+        const run = async <I, O>(statement: Statement<I, O>, input: I) =>
+          statement.decode((await client.query(statement.text, [...statement.encode(input)])).rows)
+        const name = freshName("handed-expired")
+        const acquire = (owner: string, waiter: string) =>
+          run(locks.acquire, { name, owner, waiter, ttlMillis: 1_000, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true, mode: "exclusive" as const })
+        const [holder, w, x] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
+        expect((await acquire(holder, Crypto.randomUUID())).token).not.toBeNull()
+        expect((await acquire(Crypto.randomUUID(), w)).token).toBeNull()
+        expect((await acquire(Crypto.randomUUID(), x)).token).toBeNull()
+        // Handed to w's place; w never hears it (no listener here), and its 1 s lease runs out.
+        expect((await run(locks.release, { name, owner: holder, waiter: null })).released).toBe(true)
+        const handed = (await client.query(`select token::text as token from ${PgLease.DEFAULT_TABLE} where name = $1 and owner = $2`, [name, w])).rows[0]
+        expect(handed).toBeDefined()
+        await client.query(`update ${PgLease.DEFAULT_TABLE} set expires_at = now() - interval '1 millisecond' where name = $1`, [name])
+        // Its place is gone (it became the holder), and x's is live: still w's turn.
+        const again = await acquire(Crypto.randomUUID(), w)
+        expect(again.token).not.toBeNull()
+        expect(again.token! > BigInt(handed!.token)).toBe(true)
+        expect((await acquire(Crypto.randomUUID(), x)).token).toBeNull()
+        await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+        await client.query(`delete from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])
+      })
+    ))
+
+  it.scoped("a lease handed to the place of a request that ended (its leave failed) is given back by its process at once, not held for its ttl", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      // The waiter's give-back of its place fails (a statement error): its place stays behind it.
+      let leavesFailed = 0
+      const failingLeave = (lane: Lane.Lane): Lane.Lane =>
+        withRun(lane, <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+          operation === "release" && params[1] === null
+            ? Effect.suspend(() => {
+              leavesFailed++
+              return Effect.fail(new LockBackendError({ operation, cause: new Error("the leave failed (test)") }))
+            })
+            : lane.run<A>(operation, name, text, params, bound))
+      const waiter = yield* Effect.flatMap(backendOn(env, { ttl: Duration.seconds(30) }, failingLeave), DistributedLock.make)
+      const name = freshName("handed-to-ended")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const timedOut = yield* Effect.flip(Effect.scoped(waiter.acquire(name, { timeout: Duration.millis(300) })))
+      expect(timedOut._tag).toBe("LockTimeout")
+      yield* waitFor("the failed leave", Effect.sync(() => leavesFailed > 0), Duration.seconds(5))
+      expect(yield* placesOf(name)).toBe(1)
+      // Released while the ended request's place is fresh: handed to it, and given back by its process.
+      yield* Scope.close(holderScope, Exit.void)
+      const freedAt = Date.now()
+      yield* waitFor("the lock free", Effect.map(rowOf(name), (row) => row === undefined || row.owner === null), Duration.seconds(5))
+      // Well within the 30 s the handed lease would have lasted.
+      expect(Date.now() - freedAt).toBeLessThan(2_000)
+    }))
 
   it.scoped("invalid options fail with LockBackendError, never a defect", () =>
     Effect.gen(function*() {

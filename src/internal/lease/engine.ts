@@ -77,6 +77,9 @@ export const make = (
     const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, locks.release, hub, owner)
     const { ready, isReady } = yield* tableReadiness(lane, settings, locks.ensureTable, dialect.retryCreate)
     const attempt = Attempt.lockAttempts(settings, { lane, giveBack, ready, isReady, owner }, locks.acquire)
+    // A lock handed to the place of a request that ended (its leave failed or is on its way):
+    // given back as the layer's work, owner-scoped (a no-op once the leave freed it).
+    hub?.onHandedToEnded?.((name, waiter) => owner.unsafeFork(Effect.ignore(giveBack.release(name, waiter))))
     const acquire = acquirer(settings, hub, attempt, giveBack, lockKey)
 
     const permitGiveBack = yield* GiveBack.make(lane, settings.statementTimeout, permits.release, hub, owner)
@@ -222,7 +225,7 @@ const acquirer = <Q extends AcquireRequest, G, X extends { readonly _tag: string
             })
           },
           onSuccess: (result) => {
-            registered?.unsubscribe()
+            registered?.unsubscribe(isGranted(result))
             return isGranted(result) ? Effect.succeed(result) : Effect.as(giveBack.leave(request.name, waiter, false), result)
           }
         })

@@ -9,8 +9,12 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import type * as Scope from "effect/Scope"
 import { callbackStep } from "../runtime/raceEnd.js"
+import { PLACE_TTL_MILLIS } from "./place.js"
 
 const noop = () => {}
+
+/** How long an ended request's id is remembered: a place outlives its last write by at most this. */
+const ENDED_KEPT_MILLIS = PLACE_TTL_MILLIS + 1_000
 
 /** What a waiter holds while it waits for one name. */
 export interface Subscription {
@@ -32,10 +36,14 @@ export interface Handed {
   readonly expiresMs: number
 }
 
-/** A subscription whose end is the caller's (`unsubscribe`, synchronous and idempotent). */
+/**
+ * A subscription whose end is the caller's (`unsubscribe`, synchronous and idempotent). `granted`:
+ * the request ended holding the lease; otherwise its id is remembered for a while, so that a
+ * lease a release hands to its place after all is given back (`WakeHub.onHandedToEnded`).
+ */
 export interface Unsubscribable {
   readonly subscription: Subscription
-  readonly unsubscribe: () => void
+  readonly unsubscribe: (granted?: boolean) => void
 }
 
 export interface WakeHub {
@@ -53,6 +61,12 @@ export interface WakeHub {
    * this process found them at the head of the queue. Ids of other processes are ignored.
    */
   readonly wake: (waiters: ReadonlyArray<string>) => void
+  /**
+   * Sets who gives back a lease a release handed to the place of a request of this process that
+   * has ended (its leave failed, or is still on its way): `name` is the key it subscribed under.
+   * Absent on hubs of stores that never hand a lease over.
+   */
+  readonly onHandedToEnded?: ((giveBack: (name: string, waiter: string) => void) => void) | undefined
 }
 
 /** One waiter: a count of its wake-ups, and its pending wait if any. Every change is synchronous. */
@@ -73,8 +87,13 @@ export interface Waiters {
   readonly register: (name: string, waiter: string) => Unsubscribable
   /** Wakes the waiter with this id, if it is one of this process's. */
   readonly wakeWaiter: (waiter: string) => void
-  /** Tells the waiter with this id that its place was handed the lease, and wakes it; false when it is not one of this process's. */
-  readonly handWaiter: (waiter: string, handed: Handed) => boolean
+  /**
+   * Tells the waiter with this id that its place was handed the lease, and wakes it; a request of
+   * this process that ended lately has it given back (`onHandedToEnded`); others' are ignored.
+   */
+  readonly handWaiter: (waiter: string, handed: Handed) => void
+  /** See `WakeHub.onHandedToEnded`. */
+  readonly onHandedToEnded: (giveBack: (name: string, waiter: string) => void) => void
   /** Wakes every waiter of the lock `name`. */
   readonly wakeName: (name: string) => void
   /** Wakes every waiter (their source of wake-ups was lost: they re-check and poll). */
@@ -88,6 +107,18 @@ export const makeWaiters = (): Waiters => {
   // so none can be replaced or counted down under a waiter still holding it.
   const byName = new Map<string, Set<Waiter>>()
   const byId = new Map<string, Waiter>()
+  // Requests that ended without a grant lately, in the order they ended: a release may still
+  // hand a lease to a place whose leave has not landed (or failed) while the place lives.
+  const ended = new Map<string, { readonly name: string; readonly until: number }>()
+  let giveBackEnded: ((name: string, waiter: string) => void) | undefined
+  const rememberEnded = (id: string, name: string) => {
+    const now = performance.now()
+    for (const [old, entry] of ended) {
+      if (entry.until > now) break
+      ended.delete(old)
+    }
+    ended.set(id, { name, until: now + ENDED_KEPT_MILLIS })
+  }
 
   const fire = (waiter: Waiter) => {
     waiter.wakes++
@@ -135,9 +166,10 @@ export const makeWaiters = (): Waiters => {
     let subscribed = true
     return {
       subscription: subscriptionOf(waiter),
-      unsubscribe: () => {
+      unsubscribe: (granted = false) => {
         if (!subscribed) return
         subscribed = false
+        if (!granted) rememberEnded(id, name)
         if (byId.get(id) === waiter) byId.delete(id)
         const set = byName.get(name)
         set?.delete(waiter)
@@ -165,10 +197,17 @@ export const makeWaiters = (): Waiters => {
     },
     handWaiter: (id, handed) => {
       const waiter = byId.get(id)
-      if (waiter === undefined) return false
-      waiter.handed = handed
-      fire(waiter)
-      return true
+      if (waiter !== undefined) {
+        waiter.handed = handed
+        return fire(waiter)
+      }
+      const gone = ended.get(id)
+      if (gone === undefined || gone.until <= performance.now()) return
+      ended.delete(id)
+      giveBackEnded?.(gone.name, id)
+    },
+    onHandedToEnded: (giveBack) => {
+      giveBackEnded = giveBack
     },
     wakeName: (name) => {
       for (const waiter of byName.get(name) ?? []) fire(waiter)

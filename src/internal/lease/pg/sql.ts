@@ -221,7 +221,11 @@ const acquireSql = ({ leases, queue }: Tables): string => {
     and (not exists (select 1 from me) or w.seq < (select seq from me))
     and ($4::text = 'exclusive' or w.mode = 'exclusive')
 ), free as (
-  select 1 as free where (select until from ahead) is null and not exists (
+  -- Nobody ahead; or this request's place was handed the lease and it ran out before the waiter
+  -- heard (a lost notification, a short ttl): its turn still, with a new token.
+  select 1 as free where ((select until from ahead) is null
+      or exists (select 1 from ${leases.sql} h where h.name = $1::text and h.owner = $3::uuid))
+    and not exists (
     select 1 from ${leases.sql} h
     where h.name = $1::text and ((h.owner is not null and h.expires_at > now()) or ($4::text = 'exclusive' and h.shared_until > now())))
 ), guard as materialized (

@@ -241,5 +241,5 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
       for (const id of ids) waiters.wakeWaiter(id)
     }
 
-    return { subscribe, subscribeNow, trusted, wake }
+    return { subscribe, subscribeNow, trusted, wake, onHandedToEnded: waiters.onHandedToEnded }
   })
