@@ -9,6 +9,7 @@
  * resumptions line counts every fiber's resumptions, so background rounds per cycle show there.
  */
 import { SqlClient } from "@effect/sql"
+import pg from "pg"
 import { PgClient } from "@effect/sql-pg"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
@@ -77,8 +78,25 @@ const perCycle = async <S>(
   }
 }
 
+/** The database's committed transactions so far (`pg_stat_database`), on a connection of its own. */
+const xactCommits = async (url: string) => {
+  const client = new pg.Client({ connectionString: url })
+  await client.connect()
+  return {
+    read: async () =>
+      Number((await client.query<{ n: string }>("select xact_commit::text as n from pg_stat_database where datname = current_database()")).rows[0]!.n),
+    close: () => client.end()
+  }
+}
+
 /** 8 contenders on `layers` layers (8: one each, as 8 processes; 1: 8 fibers of one layer). */
-const handoff = async (label: string, layer: (i: number) => Layer.Layer<DistributedLock.DistributedLock, unknown>, layers = 8) => {
+const handoff = async (
+  label: string,
+  layer: (i: number) => Layer.Layer<DistributedLock.DistributedLock, unknown>,
+  layers = 8,
+  /** A PostgreSQL database: its committed transactions per grant are printed too (everything the layers sent). */
+  database?: { readonly url: string }
+) => {
   const runtimes = Array.from({ length: layers }, (_, i) => ManagedRuntime.make(layer(i)))
   const contenders = Array.from({ length: 8 }, (_, i) => runtimes[i % layers]!)
   try {
@@ -93,6 +111,8 @@ const handoff = async (label: string, layer: (i: number) => Layer.Layer<Distribu
       })
     await Promise.all(contenders.map((runtime) => runtime.runPromise(contender(1_000))))
     grants = 0
+    const commits = database === undefined ? undefined : await xactCommits(database.url)
+    const before = await commits?.read()
     const supervisor = new Counting()
     resumptions.count = 0
     resumptions.counting = true
@@ -100,8 +120,11 @@ const handoff = async (label: string, layer: (i: number) => Layer.Layer<Distribu
     resumptions.counting = false
     console.log(
       `${`${label} handoff ${layers === 8 ? "× 8" : `${layers}×8`}`.padEnd(22)} ${(supervisor.ops / grants).toFixed(0).padStart(4)} Effect ops, ` +
-        `${(supervisor.fibers / grants).toFixed(2)} fibers started, ${(resumptions.count / grants).toFixed(2)} fiber resumptions (every runtime's) per grant (${grants} grants)`
+        `${(supervisor.fibers / grants).toFixed(2)} fibers started, ${(resumptions.count / grants).toFixed(2)} fiber resumptions (every runtime's)` +
+        (commits === undefined ? "" : `, ${(((await commits.read()) - before!) / grants).toFixed(2)} transactions`) +
+        ` per grant (${grants} grants)`
     )
+    await commits?.close()
   } finally {
     await Promise.all(runtimes.map((runtime) => runtime.dispose()))
   }
@@ -129,7 +152,7 @@ runMain(() =>
       Layer.provide(
         PgLease.layer({ connections: 2, listen: true }),
         PgClient.layer({ url: Redacted.make(database.url), maxConnections: 2, applicationName: `bench-ops-lease-${i}` })
-      ))
+      ), 8, database)
     if (!redisAvailable()) return console.log(`RedisLease handoff skipped: ${INSTALL_HINT}`)
     const redis = await startRedis()
     try {
