@@ -62,7 +62,10 @@ const rowOf = (name: string) =>
 contractSuite("SqliteLease", {
   clock: "live",
   ttl: LIVE_CONTRACT_TTL,
-  makeBackend: Effect.suspend(() => SqliteLease.makeBackend({ filename: file.path, ttl: LIVE_CONTRACT_TTL, pollInterval: Duration.millis(20) })),
+  // The default poll (50 ms), not 20: every waiter's poll takes the file's one write lock, and the
+  // cases run side by side in one event loop, where each busy wait blocks it (up to busyTimeout).
+  // At 20 ms, two fresh-clone runs at 2c45e50's parent lost leases to renewals that waited.
+  makeBackend: Effect.suspend(() => SqliteLease.makeBackend({ filename: file.path, ttl: LIVE_CONTRACT_TTL, pollInterval: Duration.millis(50) })),
   storeHolders: (name) => Effect.sync(() => file.liveHolders(name)),
   // Queued in the store itself: a live waiting place in the queue table.
   waiting: (name) => Effect.sync(() => file.livePlaces(name) > 0),
