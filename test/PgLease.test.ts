@@ -16,6 +16,7 @@ import * as LeaseSql from "effect-lock/internal/lease/pg/sql"
 import * as LeaseDialect from "effect-lock/internal/lease/pg/dialect"
 import type { Statement } from "effect-lock/internal/lease/dialect"
 import * as Crypto from "node:crypto"
+import * as Previous from "./fixtures/pg-handover-previous.js"
 import * as ChildProcess from "node:child_process"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
@@ -1170,6 +1171,76 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         expect((await acquire(Crypto.randomUUID(), x)).token).toBeNull()
         await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
         await client.query(`delete from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])
+      })
+    ))
+
+  it.effect("mixed versions: a release of the version before the handover wakes a new waiter, which takes the lock; a new release wakes that version's waiter, never hands it the lease; tokens increase", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const channel = "pg_handover_mixed"
+        const payloads: Array<string> = []
+        const listener = new pg.Client({ connectionString: db.url })
+        listener.on("error", () => {})
+        await listener.connect()
+        try {
+          listener.on("notification", (message) => message.payload !== undefined && payloads.push(message.payload))
+          await listener.query(`listen ${channel}`)
+          // The tables as that version made them, then this version's first use (which adds ttl_ms).
+          await client.query(Previous.createTable)
+          const tables = LeaseSql.parseTables("pg_handover_leases")
+          if (typeof tables === "string") throw new Error(tables)
+          await client.query(LeaseSql.ensureTable(tables))
+          await client.query(LeaseSql.ensureLockTokens(tables))
+          const { locks } = LeaseDialect.dialect(tables, channel)
+          const name = freshName("mixed")
+          const asking = (owner: string, waiter: string) =>
+            [name, owner, waiter, "exclusive", 10_000, 5_000, "previous", "host", 1, true]
+          const old = {
+            acquire: async (owner: string, waiter: string) =>
+              (await client.query<{ token: string | null }>(Previous.acquire, asking(owner, waiter))).rows[0]!.token,
+            release: (owner: string | null, waiter: string | null) => client.query(Previous.release, [name, owner, waiter, channel])
+          }
+          const fresh = {
+            acquire: async (owner: string, waiter: string) =>
+              locks.acquire.decode((await client.query(locks.acquire.text, [...locks.acquire.encode({
+                name, owner, waiter, ttlMillis: 10_000, placeMillis: 5_000, application: "new", host: "host", pid: 2, takePlace: true, mode: "exclusive"
+              })])).rows).token,
+            release: (owner: string | null, waiter: string | null) =>
+              client.query(locks.release.text, [...locks.release.encode({ name, owner, waiter })])
+          }
+          // Bounded wait for the listener's copy (an observable condition, not a sleep).
+          const heard = async (payload: string) => {
+            const until = Date.now() + 5_000
+            while (!payloads.includes(payload)) {
+              if (Date.now() > until) throw new Error(`no notification ${payload} within 5 s: ${JSON.stringify(payloads)}`)
+              await new Promise((resolve) => setTimeout(resolve, 5))
+            }
+          }
+          const ownerOf = async () => (await client.query<{ owner: string | null }>("select owner from pg_handover_leases where name = $1", [name])).rows[0]!.owner
+
+          // An old holder, a new waiter: the old release frees and wakes; the waiter's attempt takes it.
+          const [oldHolder, newWaiter, newOwner] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
+          const first = BigInt((await old.acquire(oldHolder, Crypto.randomUUID()))!)
+          expect(await fresh.acquire(Crypto.randomUUID(), newWaiter)).toBeNull()
+          await old.release(oldHolder, null)
+          expect(await ownerOf()).toBeNull()
+          await heard(`w${newWaiter}`)
+          const second = await fresh.acquire(newOwner, newWaiter)
+          expect(second! > first).toBe(true)
+
+          // A new holder, an old waiter (its place has no ttl): the new release wakes it, hands nothing.
+          const [oldWaiter, oldOwner] = [Crypto.randomUUID(), Crypto.randomUUID()]
+          expect(await old.acquire(Crypto.randomUUID(), oldWaiter)).toBeNull()
+          await fresh.release(newOwner, null)
+          expect(await ownerOf()).toBeNull()
+          await heard(`w${oldWaiter}`)
+          const third = BigInt((await old.acquire(oldOwner, oldWaiter))!)
+          expect(third > second!).toBe(true)
+          expect(payloads.some((payload) => payload.startsWith("h"))).toBe(false)
+          await old.release(oldOwner, null)
+        } finally {
+          await listener.end().catch(() => {})
+        }
       })
     ))
 
