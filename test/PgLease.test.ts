@@ -14,6 +14,7 @@ import * as Owner from "effect-lock/internal/runtime/owner"
 import * as PgLease from "effect-lock/PgLease"
 import * as LeaseSql from "effect-lock/internal/lease/pg/sql"
 import * as LeaseDialect from "effect-lock/internal/lease/pg/dialect"
+import * as Tokens from "effect-lock/internal/sql/tokens"
 import type { Statement } from "effect-lock/internal/lease/dialect"
 import * as Crypto from "node:crypto"
 import * as Previous from "./fixtures/pg-handover-previous.js"
@@ -1171,6 +1172,51 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         expect((await acquire(Crypto.randomUUID(), x)).token).toBeNull()
         await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
         await client.query(`delete from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])
+      })
+    ))
+
+  it.effect("a handover's token draw holds the name's sweep guard until its commit, as a grant's does", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+        if (typeof tables === "string") throw new Error(tables)
+        await client.query(LeaseSql.createTable(tables))
+        const { locks } = LeaseDialect.dialect(tables, "effect_lock_test_handover_guard")
+        const name = freshName("handover-guard")
+        const acquire = async (owner: string, waiter: string) =>
+          locks.acquire.decode((await client.query(locks.acquire.text, [...locks.acquire.encode({
+            name, owner, waiter, ttlMillis: 5_000, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true, mode: "exclusive"
+          })])).rows)
+        const [holder, waiter] = [Crypto.randomUUID(), Crypto.randomUUID()]
+        expect((await acquire(holder, Crypto.randomUUID())).token).not.toBeNull()
+        expect((await acquire(Crypto.randomUUID(), waiter)).token).toBeNull()
+        const sweeper = new pg.Client({ connectionString: db.url })
+        sweeper.on("error", () => {})
+        await sweeper.connect()
+        // The sweep's own try at the name's guard, in a transaction of its own (released at its end).
+        const sweepMayDelete = async () => {
+          await sweeper.query("begin")
+          const { rows } = await sweeper.query<{ free: boolean }>(
+            `select ${Tokens.tryGuard(Tokens.sweepGuardNamespace(tables.leases), "$1::text")} as free`,
+            [name]
+          )
+          await sweeper.query("rollback")
+          return rows[0]!.free
+        }
+        try {
+          // The release that hands the lease over, paused before its commit.
+          await client.query("begin")
+          const handed = locks.release.decode((await client.query(locks.release.text, [...locks.release.encode({ name, owner: holder, waiter: null })])).rows)
+          expect(handed.released).toBe(true)
+          expect(await sweepMayDelete()).toBe(false)
+          await client.query("commit")
+          expect(await sweepMayDelete()).toBe(true)
+          const row = (await client.query<{ owner: string }>(`select owner from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])).rows[0]!
+          expect(row.owner).toBe(waiter)
+          await client.query(locks.release.text, [...locks.release.encode({ name, owner: waiter, waiter: null })])
+        } finally {
+          await sweeper.end().catch(() => {})
+        }
       })
     ))
 
