@@ -1147,21 +1147,14 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
   it.effect("a waiter whose handed lease ran out before it heard keeps its turn: its next attempt takes the lock ahead of the places behind it", () =>
     Effect.promise(() =>
       withClient(db.url, async (client) => {
-        const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
-        if (typeof tables === "string") throw new Error(tables)
-        await client.query(LeaseSql.createTable(tables))
-        const { locks } = LeaseDialect.dialect(tables, "effect_lock_test_handed_expired")
-        const run = async <I, O>(statement: Statement<I, O>, input: I) =>
-          statement.decode((await client.query(statement.text, [...statement.encode(input)])).rows)
         const name = freshName("handed-expired")
-        const acquire = (owner: string, waiter: string) =>
-          run(locks.acquire, { name, owner, waiter, ttlMillis: 1_000, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true, mode: "exclusive" as const })
+        const { acquire, release } = await statementsOn(client, "effect_lock_test_handed_expired", name, 1_000)
         const [holder, w, x] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
         expect((await acquire(holder, Crypto.randomUUID())).token).not.toBeNull()
         expect((await acquire(Crypto.randomUUID(), w)).token).toBeNull()
         expect((await acquire(Crypto.randomUUID(), x)).token).toBeNull()
         // Handed to w's place; w never hears it (no listener here), and its 1 s lease runs out.
-        expect((await run(locks.release, { name, owner: holder, waiter: null })).released).toBe(true)
+        expect((await release(holder, null)).released).toBe(true)
         const handed = (await client.query(`select token::text as token from ${PgLease.DEFAULT_TABLE} where name = $1 and owner = $2`, [name, w])).rows[0]
         expect(handed).toBeDefined()
         await client.query(`update ${PgLease.DEFAULT_TABLE} set expires_at = now() - interval '1 millisecond' where name = $1`, [name])
@@ -1178,15 +1171,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
   it.effect("a handover's token draw holds the name's sweep guard until its commit, as a grant's does", () =>
     Effect.promise(() =>
       withClient(db.url, async (client) => {
-        const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
-        if (typeof tables === "string") throw new Error(tables)
-        await client.query(LeaseSql.createTable(tables))
-        const { locks } = LeaseDialect.dialect(tables, "effect_lock_test_handover_guard")
         const name = freshName("handover-guard")
-        const acquire = async (owner: string, waiter: string) =>
-          locks.acquire.decode((await client.query(locks.acquire.text, [...locks.acquire.encode({
-            name, owner, waiter, ttlMillis: 5_000, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true, mode: "exclusive"
-          })])).rows)
+        const { tables, acquire, release } = await statementsOn(client, "effect_lock_test_handover_guard", name)
         const [holder, waiter] = [Crypto.randomUUID(), Crypto.randomUUID()]
         expect((await acquire(holder, Crypto.randomUUID())).token).not.toBeNull()
         expect((await acquire(Crypto.randomUUID(), waiter)).token).toBeNull()
@@ -1206,14 +1192,13 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         try {
           // The release that hands the lease over, paused before its commit.
           await client.query("begin")
-          const handed = locks.release.decode((await client.query(locks.release.text, [...locks.release.encode({ name, owner: holder, waiter: null })])).rows)
-          expect(handed.released).toBe(true)
+          expect((await release(holder, null)).released).toBe(true)
           expect(await sweepMayDelete()).toBe(false)
           await client.query("commit")
           expect(await sweepMayDelete()).toBe(true)
           const row = (await client.query<{ owner: string }>(`select owner from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])).rows[0]!
           expect(row.owner).toBe(waiter)
-          await client.query(locks.release.text, [...locks.release.encode({ name, owner: waiter, waiter: null })])
+          await release(waiter, null)
         } finally {
           await sweeper.end().catch(() => {})
         }
@@ -1229,7 +1214,13 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         listener.on("error", () => {})
         await listener.connect()
         try {
-          listener.on("notification", (message) => message.payload !== undefined && payloads.push(message.payload))
+          // Each awaited payload resolves from the listener's own event, as it arrives.
+          const awaited = new Map<string, () => void>()
+          listener.on("notification", (message) => {
+            if (message.payload === undefined) return
+            payloads.push(message.payload)
+            awaited.get(message.payload)?.()
+          })
           await listener.query(`listen ${channel}`)
           // The tables as that version made them, then this version's first use (which adds ttl_ms).
           await client.query(Previous.createTable)
@@ -1254,14 +1245,16 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
             release: (owner: string | null, waiter: string | null) =>
               client.query(locks.release.text, [...locks.release.encode({ name, owner, waiter })])
           }
-          // Bounded wait for the listener's copy (an observable condition, not a sleep).
-          const heard = async (payload: string) => {
-            const until = Date.now() + 5_000
-            while (!payloads.includes(payload)) {
-              if (Date.now() > until) throw new Error(`no notification ${payload} within 5 s: ${JSON.stringify(payloads)}`)
-              await new Promise((resolve) => setTimeout(resolve, 5))
-            }
-          }
+          // The listener's copy of a notification, within a bound (the timer is the bound only).
+          const heard = (payload: string) =>
+            new Promise<void>((resolve, reject) => {
+              if (payloads.includes(payload)) return resolve()
+              const bound = setTimeout(() => reject(new Error(`no notification ${payload} within 5 s: ${JSON.stringify(payloads)}`)), 5_000)
+              awaited.set(payload, () => {
+                clearTimeout(bound)
+                resolve()
+              })
+            })
           const ownerOf = async () => (await client.query<{ owner: string | null }>("select owner from pg_handover_leases where name = $1", [name])).rows[0]!.owner
 
           // An old holder, a new waiter: the old release frees and wakes; the waiter's attempt takes it.
@@ -1682,6 +1675,25 @@ function handoffWith(a: DistributedLock.Service, b: DistributedLock.Service) {
       yield* Fiber.join(waiter)
       return at - releasedAt
     })
+}
+
+/**
+ * PgLease's lock statements on the default tables (created if needed), run one by one on
+ * `client` as the backend sends them; `acquire` asks for an exclusive lease of `name` with a place.
+ */
+const statementsOn = async (client: pg.Client, channel: string, name: string, ttlMillis = 5_000) => {
+  const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+  if (typeof tables === "string") throw new Error(tables)
+  await client.query(LeaseSql.createTable(tables))
+  const dialect = LeaseDialect.dialect(tables, channel)
+  const run = async <I, O>(statement: Statement<I, O>, input: I) =>
+    statement.decode((await client.query(statement.text, [...statement.encode(input)])).rows)
+  const acquire = (owner: string, waiter: string) =>
+    run(dialect.locks.acquire, {
+      name, owner, waiter, ttlMillis, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true, mode: "exclusive" as const
+    })
+  const release = (owner: string | null, waiter: string | null) => run(dialect.locks.release, { name, owner, waiter })
+  return { tables, acquire, release }
 }
 
 /** A lane wrapper that counts the statements of each kind the backend sends. */
