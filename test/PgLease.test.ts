@@ -15,6 +15,7 @@ import * as PgLease from "effect-lock/PgLease"
 import * as LeaseSql from "effect-lock/internal/lease/pg/sql"
 import * as LeaseDialect from "effect-lock/internal/lease/pg/dialect"
 import * as Tokens from "effect-lock/internal/sql/tokens"
+import * as LockKey from "effect-lock/internal/core/lockKey"
 import type { Statement } from "effect-lock/internal/lease/dialect"
 import * as Crypto from "node:crypto"
 import * as Previous from "./fixtures/pg-handover-previous.js"
@@ -28,7 +29,7 @@ import { importEntry } from "../tools/children.js"
 import pg from "pg"
 import { freshName, withYieldBudget } from "./support/contract.js"
 import { makeFaults, withFaults } from "./support/faults.js"
-import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { advisoryLocks, PgTest, useTestDatabase, withClient } from "./support/pg.js"
 import { type LineWorker, startLineWorker } from "./support/workers.js"
 import { pgLeaseHelpers } from "./support/pgLease.js"
 import { withRun } from "./support/laneRun.js"
@@ -1078,6 +1079,57 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const service = yield* processOn(env, { table: migrated, createTable: false })
       const lease = yield* Effect.scoped(service.acquire("migrated"))
       expect(lease.token > 0n).toBe(true)
+    }))
+
+  it.scoped("a first use that waited for another's creation takes no lock on the live tables: granted while a transaction holds the lease table", () =>
+    Effect.gen(function*() {
+      const table = freshName("pglease_waited").replace(/-/g, "_")
+      const tables = LeaseSql.parseTables(table)
+      if (typeof tables === "string") throw new Error(tables)
+      const creator = yield* Effect.acquireRelease(
+        Effect.promise(async () => {
+          const client = new pg.Client({ connectionString: db.url })
+          await client.connect()
+          return client
+        }),
+        (client) => Effect.promise(() => client.end())
+      )
+      const inFlight = yield* Effect.acquireRelease(
+        Effect.promise(async () => {
+          const client = new pg.Client({ connectionString: db.url })
+          await client.connect()
+          return client
+        }),
+        (client) => Effect.promise(() => client.query("rollback").then(() => client.end()))
+      )
+      // Another creator holds the creation lock (session level: the same lock space as the
+      // statement's transaction-level one) while the tables are still missing.
+      const key = LockKey.advisoryKey(tables.leases.text, LeaseSql.DDL_NAMESPACE).toString()
+      yield* Effect.promise(() => creator.query("select pg_advisory_lock($1::bigint)", [key]))
+      const service = yield* processOn(yield* poolOn(() => db.url, "pglease-waited"), {
+        table,
+        statementTimeout: Duration.seconds(3)
+      })
+      const first = yield* Effect.fork(Effect.scoped(Effect.map(service.acquire("waited"), (lease) => lease.token)))
+      yield* waitFor(
+        "the first use waiting for the creation lock",
+        Effect.promise(() =>
+          advisoryLocks(db.url).then((rows) => rows.some((row) => row.application_name === "pglease-waited" && !row.granted))
+        ),
+        Duration.seconds(5)
+      )
+      // The other creator makes the tables and commits; a grant of another process is then in
+      // flight on the lease table (its transaction open), and the creation lock is let go.
+      yield* Effect.promise(() => creator.query(PgLease.migration(table)))
+      yield* Effect.promise(async () => {
+        await inFlight.query("begin")
+        await inFlight.query(`lock table ${tables.leases.sql} in row exclusive mode`)
+      })
+      yield* Effect.promise(() => creator.query("select pg_advisory_unlock($1::bigint)", [key]))
+      // Re-checked under the lock, nothing is left to create: no ALTER queues behind the open
+      // transaction (before, it waited out the statement bound and the acquire failed).
+      const token = yield* Fiber.join(first)
+      expect(token > 0n).toBe(true)
     }))
 
   it.effect("only a commit that grants waits for the WAL flush: a give-back and a waiting place set synchronous_commit off for their own transaction", () =>

@@ -53,7 +53,7 @@ export const CREATE_ATTEMPTS = 3
  * Creates a table on first use in ONE statement (so it also runs behind a transaction pooler):
  * concurrent `create table if not exists` can fail on the catalog's unique index, so creators
  * serialize on a transaction advisory lock of their own (`ddlNamespace`, released when the
- * statement's transaction ends) and re-check. An existing table costs a catalog lookup only and
+ * statement's transaction ends) and re-check under it. An existing table costs a catalog lookup only and
  * needs no CREATE privilege.
  */
 export const ensureTableSql = (
@@ -68,11 +68,19 @@ export const ensureTableSql = (
   }
 ): string =>
   // The identifiers were validated (no quotes), so they are safe inside string literals.
+  ensureSql(options?.missing ?? `to_regclass('${table.sql}') is null`, createSql, ddlNamespace, options?.lockOn ?? table)
+
+const ensureSql = (missing: string, createSql: string, ddlNamespace: string, lockOn: TableRef): string =>
   `do $effect_lock$
 begin
-  if ${options?.missing ?? `to_regclass('${table.sql}') is null`} then
-    perform pg_advisory_xact_lock(${advisoryKey((options?.lockOn ?? table).text, ddlNamespace)});
-    ${createSql.replace(/\n/g, "\n    ")};
+  if ${missing} then
+    perform pg_advisory_xact_lock(${advisoryKey(lockOn.text, ddlNamespace)});
+    -- Again under the lock (each statement of the block reads anew): a creator that waited for
+    -- another's commit finds nothing to do, and takes no lock on the now live tables (an ALTER's
+    -- ACCESS EXCLUSIVE would queue every lock statement behind it, and deadlock with them).
+    if ${missing} then
+      ${createSql.replace(/\n/g, "\n      ")};
+    end if;
   end if;
 end
 $effect_lock$`

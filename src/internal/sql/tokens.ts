@@ -117,31 +117,34 @@ export const ensureTokens = (seq: TableRef, tables: ReadonlyArray<Guarded>): str
 begin
   if to_regclass('${seq.sql}') is null or ${missing.join(" or ")} then
     perform pg_advisory_xact_lock(${advisoryKey(seq.text, DDL_NAMESPACE)});
-    create sequence if not exists ${seq.sql};
-    create or replace function ${fn}() returns trigger language plpgsql as $guard$
-    declare
-      n bigint;
-      last bigint;
-    begin
-      -- A previous version's new row (its per-name count restarting at 1): drawn from the sequence.
-      if tg_argv[1] = 'sem' then
-        n := greatest(1, coalesce((new.holders -> 0 ->> 'permits')::bigint, 1));
-        select max(v) into last from (select nextval(tg_argv[0]::regclass) as v from generate_series(1, n)) d;
-        new.token := last;
-        new.holders := jsonb_set(new.holders, '{0,token}', to_jsonb(last - n + 1));
-      elsif tg_argv[1] = 'lease' then
-        new.token := nextval(tg_argv[0]::regclass);
-        if new.shared_since is not null then
-          new.shared_since := new.token;
+    -- Again under the lock: an installer that waited for another's commit finds nothing to do.
+    if to_regclass('${seq.sql}') is null or ${missing.join(" or ")} then
+      create sequence if not exists ${seq.sql};
+      create or replace function ${fn}() returns trigger language plpgsql as $guard$
+      declare
+        n bigint;
+        last bigint;
+      begin
+        -- A previous version's new row (its per-name count restarting at 1): drawn from the sequence.
+        if tg_argv[1] = 'sem' then
+          n := greatest(1, coalesce((new.holders -> 0 ->> 'permits')::bigint, 1));
+          select max(v) into last from (select nextval(tg_argv[0]::regclass) as v from generate_series(1, n)) d;
+          new.token := last;
+          new.holders := jsonb_set(new.holders, '{0,token}', to_jsonb(last - n + 1));
+        elsif tg_argv[1] = 'lease' then
+          new.token := nextval(tg_argv[0]::regclass);
+          if new.shared_since is not null then
+            new.shared_since := new.token;
+          end if;
+        else
+          new.token := nextval(tg_argv[0]::regclass);
         end if;
-      else
-        new.token := nextval(tg_argv[0]::regclass);
-      end if;
-      return new;
-    end
-    $guard$;
-    -- Each table's trigger, re-checked under the lock: a concurrent installer may have made it.
-    ${install}
+        return new;
+      end
+      $guard$;
+      -- Each table's trigger, re-checked under the lock: a concurrent installer may have made it.
+      ${install}
+    end if;
   end if;
 end
 $effect_lock_tokens$`

@@ -154,7 +154,8 @@ const createSemTableSql = ({ sem }: Tables): string =>
  */
 export const ensureTable = (table: Tables | TableRef): string => ensureTableText(tablesOf(table))
 
-const DDL_NAMESPACE = "effect-lock/PgLease/ddl"
+/** The namespace of the lock tables' creation lock (a transaction advisory lock on the lease table's name). */
+export const DDL_NAMESPACE = "effect-lock/PgLease/ddl"
 
 const ensureTableText = (tables: Tables): string =>
   ensureTableSql(tables.leases, createTableSql(tables), DDL_NAMESPACE, {
