@@ -8,6 +8,8 @@
  *   releasing → release sent → release's reply → wake-up message → waiter's acquire sent →
  *   its reply → granted
  *
+ * or, when the release handed the lease over: release's reply → handover message → granted.
+ *
  * "releasing" and "granted" are the bench recorder's; the sends are ioredis `sendCommand` calls
  * of the acquire and release scripts (EVALSHA/EVAL); a reply is ioredis resolving that command;
  * the message is a subscriber's `message` event naming the waiter that is granted next. A
@@ -29,7 +31,7 @@ const arg = (name: string): string | undefined => process.argv.find((a) => a.sta
 const seconds = Number(arg("seconds") ?? "2")
 const rounds = Number(arg("rounds") ?? "3")
 
-type Kind = "acquireSent" | "acquireReply" | "releaseSent" | "releaseReply" | "message" | "releasing" | "granted"
+type Kind = "acquireSent" | "acquireReply" | "releaseSent" | "releaseReply" | "message" | "handed" | "releasing" | "granted"
 /** One moment: its kind, when, and whose (the waiter's place of an acquire or message, the owner of a release; a contender's index). */
 interface Moment {
   readonly kind: Kind
@@ -74,8 +76,11 @@ for (const proto of new Set(copies.map((m: { Redis: { prototype: object } }) => 
   }
   const emit = target.emit
   target.emit = function(this: unknown, event: string, ...rest: Array<unknown>) {
-    // A wake-up is `w<place>`.
-    if (event === "message") mark("message", String(rest[1]).slice(1))
+    // A wake-up is `w<place>`; a handover `h<place>:<token>:<expiry>`.
+    if (event === "message") {
+      const payload = String(rest[1])
+      mark(payload.startsWith("h") ? "handed" : "message", payload.slice(1).split(":")[0]!)
+    }
     return emit.call(this, event, ...rest)
   }
 }
@@ -90,7 +95,18 @@ Recorder.prototype.granted = function(this: Recorder, who: number) {
   granted.call(this, who)
 }
 
-const STAGES = ["releasing → release sent", "release sent → its reply", "its reply → wake-up heard", "wake-up → acquire sent", "acquire sent → its reply", "its reply → granted", "handoff", "(release's reply → another acquire sent before the wake-up)"] as const
+const STAGES = [
+  "releasing → release sent",
+  "release sent → its reply",
+  "its reply → wake-up heard",
+  "wake-up → acquire sent",
+  "acquire sent → its reply",
+  "its reply → granted",
+  "its reply → handover heard",
+  "handover heard → granted",
+  "handoff",
+  "(release's reply → another acquire sent before the wake-up)"
+] as const
 type Stages = Record<(typeof STAGES)[number], Array<number>>
 
 /** Each handoff of the round (releasing, then a grant to another contender) cut into its stages, in µs. */
@@ -102,6 +118,25 @@ const cut = (moments: ReadonlyArray<Moment>, into: Stages, wakeFirst: [number]) 
     if (end < 0 || moments[end]!.id === start.id) continue
     const between = moments.slice(i + 1, end)
     const sent = between.find((m) => m.kind === "releaseSent")
+    // Handed over by the release: granted from the message (its first copy read), no attempt.
+    const handed = sent === undefined ? undefined : between.find((m) => m.kind === "handed" && m.at > sent.at)
+    if (sent !== undefined && handed !== undefined) {
+      const reply = moments.find((m, j) => j > i && m.kind === "releaseReply" && m.id === sent.id)
+      if (reply === undefined) continue
+      if (reply.at > handed.at) {
+        wakeFirst[0]++
+        continue
+      }
+      const us = (from: Moment, to: Moment) => (to.at - from.at) * 1000
+      into["releasing → release sent"].push(us(start, sent))
+      into["release sent → its reply"].push(us(sent, reply))
+      into["its reply → handover heard"].push(us(reply, handed))
+      into["handover heard → granted"].push(us(handed, moments[end]!))
+      into.handoff.push(us(start, moments[end]!))
+      const other = moments.find((m) => m.kind === "acquireSent" && m.at > reply.at && m.at < handed.at)
+      if (other !== undefined) into["(release's reply → another acquire sent before the wake-up)"].push(us(reply, other))
+      continue
+    }
     const replies = between.filter((m) => m.kind === "acquireReply")
     const lastReply = replies[replies.length - 1]
     if (sent === undefined || lastReply === undefined) continue

@@ -8,6 +8,8 @@
 import { describe, expect, it } from "@effect/vitest"
 import { Duration, Effect, Fiber, Option, Schedule } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
+import { LockBackendError } from "effect-lock/LockError"
+import { monotonicMillis } from "effect-lock/internal/core/clock"
 import * as RedisLease from "effect-lock/RedisLease"
 import * as Keys from "effect-lock/internal/redis/keys"
 import * as Make from "effect-lock/internal/redis/make"
@@ -82,7 +84,7 @@ describeWithRedis("RedisLease", () => {
   })
 
   describe("waiting order", () => {
-    it.scopedLive("a waiter sends one attempt to take its place and one when woken: no look again (a script sees every place taken before it)", () =>
+    it.scopedLive("a waiter sends one attempt to take its place and none after: the release hands it the lease, heard through pub/sub (no look again: a script sees every place taken before it)", () =>
       Effect.gen(function*() {
         const name = freshName("redis-attempts")
         const attempts: Array<number> = []
@@ -100,16 +102,18 @@ describeWithRedis("RedisLease", () => {
           (backend) => DistributedLock.make(backend)
         )
         const letGo = yield* holdFor(holder, name)
-        const waiting = yield* Effect.fork(Effect.scoped(waiter.acquire(name, { timeout: Duration.seconds(10) })))
+        const held = yield* Effect.map(command<string | null>("HGET", Keys.lockKeys(Keys.DEFAULT_PREFIX, name).lease, "token"), (token) => BigInt(token!))
+        const waiting = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name, { timeout: Duration.seconds(10) }), (lease) => lease.token)))
         yield* waitFor("the waiter's place", Effect.map(command<number>("ZCARD", Keys.lockKeys(Keys.DEFAULT_PREFIX, name).queue), (n) => n === 1), Duration.seconds(5))
         // Long enough for any look again (a few statement times) to have been sent.
         const placed = attempts.length
         yield* Effect.sleep(Duration.millis(300))
         expect(attempts.length).toBe(placed)
         yield* letGo
-        yield* Fiber.join(waiting)
-        // The place, then the grant after the release's wake-up.
-        expect(attempts).toHaveLength(2)
+        const token = yield* Fiber.join(waiting)
+        expect(token > held).toBe(true)
+        // The place only: the grant came with the release's wake-up.
+        expect(attempts).toHaveLength(1)
       }))
 
     it.scopedLive("a try never overtakes a live waiter's place, and a dead waiter's place runs out", () =>
@@ -160,6 +164,181 @@ describeWithRedis("RedisLease", () => {
         expect(order).toEqual(["b", "c", "d"])
         // Woken by the releases' wake-ups, not by a 10 s poll.
         expect(performance.now() - started).toBeLessThan(1_500)
+      }))
+  })
+
+  describe("handover", () => {
+    const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
+    const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
+    /** One acquire script by hand: 10 s lease, 5 s place. */
+    const attempt = (name: string, owner: string, waiter: string, ttlMs = 10_000) =>
+      command<[string | null, number | null, number | null, number | null, number]>(
+        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, "exclusive", ttlMs, 5_000, "test", "test", 1, "1"
+      )
+    const release = (name: string, owner: string, waiter: string) =>
+      command<[number, number]>("eval", Scripts.release, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, channel)
+    /** What the wake channel carries, heard on a subscriber of the test's own. */
+    const published = Effect.gen(function*() {
+      const heard: Array<string> = []
+      const subscriber = yield* Effect.acquireRelease(
+        Effect.promise(async () => {
+          const client = new Redis(redis.url(), { lazyConnect: true, maxRetriesPerRequest: 1 })
+          await client.connect()
+          client.on("message", (_channel: string, message: string) => heard.push(message))
+          await client.subscribe(channel)
+          return client
+        }),
+        (client) => Effect.promise(() => client.quit().catch(() => client.disconnect()))
+      )
+      void subscriber
+      return heard
+    })
+
+    it.scopedLive("a release hands the lease to the waiter at the head: granted from the wake-up with no command of its own, its token above the releaser's, validUntil within its lease at the server", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover")
+        const holder = yield* node({ ttl: Duration.seconds(30) })
+        const heard = yield* published
+        const letGo = yield* holdFor(holder, name)
+        const held = BigInt((yield* command<string>("HGET", keysFor(name).lease, "token")))
+        const backend = yield* Make.makeBackend({ url: redis.url(), ttl: Duration.seconds(3), pollInterval: Duration.seconds(10) })
+        const waiting = yield* Effect.fork(backend.acquire({
+          name,
+          mode: "exclusive",
+          attempt: "wait",
+          ttl: Duration.seconds(3),
+          deadline: Option.none(),
+          interruptible: (step) => step,
+          waitUntilDeadline: (step) => Effect.asSome(step),
+          onLost: () => Effect.void
+        }))
+        yield* waitFor("the waiter's place", Effect.map(command<number>("ZCARD", keysFor(name).queue), (n) => n === 1), Duration.seconds(5))
+        yield* letGo
+        const result = yield* Fiber.join(waiting)
+        if (result._tag !== "Granted") return yield* Effect.dieMessage(`expected a grant, got ${result._tag}`)
+        const grant = result.grant
+        // The server's view, read after the grant: the place is the holder, its expiry on the server's clock.
+        const [owner, token, expires] = yield* command<[string, string, string]>("HMGET", keysFor(name).lease, "owner", "token", "expires")
+        const [seconds, micros] = yield* command<[string, string]>("TIME")
+        const readAt = yield* monotonicMillis
+        const left = Number(expires) - (Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
+        expect(grant.token > held).toBe(true)
+        expect({ owner, token }).toEqual({ owner: grant.owner, token: String(grant.token) })
+        expect(heard.some((payload) => payload.startsWith(`h${grant.owner}:${grant.token}:`))).toBe(true)
+        // What the waiter believes it has left never exceeds what the server left it.
+        const believed = Option.getOrThrow(grant.validUntil) - readAt
+        expect(believed).toBeGreaterThan(2_000)
+        expect(believed).toBeLessThanOrEqual(left + 1)
+        // Its release frees it: the handed lease is the waiter's like any grant.
+        yield* grant.release
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
+      }))
+
+    it.scopedLive("a waiter that misses the handover's wake-up finds the lease handed to it at its next attempt; one whose handed lease ran out keeps its turn", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-missed")
+        const [holder, w, x] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
+        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
+        const waited = yield* attempt(name, Crypto.randomUUID(), w)
+        expect(waited[0]).toBeNull()
+        // Every answer carries the server's clock (a handed lease is timed by it).
+        expect(waited[4]).toBeGreaterThan(0)
+        expect((yield* attempt(name, Crypto.randomUUID(), x))[0]).toBeNull()
+        // Handed to w's place at the release (nobody listens here): w's next attempt says so.
+        expect((yield* release(name, holder, ""))[0]).toBe(1)
+        const handed = yield* attempt(name, Crypto.randomUUID(), w)
+        expect(handed[0]).toBe(yield* command<string>("HGET", keysFor(name).lease, "token"))
+        expect(handed[2]).toBe(1)
+        expect(handed[3]).toBeGreaterThan(9_000)
+        expect(handed[3]).toBeLessThanOrEqual(10_000)
+        expect(yield* command<string>("HGET", keysFor(name).lease, "owner")).toBe(w)
+        // Run out before w heard: still w's turn, ahead of x's live place, with a new token.
+        yield* command("HSET", keysFor(name).lease, "expires", "1")
+        const again = yield* attempt(name, Crypto.randomUUID(), w)
+        expect(again[0]).not.toBeNull()
+        expect(BigInt(again[0]!) > BigInt(handed[0]!)).toBe(true)
+        expect(again[2]).toBeNull()
+        expect((yield* attempt(name, Crypto.randomUUID(), x))[0]).toBeNull()
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
+    it.scopedLive("a head whose place was not written lately is woken, not handed the lease: a dead waiter costs its place, not a ttl", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-stale")
+        const heard = yield* published
+        const holder = Crypto.randomUUID()
+        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
+        const place = Crypto.randomUUID()
+        expect((yield* attempt(name, Crypto.randomUUID(), place))[0]).toBeNull()
+        // As a waiter that stopped writing its place 3 s ago leaves it: 2 s left of its 5.
+        const written = JSON.parse(yield* command<string>("HGET", keysFor(name).places, place)) as { expires: number }
+        yield* command("HSET", keysFor(name).places, place, JSON.stringify({ ...written, expires: written.expires - 3_000 }))
+        expect((yield* release(name, holder, ""))[0]).toBe(1)
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
+        yield* waitFor("the wake-up", Effect.sync(() => heard.includes(`w${place}`)), Duration.seconds(5))
+        expect(heard.some((payload) => payload.startsWith("h"))).toBe(false)
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
+    it.scopedLive("a place of a version before the handover (no ttl in it) is woken, not handed the lease: that version cannot hear one", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-previous")
+        const heard = yield* published
+        const holder = Crypto.randomUUID()
+        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
+        const place = Crypto.randomUUID()
+        expect((yield* attempt(name, Crypto.randomUUID(), place))[0]).toBeNull()
+        // As that version writes it: fresh, but without the ttl a handed lease would run for.
+        const { ttl: _ttl, ...previous } = JSON.parse(yield* command<string>("HGET", keysFor(name).places, place)) as { ttl: number }
+        yield* command("HSET", keysFor(name).places, place, JSON.stringify(previous))
+        expect((yield* release(name, holder, ""))[0]).toBe(1)
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
+        yield* waitFor("the wake-up", Effect.sync(() => heard.includes(`w${place}`)), Duration.seconds(5))
+        expect(heard.some((payload) => payload.startsWith("h"))).toBe(false)
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
+    it.scopedLive("a leave that races the handover to its own place frees the lease it was handed", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-leave")
+        const holder = Crypto.randomUUID()
+        const w = Crypto.randomUUID()
+        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
+        expect((yield* attempt(name, Crypto.randomUUID(), w))[0]).toBeNull()
+        expect((yield* release(name, holder, ""))[0]).toBe(1)
+        expect(yield* command<string>("HGET", keysFor(name).lease, "owner")).toBe(w)
+        // The waiter gave up meanwhile: its leave names its attempt's owner and its place.
+        expect((yield* release(name, Crypto.randomUUID(), w))[0]).toBe(1)
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
+    it.scopedLive("a lease handed to the place of a request that ended (its leave failed) is given back by its process at once, not held for its ttl", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handed-to-ended")
+        const holder = yield* node({ ttl: Duration.seconds(30) })
+        // The waiter's give-back of its place fails (a command error): its place stays behind it.
+        let leavesFailed = 0
+        const failingLeave = (lane: Lane): Lane =>
+          withRun(lane, (operation, about, text, params, bound) =>
+            operation === "release" && about === name && params[6] === ""
+              ? Effect.suspend(() => {
+                leavesFailed++
+                return Effect.fail(new LockBackendError({ operation, cause: new Error("the leave failed (test)") }))
+              })
+              : lane.run(operation, about, text, params, bound))
+        const waiter = yield* Effect.flatMap(Make.makeBackend({ url: redis.url(), ttl: Duration.seconds(30) }, failingLeave), DistributedLock.make)
+        const letGo = yield* holdFor(holder, name)
+        const timedOut = yield* Effect.flip(Effect.scoped(waiter.acquire(name, { timeout: Duration.millis(300) })))
+        expect(timedOut._tag).toBe("LockTimeout")
+        yield* waitFor("the failed leave", Effect.sync(() => leavesFailed > 0), Duration.seconds(5))
+        expect(yield* command<number>("ZCARD", keysFor(name).queue)).toBe(1)
+        // Released while the ended request's place is fresh: handed to it, and given back by its process.
+        yield* letGo
+        const freedAt = performance.now()
+        yield* waitFor("the lock free", Effect.map(command<string | null>("HGET", keysFor(name).lease, "owner"), (owner) => owner === null), Duration.seconds(5))
+        // Well within the 30 s the handed lease would have lasted.
+        expect(performance.now() - freedAt).toBeLessThan(2_000)
       }))
   })
 

@@ -80,12 +80,13 @@ const rawScripts = async (client: Redis, prefix: string) => {
     channel,
     keysOf: (name: string) => Keys.keyList(Keys.lockKeys(prefix, name)),
     /** One attempt: the token, or the wait (ms) the script advises. Arguments in `Scripts.acquire`'s order. */
-    acquire: async (keys: ReadonlyArray<string>, name: string, owner: string, waiter: string): Promise<{ token: string | null; wait: number | null }> => {
+    acquire: async (keys: ReadonlyArray<string>, name: string, owner: string, waiter: string): Promise<{ token: string | null; wait: number | null; handed: boolean }> => {
       const answer = (await client.evalsha(
         acquireSha, keys.length, ...keys,
         name, owner, waiter, "exclusive", TTL_MS, PLACE_MS, "bench-raw-redis", host, process.pid, "1"
-      )) as [string | null, number | null]
-      return { token: answer[0] ?? null, wait: answer[1] ?? null }
+      )) as [string | null, number | null, number | null]
+      // Handed: the lease a release handed to `waiter`'s place, whose owner is the place.
+      return { token: answer[0] ?? null, wait: answer[1] ?? null, handed: answer[2] === 1 }
     },
     release: async (keys: ReadonlyArray<string>, name: string, owner: string, waiter: string): Promise<void> => {
       await client.evalsha(releaseSha, keys.length, ...keys, name, owner, waiter, channel)
@@ -285,8 +286,9 @@ const throughputSpecs = (redis: string | { readonly url: string }, c: number, ms
  * The raw floor of a Redis handoff: 8 contenders, each with a command connection and a
  * subscriber on the wake channel (as each RedisLease layer has). A contender runs the acquire
  * script with a waiter id; not granted, it waits for the wake-up naming that id (or the
- * script's advised wait, at most the library's poll interval) and runs it again. Release: the
- * release script, which publishes the wake-up of the waiter now at the head.
+ * script's advised wait, at most the library's poll interval) and runs it again, or holds the
+ * lease at once when the wake-up says a release handed it over. Release: the release script,
+ * which hands the lease to the waiter at the head (or wakes it) and publishes that.
  */
 const rawHandoff = (url: string, durationMs: number): Subject<HandoffRound> => ({
   id: "raw-redis-handoff",
@@ -309,19 +311,31 @@ const rawHandoff = (url: string, durationMs: number): Subject<HandoffRound> => (
         let waiter = ""
         let woken = false
         let wake: (() => void) | undefined
+        let handed = false
         subscribers[who]!.on("message", (_channel: string, message: string) => {
-          if (waiter === "" || message !== `w${waiter}`) return
+          if (waiter === "") return
+          // The release handed this place the lease (`h<place>:<token>:<expiry>`): held, no command.
+          if (message.startsWith(`h${waiter}:`)) handed = true
+          else if (message !== `w${waiter}`) return
           woken = true
           wake?.()
         })
         return async (): Promise<() => Promise<void>> => {
-          const owner = Crypto.randomUUID()
+          let owner = Crypto.randomUUID()
           // Set before the first try: a wake-up that arrives before the answer is not lost.
           waiter = Crypto.randomUUID()
           woken = false
+          handed = false
           for (;;) {
+            if (handed) {
+              owner = waiter
+              break
+            }
             const granted = await raw.acquire(keys, name, owner, waiter)
-            if (granted.token !== null) break
+            if (granted.token !== null) {
+              if (granted.handed) owner = waiter
+              break
+            }
             if (!woken) {
               await new Promise<void>((resolve) => {
                 const timer = setTimeout(resolve, Math.max(1, Math.min(granted.wait ?? RAW_POLL_MS, RAW_POLL_MS)))
@@ -439,9 +453,10 @@ const render = (result: RedisResult): string =>
     ...result.uncontended.flatMap((level) => [`### ${level.concurrency} concurrent ${level.concurrency === 1 ? "worker" : "workers"}`, "", renderThroughput(level.rows), ""]),
     "**Handoff and longest wait.** Same method as scenario 2 " +
     `(${CONTENDERS} contenders, hold ${HOLD_MS} ms). RedisLease: ${CONTENDERS} layers on one name, waiters in its ` +
-    "server-side queue, woken on the wake channel by the release script. Raw: 8 ioredis connections sending the " +
-    "same scripts, each with a subscriber on the channel; a waiter retries the acquire script when the wake-up " +
-    `naming its place arrives (or after the script's advised wait, at most ${RAW_POLL_MS} ms).`,
+    "server-side queue; the release script hands the lease to the waiter at the head and says so on the wake " +
+    "channel. Raw: 8 ioredis connections sending the same scripts, each with a subscriber on the channel; a waiter " +
+    "holds the lease when the message naming its place says it was handed over, and retries the acquire script " +
+    `when it was only woken (or after the script's advised wait, at most ${RAW_POLL_MS} ms).`,
     "",
     renderHandoff(result.handoff)
   ].join("\n")

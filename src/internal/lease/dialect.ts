@@ -71,11 +71,11 @@ export interface LockAcquireAnswer {
   readonly wait: number | null
   readonly behind: boolean
   /**
-   * The token is of a lease a release handed to this request's place (PgLease): the ms it still
+   * The token is of a lease a release handed to this request's place (PgLease, RedisLease): the ms it still
    * had when the store answered. Null otherwise, and on stores that never hand a lease over.
    */
   readonly handedLeft?: number | null | undefined
-  /** The store's clock when it answered (epoch ms), on stores that say (PgLease). */
+  /** The store's clock when it answered (epoch ms), on stores that say (PgLease, RedisLease). */
   readonly now?: number | null | undefined
 }
 

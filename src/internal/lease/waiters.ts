@@ -25,7 +25,7 @@ export interface Subscription {
    * One wait at a time per subscription.
    */
   readonly wait: (mark: number, delay: Duration.Duration) => Effect.Effect<boolean>
-  /** The lease a release handed to this waiter's place, once the hub heard of it (PgLease). */
+  /** The lease a release handed to this waiter's place, once the hub heard of it (PgLease, RedisLease). */
   readonly handed: () => Handed | undefined
 }
 

@@ -128,8 +128,8 @@ export const dialect = (prefix: string, channel: string): Dialect => {
         text: Scripts.acquire,
         encode: (i) => acquireCall(keysOf(i.name), i),
         decode: (rows) => {
-          const [token, wait] = list(reply(rows))
-          return decode.lockAcquire([{ token: token ?? null, wait: wait ?? null }])
+          const [token, wait, handed, left, now] = list(reply(rows))
+          return decode.lockAcquire([{ token: token ?? null, wait: wait ?? null, handed: handed ?? 0, left: left ?? null, now: now ?? null }])
         }
       },
       release: {

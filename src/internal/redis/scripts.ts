@@ -39,7 +39,7 @@
  * **Answers.** Lua `false` is a nil reply; numbers are integer replies; tokens are strings.
  */
 
-import { PLACE_REFRESH_BELOW } from "../lease/place.js"
+import { PLACE_REFRESH_BELOW, PLACE_TTL_MILLIS } from "../lease/place.js"
 
 /** Helpers every script starts with: the server's time, and keeping a key alive until a moment. */
 export const prelude = `
@@ -90,22 +90,40 @@ end
 const AHEAD_SCAN = 100
 /** How many live places at the head a release looks at to find whom to wake. */
 const HEAD_CANDIDATES = 16
+/**
+ * A place written within this many ms is a live waiter's (a waiter writes its place again at
+ * least every 1.5 s, `lease/place`): a release hands such a head the lease. An older place may
+ * be a crashed waiter's, which would keep a handed lease for a whole ttl: it is woken instead.
+ */
+const FRESH_MS = PLACE_TTL_MILLIS / 2
 
 /**
  * One grant attempt.
  * KEYS: lease, queue, places, shared.
  * ARGV: 1 name, 2 owner, 3 waiter, 4 mode, 5 ttl ms, 6 place ms, 7 application, 8 host, 9 pid, 10 take a place ("1"/"0").
- * Answer: { token (string) | nil, wait (ms) | nil }.
+ * Answer: { token (string) | nil, wait (ms) | nil, handed (1 | nil), left (ms) | nil, now (ms) }:
+ * `handed` when the token is of a lease a release handed to this request's place, `left` what
+ * it still has; `now` the server's clock, always (a waiter times a handed lease by it, `lease/handover`).
  */
 export const acquire = `${prelude}${lockHelpers}
 local name, owner, waiter, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local ttl, placeMs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local application, host, pid, takePlace = ARGV[7], ARGV[8], ARGV[9], ARGV[10] == '1'
 
-local h = redis.call('HMGET', leaseKey, 'owner', 'expires', 'last')
+local h = redis.call('HMGET', leaseKey, 'owner', 'expires', 'last', 'token')
 local holderExpires = num(h[2])
 local exclusiveLive = h[1] and holderExpires > nowMs
 local last = num(h[3])
+
+-- A lease a release handed to this request's place (see \`release\`): it holds it already. A place
+-- an attempt that missed the handover took again goes.
+if exclusiveLive and h[1] == waiter then
+  dropPlace(waiter)
+  return { h[4], false, 1, holderExpires - nowMs, nowMs }
+end
+-- Handed to this place and run out before the waiter heard (a lost wake-up, a short ttl): its
+-- turn still, ahead of the places behind it.
+local handedOut = h[1] == waiter
 
 -- This request's place, if it is still live (a place that ran out lost its position).
 local mine = placeOf(waiter)
@@ -143,7 +161,7 @@ end
 local sharedCount, sharedUntil = 0, 0
 if mode == 'exclusive' and not exclusiveLive then sharedCount, sharedUntil = liveShared() end
 
-if not aheadUntil and not exclusiveLive and (mode == 'shared' or sharedCount == 0) then
+if (not aheadUntil or handedOut) and not exclusiveLive and (mode == 'shared' or sharedCount == 0) then
   local token = math.max(last + 1, nowUs)
   local expires = nowMs + ttl
   if mode == 'exclusive' then
@@ -162,7 +180,7 @@ if not aheadUntil and not exclusiveLive and (mode == 'shared' or sharedCount == 
   end
   keepUntil(leaseKey, expires)
   dropPlace(waiter)
-  return { fmt(token), false }
+  return { fmt(token), false, false, false, nowMs }
 end
 
 if takePlace then
@@ -171,6 +189,7 @@ if takePlace then
     -- Kept: written again once at most 4/5 of its time is left (lease/place).
     if mine.expires <= nowMs + placeMs * ${PLACE_REFRESH_BELOW} then
       mine.expires = placeUntil
+      mine.ttl = ttl
       redis.call('HSET', placesKey, waiter, cjson.encode(mine))
       keepUntil(placesKey, placeUntil)
       keepUntil(queueKey, placeUntil)
@@ -180,8 +199,9 @@ if takePlace then
     local score = nowUs
     if tail[2] then score = math.max(score, tonumber(tail[2]) + 1) end
     redis.call('ZADD', queueKey, fmt(score), waiter)
+    -- ttl: the lease a release hands this place (none on a place of a version before the handover).
     redis.call('HSET', placesKey, waiter, cjson.encode({ mode = mode, expires = placeUntil, since = nowMs,
-      application = application, host = host, pid = pid }))
+      application = application, host = host, pid = pid, ttl = ttl }))
     keepUntil(placesKey, placeUntil)
     keepUntil(queueKey, placeUntil)
   end
@@ -193,26 +213,39 @@ local changeAt = nil
 if exclusiveLive then changeAt = holderExpires end
 if sharedCount > 0 and (not changeAt or sharedUntil < changeAt) then changeAt = sharedUntil end
 if aheadUntil and (not changeAt or aheadUntil < changeAt) then changeAt = aheadUntil end
-if changeAt then return { false, math.max(0, changeAt - nowMs) } end
-return { false, false }
+if changeAt then return { false, math.max(0, changeAt - nowMs), false, false, nowMs } end
+return { false, false, false, false, nowMs }
 `
 
 /**
- * Gives back what one request holds of a name: the exclusive lease of `owner`, its shared lease,
- * and the place of `waiter` — all owner-scoped. When this frees the lock (or leaves a place while
- * no exclusive lease is live), the waiters now at the head are woken on the channel: the oldest,
- * and every shared waiter ahead of the oldest exclusive one.
+ * Gives back what one request holds of a name: the exclusive lease of `owner` (or of `waiter`: a
+ * lease a release handed to its place), its shared lease, and the place of `waiter` (or of
+ * `owner`: a handed holder's place, taken again by an attempt that missed the handover) — all
+ * owner-scoped.
+ *
+ * When it frees an exclusive lease and the oldest live place is an exclusive request whose
+ * waiter surely waits (its place written in the last `FRESH_MS`, by a version that records its
+ * ttl), the lease is **handed over** in this script: the place becomes the holder (`owner` = its
+ * id, a token as a grant's, its own ttl from now), its place goes, and `h<place>:<token>:<expiry
+ * ms>` is published: the waiter holds the lease with no command of its own. Otherwise, when this
+ * frees the lock (or leaves a place while no exclusive lease is live), the waiters now at the
+ * head are woken on the channel: the oldest, and every shared waiter ahead of the oldest
+ * exclusive one.
  * KEYS: lease, queue, places, shared. ARGV: 1 name, 2 owner ('' for none), 3 waiter ('' for none), 4 channel.
  * Answer: { released (0/1), woken (count) }.
  */
 export const release = `${prelude}${lockHelpers}
-local owner, waiter, channel = ARGV[2], ARGV[3], ARGV[4]
-local released, freed = 0, false
+local name, owner, waiter, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local released, freed, held = 0, false, false
+local holder = redis.call('HGET', leaseKey, 'owner')
+-- By owner, or by place: a leave racing the handover to its own place frees what it was handed.
+if holder and ((owner ~= '' and holder == owner) or (waiter ~= '' and holder == waiter)) then
+  redis.call('HDEL', leaseKey, 'owner', 'token', 'expires', 'acquired', 'application', 'host', 'pid')
+  released, freed, held = 1, true, true
+  -- A handed holder's place, taken again by an attempt that missed the handover.
+  if holder == owner and redis.call('ZREM', queueKey, owner) == 1 then redis.call('HDEL', placesKey, owner) end
+end
 if owner ~= '' then
-  if redis.call('HGET', leaseKey, 'owner') == owner then
-    redis.call('HDEL', leaseKey, 'owner', 'token', 'expires', 'acquired', 'application', 'host', 'pid')
-    released, freed = 1, true
-  end
   if redis.call('HDEL', sharedKey, owner) == 1 then
     released = 1
     local n = liveShared()
@@ -236,6 +269,18 @@ if freed then
     local p = placeOf(id)
     if not p or p.expires <= nowMs then
       dropPlace(id)
+    elseif live == 0 and held and p.mode == 'exclusive' and p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS} then
+      -- Handed over: the head's place holds the lease from now on, as a grant of its own would.
+      local h = redis.call('HMGET', leaseKey, 'last')
+      local token = math.max(num(h[1]) + 1, nowUs)
+      local expires = nowMs + p.ttl
+      redis.call('HSET', leaseKey, 'name', name, 'owner', id, 'token', fmt(token), 'last', fmt(token),
+        'expires', fmt(expires), 'acquired', fmt(nowMs), 'application', p.application, 'host', p.host, 'pid', p.pid)
+      keepUntil(leaseKey, expires)
+      dropPlace(id)
+      redis.call('PUBLISH', channel, 'h' .. id .. ':' .. fmt(token) .. ':' .. fmt(expires))
+      woken = 1
+      break
     else
       -- The oldest live place, and the shared ones right behind it until the first exclusive.
       if live > 0 and p.mode == 'exclusive' then break end

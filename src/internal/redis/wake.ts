@@ -1,8 +1,9 @@
 /**
  * Wake-ups for RedisLease waiters: pub/sub on ONE channel per prefix (`<prefix>wake`), heard on
  * one shared subscriber connection per layer and fanned out in process. The payloads are
- * PgLease's (`lease/pg/sql`): `w` + a place's id (a release found it at the head), `r` + a lock
- * name (a revoke: every waiter of it), `p` + a nonce (the hub's own health check).
+ * PgLease's (`lease/pg/sql`): `w` + a place's id (a release found it at the head), `h` + a place's
+ * id, token and expiry (a release handed it the lease), `r` + a lock name (a revoke: every waiter
+ * of it), `p` + a nonce (the hub's own health check).
  *
  * The hub is PgLease's (`lease/pg/wake`) over the lane's subscriber: it trusts the subscription
  * only while it proves it hears (it publishes a ping every check interval while anyone waits and
@@ -40,6 +41,7 @@ export const make = (options: RedisWakeOptions, owner: Owner): Effect.Effect<Wak
       subscribeNow: (name, waiter) =>
         Effect.suspend(() => options.isSubscribed() ? inner.subscribeNow(name, waiter) : Effect.zipRight(subscribed, inner.subscribeNow(name, waiter))),
       trusted: inner.trusted,
-      wake: inner.wake
+      wake: inner.wake,
+      onHandedToEnded: inner.onHandedToEnded
     }
   })
