@@ -275,7 +275,7 @@ if freed then
       local token = math.max(num(h[1]) + 1, nowUs)
       local expires = nowMs + p.ttl
       redis.call('HSET', leaseKey, 'name', name, 'owner', id, 'token', fmt(token), 'last', fmt(token),
-        'expires', fmt(expires), 'acquired', fmt(nowMs), 'application', p.application, 'host', p.host, 'pid', p.pid)
+        'expires', fmt(expires), 'acquired', fmt(nowMs), 'application', p.application or '', 'host', p.host or '', 'pid', p.pid or 0)
       keepUntil(leaseKey, expires)
       dropPlace(id)
       redis.call('PUBLISH', channel, 'h' .. id .. ':' .. fmt(token) .. ':' .. fmt(expires))
