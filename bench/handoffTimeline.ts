@@ -109,6 +109,8 @@ const STAGES = [
 ] as const
 type Stages = Record<(typeof STAGES)[number], Array<number>>
 
+const us = (from: Moment, to: Moment) => (to.at - from.at) * 1000
+
 /** Each handoff of the round (releasing, then a grant to another contender) cut into its stages, in µs. */
 const cut = (moments: ReadonlyArray<Moment>, into: Stages, wakeFirst: [number]) => {
   for (let i = 0; i < moments.length; i++) {
@@ -116,50 +118,40 @@ const cut = (moments: ReadonlyArray<Moment>, into: Stages, wakeFirst: [number]) 
     if (start.kind !== "releasing") continue
     const end = moments.findIndex((m, j) => j > i && m.kind === "granted")
     if (end < 0 || moments[end]!.id === start.id) continue
+    const granted = moments[end]!
     const between = moments.slice(i + 1, end)
     const sent = between.find((m) => m.kind === "releaseSent")
+    if (sent === undefined) continue
+    const reply = moments.find((m, j) => j > i && m.kind === "releaseReply" && m.id === sent.id)
     // Handed over by the release: granted from the message (its first copy read), no attempt.
-    const handed = sent === undefined ? undefined : between.find((m) => m.kind === "handed" && m.at > sent.at)
-    if (sent !== undefined && handed !== undefined) {
-      const reply = moments.find((m, j) => j > i && m.kind === "releaseReply" && m.id === sent.id)
-      if (reply === undefined) continue
-      if (reply.at > handed.at) {
-        wakeFirst[0]++
-        continue
-      }
-      const us = (from: Moment, to: Moment) => (to.at - from.at) * 1000
-      into["releasing → release sent"].push(us(start, sent))
-      into["release sent → its reply"].push(us(sent, reply))
-      into["its reply → handover heard"].push(us(reply, handed))
-      into["handover heard → granted"].push(us(handed, moments[end]!))
-      into.handoff.push(us(start, moments[end]!))
-      const other = moments.find((m) => m.kind === "acquireSent" && m.at > reply.at && m.at < handed.at)
-      if (other !== undefined) into["(release's reply → another acquire sent before the wake-up)"].push(us(reply, other))
-      continue
-    }
+    const handed = between.find((m) => m.kind === "handed" && m.at > sent.at)
     const replies = between.filter((m) => m.kind === "acquireReply")
     const lastReply = replies[replies.length - 1]
-    if (sent === undefined || lastReply === undefined) continue
-    // The grant's own attempt (the last one of its request sent before that reply), and the first
-    // copy read of the wake-up that named its place (each layer's subscriber gets one).
-    const acquireSent = between.filter((m) => m.kind === "acquireSent" && m.id === lastReply.id && m.at < lastReply.at).pop()
-    const message = between.find((m) => m.kind === "message" && m.id === lastReply.id && m.at > sent.at)
-    const reply = moments.find((m, j) => j > i && m.kind === "releaseReply" && m.id === sent.id)
-    if (acquireSent === undefined || message === undefined || reply === undefined) continue
+    // Else the grant's own attempt (the last one of its request sent before that reply), and the
+    // first copy read of the wake-up that named its place (each layer's subscriber gets one).
+    const acquireSent = lastReply === undefined
+      ? undefined
+      : between.filter((m) => m.kind === "acquireSent" && m.id === lastReply.id && m.at < lastReply.at).pop()
+    const message = handed ?? (lastReply === undefined ? undefined : between.find((m) => m.kind === "message" && m.id === lastReply.id && m.at > sent.at))
+    if (reply === undefined || message === undefined || (handed === undefined && (acquireSent === undefined || lastReply === undefined))) continue
     // Read before the release's own reply: counted apart, not cut into the stages below.
     if (reply.at > message.at) {
       wakeFirst[0]++
       continue
     }
-    const us = (from: Moment, to: Moment) => (to.at - from.at) * 1000
     into["releasing → release sent"].push(us(start, sent))
     into["release sent → its reply"].push(us(sent, reply))
-    into["its reply → wake-up heard"].push(us(reply, message))
-    into["wake-up → acquire sent"].push(us(message, acquireSent))
-    into["acquire sent → its reply"].push(us(acquireSent, lastReply))
-    into["its reply → granted"].push(us(lastReply, moments[end]!))
-    into.handoff.push(us(start, moments[end]!))
-    // The releaser's own next acquire, when the thread sent it before it read the wake-up.
+    if (handed !== undefined) {
+      into["its reply → handover heard"].push(us(reply, handed))
+      into["handover heard → granted"].push(us(handed, granted))
+    } else {
+      into["its reply → wake-up heard"].push(us(reply, message))
+      into["wake-up → acquire sent"].push(us(message, acquireSent!))
+      into["acquire sent → its reply"].push(us(acquireSent!, lastReply!))
+      into["its reply → granted"].push(us(lastReply!, granted))
+    }
+    into.handoff.push(us(start, granted))
+    // The releaser's own next acquire, when the thread sent it before it read the message.
     const other = moments.find((m) => m.kind === "acquireSent" && m.at > reply.at && m.at < message.at)
     if (other !== undefined) into["(release's reply → another acquire sent before the wake-up)"].push(us(reply, other))
   }

@@ -262,41 +262,34 @@ describeWithRedis("RedisLease", () => {
         yield* command("DEL", ...Keys.keyList(keysFor(name)))
       }))
 
-    it.scopedLive("a head whose place was not written lately is woken, not handed the lease: a dead waiter costs its place, not a ttl", () =>
+    /**
+     * A holder and one waiting place, the place rewritten by `rewrite` (as its waiter would have
+     * left it); the holder's release must then wake the place, not hand it the lease.
+     */
+    const wokenNotHanded = (label: string, rewrite: (place: Record<string, unknown>) => Record<string, unknown>) =>
       Effect.gen(function*() {
-        const name = freshName("redis-handover-stale")
+        const name = freshName(label)
         const heard = yield* published
         const holder = Crypto.randomUUID()
         expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
         const place = Crypto.randomUUID()
         expect((yield* attempt(name, Crypto.randomUUID(), place))[0]).toBeNull()
-        // As a waiter that stopped writing its place 3 s ago leaves it: 2 s left of its 5.
-        const written = JSON.parse(yield* command<string>("HGET", keysFor(name).places, place)) as { expires: number }
-        yield* command("HSET", keysFor(name).places, place, JSON.stringify({ ...written, expires: written.expires - 3_000 }))
+        const written = JSON.parse(yield* command<string>("HGET", keysFor(name).places, place)) as Record<string, unknown>
+        yield* command("HSET", keysFor(name).places, place, JSON.stringify(rewrite(written)))
         expect((yield* release(name, holder, ""))[0]).toBe(1)
         expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
         yield* waitFor("the wake-up", Effect.sync(() => heard.includes(`w${place}`)), Duration.seconds(5))
         expect(heard.some((payload) => payload.startsWith("h"))).toBe(false)
         yield* command("DEL", ...Keys.keyList(keysFor(name)))
-      }))
+      })
+
+    it.scopedLive("a head whose place was not written lately is woken, not handed the lease: a dead waiter costs its place, not a ttl", () =>
+      // As a waiter that stopped writing its place 3 s ago leaves it: 2 s left of its 5.
+      wokenNotHanded("redis-handover-stale", (place) => ({ ...place, expires: Number(place["expires"]) - 3_000 })))
 
     it.scopedLive("a place of a version before the handover (no ttl in it) is woken, not handed the lease: that version cannot hear one", () =>
-      Effect.gen(function*() {
-        const name = freshName("redis-handover-previous")
-        const heard = yield* published
-        const holder = Crypto.randomUUID()
-        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
-        const place = Crypto.randomUUID()
-        expect((yield* attempt(name, Crypto.randomUUID(), place))[0]).toBeNull()
-        // As that version writes it: fresh, but without the ttl a handed lease would run for.
-        const { ttl: _ttl, ...previous } = JSON.parse(yield* command<string>("HGET", keysFor(name).places, place)) as { ttl: number }
-        yield* command("HSET", keysFor(name).places, place, JSON.stringify(previous))
-        expect((yield* release(name, holder, ""))[0]).toBe(1)
-        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
-        yield* waitFor("the wake-up", Effect.sync(() => heard.includes(`w${place}`)), Duration.seconds(5))
-        expect(heard.some((payload) => payload.startsWith("h"))).toBe(false)
-        yield* command("DEL", ...Keys.keyList(keysFor(name)))
-      }))
+      // As that version writes it: fresh, but without the ttl a handed lease would run for.
+      wokenNotHanded("redis-handover-previous", ({ ttl: _ttl, ...previous }) => previous))
 
     it.scopedLive("a leave that races the handover to its own place frees the lease it was handed", () =>
       Effect.gen(function*() {

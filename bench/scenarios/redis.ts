@@ -321,7 +321,7 @@ const rawHandoff = (url: string, durationMs: number): Subject<HandoffRound> => (
           wake?.()
         })
         return async (): Promise<() => Promise<void>> => {
-          let owner = Crypto.randomUUID()
+          let owner: string = Crypto.randomUUID()
           // Set before the first try: a wake-up that arrives before the answer is not lost.
           waiter = Crypto.randomUUID()
           woken = false
