@@ -1365,6 +1365,180 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(Date.now() - freedAt).toBeLessThan(2_000)
     }))
 
+  // Issue 37's handover against the waiter's own deadline. (a) The handover is heard just before
+  // the deadline: its wait ends granted, from the notification. (b) The deadline comes first and
+  // the handover is heard after the request ended: the process that hears it gives it back.
+  it.scoped("a waiter whose deadline passes as the lease is handed to it ends with nothing held, in both orders", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const timeout = Duration.seconds(1)
+      // A handed lease kept by mistake would last this long: far longer than any bound below.
+      const ttl = Duration.seconds(30)
+      // Outlasts the waiter's timeout: the waiter's one long wait is ended only by its deadline or a wake-up.
+      const holderTtl = Duration.seconds(10)
+      /** A waiter of its own (backend, LISTEN, wake hub) whose lane is `gate`'s; `deadline`: its request's, monotonic ms. */
+      const waiterOn = (gate: HandoverGate) =>
+        Effect.gen(function*() {
+          const backend = yield* backendOn(env, { pollInterval: Duration.seconds(5) }, gate.wrap)
+          const deadlines: Array<number> = []
+          const service = yield* DistributedLock.make({
+            ...backend,
+            acquire: (req) =>
+              Effect.suspend(() => {
+                if (Option.isSome(req.deadline)) deadlines.push(req.deadline.value)
+                return backend.acquire(req)
+              })
+          })
+          // Runs before the backend closes: nothing the gate holds outlives the test.
+          yield* Effect.addFinalizer(() => gate.openAll)
+          return { service, deadline: () => deadlines[deadlines.length - 1]! }
+        })
+      /** Once the gate lets go: nothing of `name` held or queued, no statement of the waiter's still held. */
+      const nothingLeft = (gate: HandoverGate, name: string) =>
+        Effect.gen(function*() {
+          yield* gate.open
+          yield* waitFor(
+            `nothing of "${name}" held or queued`,
+            Effect.map(
+              Effect.zip(rowOf(name), placesOf(name)),
+              ([row, places]) => gate.pending() === 0 && row!.owner === null && places === 0
+            ),
+            Duration.seconds(5)
+          )
+        })
+
+      // (a) Heard 50 ms before the deadline, while the waiter is in its wait.
+      {
+        const gate = yield* handoverGate
+        const waiter = yield* waiterOn(gate)
+        const name = freshName("handed-before-deadline")
+        const holderScope = yield* Scope.make()
+        const held = yield* Scope.extend(holder.acquire(name, { ttl: holderTtl }), holderScope)
+        const waiterScope = yield* Scope.make()
+        const waiting = yield* Effect.fork(Effect.either(Scope.extend(waiter.service.acquire(name, { timeout, ttl }), waiterScope)))
+        yield* probe.waitingLong(name)
+        yield* gate.listening
+        // From here the waiter's attempts and leaves wait for the gate: only the notification can grant it.
+        gate.holdAttempts()
+        gate.holdLeaves()
+        yield* Scope.close(holderScope, Exit.void)
+        const handed = yield* handoverHeard(gate, name, held.token)
+        // A timer due 50 ms before the deadline fires before the waiter's own timer for its deadline
+        // (Node runs due timers in the order of their due times), and before the core's deadline
+        // (which ends the wait two event-loop turns after its timer).
+        let atDelivery: { readonly attemptsHeld: number; readonly ended: boolean } | undefined
+        const delay = Math.max(0, waiter.deadline() - 50 - (yield* monotonicMillis))
+        const timer = setTimeout(() => {
+          atDelivery = { attemptsHeld: gate.attemptsHeld(), ended: waiting.unsafePoll() !== null }
+          handed.deliver()
+        }, delay)
+        yield* Effect.addFinalizer(() => Effect.sync(() => clearTimeout(timer)))
+        const result = yield* Fiber.join(waiting)
+        expect(atDelivery).toBeDefined()
+        if (result._tag === "Right") {
+          // Granted the very lease handed to its place, from the notification, with no statement of its own.
+          const lease = result.right
+          expect(lease.token).toBe(handed.token)
+          expect(gate.attemptsHeld(), "attempts sent after the handover").toBe(0)
+          expect(yield* lease.isHeld).toBe(true)
+          expect(yield* rowOf(name)).toMatchObject({ owner: handed.place, token: String(handed.token) })
+          yield* Scope.close(waiterScope, Exit.void)
+          expect((yield* rowOf(name))!.owner).toBeNull()
+        } else {
+          expect(result.left._tag).toBe("LockTimeout")
+          // A timeout is right only where the waiter had left its wait when it heard (its own
+          // timer's attempt on its way, or the request over): never while it still waited.
+          expect(atDelivery!.attemptsHeld > 0 || atDelivery!.ended, "timed out though it heard its handover while waiting").toBe(true)
+          // And the handed lease is given back at once, not held for its 30 s.
+          yield* gate.open
+          yield* waitFor("the handed lease given back", Effect.map(rowOf(name), (row) => row!.owner === null), Duration.seconds(2))
+          yield* Scope.close(waiterScope, Exit.void)
+        }
+        console.log(`PgLease: a handover heard 50 ms before the deadline: ${result._tag === "Right" ? "granted from the notification" : "timed out, the handed lease given back"}`)
+        yield* nothingLeft(gate, name)
+      }
+
+      // (b) The deadline first; the handover, committed while the request waited, heard once it ended.
+      {
+        const gate = yield* handoverGate
+        const waiter = yield* waiterOn(gate)
+        const name = freshName("handed-after-deadline")
+        const holderScope = yield* Scope.make()
+        const held = yield* Scope.extend(holder.acquire(name, { ttl: holderTtl }), holderScope)
+        // Its leave is held (as on its way): the lease handed to its place is given back by the
+        // process that hears the handover, or by nobody.
+        gate.holdLeaves()
+        const waiting = yield* Effect.fork(Effect.either(Effect.scoped(waiter.service.acquire(name, { timeout, ttl }))))
+        yield* probe.waitingLong(name)
+        yield* gate.listening
+        gate.holdAttempts()
+        yield* Scope.close(holderScope, Exit.void)
+        const handed = yield* handoverHeard(gate, name, held.token)
+        const result = yield* Fiber.join(waiting)
+        expect(result._tag === "Left" ? result.left._tag : result._tag).toBe("LockTimeout")
+        // Ended: its place holds the lease, its leave has not landed, and nobody has heard the handover.
+        yield* waitFor("its leave held", Effect.sync(() => gate.pending() > 0), Duration.seconds(2))
+        expect(yield* rowOf(name)).toMatchObject({ owner: handed.place, token: String(handed.token) })
+        expect(yield* placesOf(name)).toBe(0)
+        const deliveredAt = yield* monotonicMillis
+        handed.deliver()
+        yield* waitFor("the lease handed to the ended request given back", Effect.map(rowOf(name), (row) => row!.owner === null), Duration.seconds(2))
+        console.log(`PgLease: a lease handed to a request that timed out given back ${Math.round((yield* monotonicMillis) - deliveredAt)} ms after its notification was heard`)
+        // Given back by the process that heard it: its leave is still held.
+        expect(gate.pending()).toBeGreaterThan(0)
+        yield* nothingLeft(gate, name)
+      }
+    }))
+
+  it.scoped("a handover heard late is counted from the server's expiry, never from when it was heard", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const gate = yield* handoverGate
+      const counted = countingLane()
+      const ttl = Duration.seconds(3)
+      const ttlMillis = Duration.toMillis(ttl)
+      // How late the handover is heard: the delay under test (a slow LISTEN connection, a stalled loop).
+      const late = 300
+      const waiter = yield* backendOn(env, { pollInterval: Duration.seconds(5) }, (lane) => counted.wrap(gate.wrap(lane)))
+      yield* Effect.addFinalizer(() => gate.openAll)
+      const name = freshName("handover-late")
+      const holderScope = yield* Scope.make()
+      // Its lease outlasts the test: the waiter's wait is ended by the notification, or by its 1.5 s retry.
+      const held = yield* Scope.extend(holder.acquire(name, { ttl: Duration.seconds(10) }), holderScope)
+      const waiting = yield* Effect.fork(waiter.acquire(request(name, "wait", ttl)))
+      yield* probe.waitingLong(name)
+      yield* gate.listening
+      const acquiresBefore = counted.byOperation("acquire")
+      yield* Scope.close(holderScope, Exit.void)
+      const handed = yield* handoverHeard(gate, name, held.token)
+      // Delivered `late` ms after it arrived, on the monotonic clock.
+      yield* Effect.sleep(Duration.millis(late))
+      yield* waitFor(`${late} ms since the handover arrived`, Effect.sync(() => performance.now() - handed.heardAt >= late), Duration.seconds(1))
+      handed.deliver()
+      const result = yield* Fiber.join(waiting)
+      if (result._tag !== "Granted") return yield* Effect.dieMessage(`expected a grant, got ${result._tag}`)
+      const grant = result.grant
+      // Granted from the notification: no attempt of its own read the lease.
+      expect(counted.byOperation("acquire")).toBe(acquiresBefore)
+      expect(grant.token).toBe(handed.token)
+      const row = (yield* rowOf(name))!
+      // Read once the store's answer is in: the store's clock read came before it.
+      const readAt = yield* monotonicMillis
+      expect(row).toMatchObject({ owner: grant.owner, token: String(grant.token) })
+      const believed = Option.getOrThrow(grant.validUntil) - readAt
+      console.log(`PgLease: a handover heard ${late} ms late: the waiter believes ${Math.round(believed)} ms left, the store ${Math.round(row.left!)} ms`)
+      // Never more than the store left it, and the time it was not heard is gone from it.
+      expect(believed).toBeLessThanOrEqual(row.left!)
+      expect(ttlMillis - believed).toBeGreaterThanOrEqual(late)
+      // Counted from the expiry, not given up: what it lost is about the delay, not the lease.
+      expect(believed).toBeGreaterThan(ttlMillis - late - 1_000)
+      yield* grant.release
+      expect((yield* rowOf(name))!.owner).toBeNull()
+      expect(yield* placesOf(name)).toBe(0)
+    }))
+
   it.scoped("invalid options fail with LockBackendError, never a defect", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
@@ -1747,6 +1921,104 @@ const statementsOn = async (client: pg.Client, channel: string, name: string, tt
   const release = (owner: string | null, waiter: string | null) => run(dialect.locks.release, { name, owner, waiter })
   return { tables, acquire, release }
 }
+
+/** A handover notification a gate's LISTEN heard and held: `h<place>:<token>:<expiry>`, heard at `at` (`performance.now()`). */
+interface HeldHandover {
+  readonly payload: string
+  readonly at: number
+  delivered: boolean
+  readonly deliver: () => void
+}
+
+/**
+ * A lane wrapper that lets a test time a waiter's handover: the handover notifications (`h…`)
+ * its LISTEN hears are held until the test delivers them; once asked (`holdAttempts`,
+ * `holdLeaves`) it also holds the waiter's lock attempts, and the statements giving up its
+ * place (a leave or an abandon: a release that names a waiting place), until `open`.
+ */
+const handoverGate = Effect.gen(function*() {
+  const opened = yield* Deferred.make<void>()
+  const heard: Array<HeldHandover> = []
+  let pings = 0
+  let holdingAttempts = false
+  let holdingLeaves = false
+  let attemptsHeld = 0
+  let pending = 0
+  const wrap = (lane: Lane.Lane): Lane.Lane => ({
+    ...withRun(lane, <A extends object>(operation: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+      Effect.suspend(() => {
+        const attempt = holdingAttempts && operation === "acquire"
+        const leave = holdingLeaves && operation === "release" && params[2] !== null
+        if (!attempt && !leave) return lane.run<A>(operation, name, text, params, bound)
+        if (attempt) attemptsHeld++
+        pending++
+        return Effect.ensuring(
+          Effect.zipRight(Deferred.await(opened), lane.run<A>(operation, name, text, params, bound)),
+          Effect.sync(() => {
+            pending--
+          })
+        )
+      })),
+    listen: (channel, deliver) =>
+      lane.listen!(channel, (payload) => {
+        if (payload.startsWith("p")) pings++
+        if (!payload.startsWith("h")) return deliver(payload)
+        const entry: HeldHandover = {
+          payload,
+          at: performance.now(),
+          delivered: false,
+          deliver: () => {
+            if (entry.delivered) return
+            entry.delivered = true
+            deliver(payload)
+          }
+        }
+        heard.push(entry)
+      })
+  })
+  const open = Deferred.succeed(opened, undefined)
+  return {
+    wrap,
+    heard,
+    holdAttempts: () => {
+      holdingAttempts = true
+    },
+    holdLeaves: () => {
+      holdingLeaves = true
+    },
+    /** Lock attempts held since `holdAttempts`. */
+    attemptsHeld: () => attemptsHeld,
+    /** Statements held and not yet answered. */
+    pending: () => pending,
+    /** Until its LISTEN has heard a ping: a notification sent from now on reaches it. */
+    listening: waitFor("the waiter's LISTEN hearing", Effect.sync(() => pings > 0), Duration.seconds(5)),
+    open,
+    /** Lets everything go: held statements, and held notifications delivered. */
+    openAll: Effect.zipRight(open, Effect.sync(() => heard.forEach((entry) => entry.deliver())))
+  }
+})
+
+type HandoverGate = Effect.Effect.Success<typeof handoverGate>
+
+/**
+ * Until the lease of `name` was handed (a token above `after`) and `gate` heard its notification:
+ * the place it was handed to, its token, and the held notification.
+ */
+const handoverHeard = (gate: HandoverGate, name: string, after: bigint) =>
+  Effect.gen(function*() {
+    let found: { readonly place: string; readonly token: bigint; readonly heardAt: number; readonly deliver: () => void } | undefined
+    yield* waitFor(
+      `the handover of "${name}" heard`,
+      Effect.map(rowOf(name), (row) => {
+        if (row === undefined || row.owner === null || BigInt(row.token) <= after) return false
+        const entry = gate.heard.find((held) => held.payload.startsWith(`h${row.owner}:${row.token}:`))
+        if (entry !== undefined) found = { place: row.owner, token: BigInt(row.token), heardAt: entry.at, deliver: entry.deliver }
+        return entry !== undefined
+      }),
+      Duration.seconds(5)
+    )
+    return found!
+  })
 
 /** A lane wrapper that counts the statements of each kind the backend sends. */
 function countingLane() {
