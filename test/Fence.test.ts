@@ -1,6 +1,5 @@
 import { SqlClient } from "@effect/sql"
 import { describe, expect, it, layer } from "@effect/vitest"
-import pg from "pg"
 import { Array as Arr, Deferred, Duration, Effect, Either, Fiber, Random, Schedule, Tracer } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as Fence from "effect-lock/Fence"
@@ -8,7 +7,7 @@ import * as FencingToken from "effect-lock/FencingToken"
 import { LockBackendError, StaleFencingToken } from "effect-lock/LockError"
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import { stop, thaw } from "./support/freeze.js"
-import { PgTest, useTestDatabase } from "./support/pg.js"
+import { PgTest, scopedClient, useTestDatabase } from "./support/pg.js"
 
 // First, so that their afterAll (leak check, drop) runs after every pool of this file is closed.
 const db = useTestDatabase("fence")
@@ -655,14 +654,7 @@ layer(PgTest.layer(db, POOL), { excludeTestServices: true })("Fence bounds", (it
       yield* fence.check("late-cancel", token(1))
       const key = 7_023_001
       // Outside the pool: it holds the lock the transaction's next statement waits for, and watches that wait.
-      const admin = yield* Effect.acquireRelease(
-        Effect.promise(async () => {
-          const client = new pg.Client({ connectionString: db.url })
-          await client.connect()
-          return client
-        }),
-        (client) => Effect.promise(() => client.end())
-      )
+      const admin = yield* scopedClient(db.url)
       yield* Effect.promise(() => admin.query("select pg_advisory_lock($1)", [key]))
       // The pool's other connection is kept busy, so a cancel sent through the pool (pg_cancel_backend) waits for it.
       const occupied = yield* Deferred.make<void>()

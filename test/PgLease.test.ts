@@ -29,7 +29,7 @@ import { importEntry } from "../tools/children.js"
 import pg from "pg"
 import { freshName, withYieldBudget } from "./support/contract.js"
 import { makeFaults, withFaults } from "./support/faults.js"
-import { advisoryLocks, PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { advisoryLocks, PgTest, scopedClient, useTestDatabase, withClient } from "./support/pg.js"
 import { type LineWorker, startLineWorker } from "./support/workers.js"
 import { pgLeaseHelpers } from "./support/pgLease.js"
 import { withRun } from "./support/laneRun.js"
@@ -1086,22 +1086,10 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const table = freshName("pglease_waited").replace(/-/g, "_")
       const tables = LeaseSql.parseTables(table)
       if (typeof tables === "string") throw new Error(tables)
-      const creator = yield* Effect.acquireRelease(
-        Effect.promise(async () => {
-          const client = new pg.Client({ connectionString: db.url })
-          await client.connect()
-          return client
-        }),
-        (client) => Effect.promise(() => client.end())
-      )
-      const inFlight = yield* Effect.acquireRelease(
-        Effect.promise(async () => {
-          const client = new pg.Client({ connectionString: db.url })
-          await client.connect()
-          return client
-        }),
-        (client) => Effect.promise(() => client.query("rollback").then(() => client.end()))
-      )
+      const creator = yield* scopedClient(db.url)
+      const inFlight = yield* scopedClient(db.url)
+      // Its transaction ends before the session does (finalizers run in reverse).
+      yield* Effect.addFinalizer(() => Effect.promise(() => inFlight.query("rollback")))
       // Another creator holds the creation lock (session level: the same lock space as the
       // statement's transaction-level one) while the tables are still missing.
       const key = LockKey.advisoryKey(tables.leases.text, LeaseSql.DDL_NAMESPACE).toString()

@@ -21,6 +21,7 @@ import type { Lane } from "effect-lock/internal/lease/lane"
 import { freshName, holdFor } from "./support/contract.js"
 import { withRun } from "./support/laneRun.js"
 import { waitFor } from "./support/eventually.js"
+import { onceRequest } from "./support/requests.js"
 import { describeWithRedis, useInspector, useRedis } from "./support/redis.js"
 
 // First, so that its afterAll (stopping the server) runs after every layer and client is closed.
@@ -202,16 +203,7 @@ describeWithRedis("RedisLease", () => {
         const letGo = yield* holdFor(holder, name)
         const held = BigInt((yield* command<string>("HGET", keysFor(name).lease, "token")))
         const backend = yield* Make.makeBackend({ url: redis.url(), ttl: Duration.seconds(3), pollInterval: Duration.seconds(10) })
-        const waiting = yield* Effect.fork(backend.acquire({
-          name,
-          mode: "exclusive",
-          attempt: "wait",
-          ttl: Duration.seconds(3),
-          deadline: Option.none(),
-          interruptible: (step) => step,
-          waitUntilDeadline: (step) => Effect.asSome(step),
-          onLost: () => Effect.void
-        }))
+        const waiting = yield* Effect.fork(backend.acquire(onceRequest(name, Duration.seconds(3), "wait")))
         yield* waitFor("the waiter's place", Effect.map(command<number>("ZCARD", keysFor(name).queue), (n) => n === 1), Duration.seconds(5))
         yield* letGo
         const result = yield* Fiber.join(waiting)

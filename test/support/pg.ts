@@ -7,7 +7,7 @@
  */
 import type { SqlClient, SqlError } from "@effect/sql"
 import { PgClient } from "@effect/sql-pg"
-import { Effect, Layer, Redacted } from "effect"
+import { Effect, Layer, Redacted, type Scope } from "effect"
 import * as Crypto from "node:crypto"
 import pg from "pg"
 import { afterAll, beforeAll, inject } from "vitest"
@@ -75,6 +75,17 @@ const closeHarnessPool = async (url: string): Promise<void> => {
   // lock); the forced drop that follows terminates them.
   await withTimeout(pool?.end() ?? Promise.resolve(), HARNESS_CLOSE_MS, "closing the harness's sessions").catch(() => {})
 }
+
+/** A raw session of its own for the enclosing scope (a test's second party), ended with it. */
+export const scopedClient = (url: string): Effect.Effect<pg.Client, never, Scope.Scope> =>
+  Effect.acquireRelease(
+    Effect.promise(async () => {
+      const client = new pg.Client({ connectionString: url })
+      await client.connect()
+      return client
+    }),
+    (client) => Effect.promise(() => client.end())
+  )
 
 /**
  * Runs `f` on a raw session (named as the harness), as a fresh one: a kept session is handed back
