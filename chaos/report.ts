@@ -80,7 +80,7 @@ const resultRows = (runs: ReadonlyArray<BackendRun>): Array<Array<string>> => {
     row("faults injected", (c) => String(FAULT_KINDS.reduce((n, kind) => n + c.faultsByKind[kind].injected, 0))),
     row("rounds (accepted writes)", (c) => String(c.rounds)),
     row("acquisitions", (c) => String(c.acquisitions)),
-    row("takeovers (grant before the previous holder released)", (c) => String(c.takeovers)),
+    row("takeovers (grant logged before the previous holder logged its release: after a lost lease, or a handover, which grants inside the release)", (c) => String(c.takeovers)),
     row("writes refused by the fence", (c) => String(c.refusals)),
     row("losses reported, by reason", (c) => tally(c.lossesByReason)),
     row("worker errors, by tag", (c) => tally(c.errorsByTag)),
