@@ -7,8 +7,9 @@
  *   (its lock commands go on ONE connection) beside one raw ioredis client sending the acquire
  *   and release scripts in a loop; each row in a process of its own, interleaved in rounds;
  * - handoff and longest wait: 8 contenders on one name (acquire → hold 1 ms → release), 8
- *   layers against 8 raw waiters that each subscribe to the wake channel and retry the acquire
- *   script when their place is woken;
+ *   layers against 8 raw waiters that each subscribe to the wake channel, hold the lease when
+ *   the release script says it handed it to their place, and retry the acquire script when
+ *   their place is only woken;
  * - peers (information only): effect-distributed-lock and redlock, an uncontended loop each,
  *   against a raw `SET NX PX` + compare-and-delete floor.
  *
