@@ -70,6 +70,7 @@ const CONTRACT_TTL = Duration.sum(LIVE_CONTRACT_TTL, Duration.seconds(1))
 contractSuite("SqliteLease", {
   clock: "live",
   ttl: CONTRACT_TTL,
+  renewalCasesAlone: true,
   // The default poll (50 ms), not 20: every waiter's poll takes the file's one write lock, and the
   // cases run side by side in one event loop, where each busy wait blocks it (up to busyTimeout).
   // At 20 ms, two fresh-clone runs at 2c45e50's parent lost leases to renewals that waited.
