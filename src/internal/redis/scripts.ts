@@ -271,8 +271,7 @@ if freed then
       dropPlace(id)
     elseif live == 0 and held and p.mode == 'exclusive' and p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS} then
       -- Handed over: the head's place holds the lease from now on, as a grant of its own would.
-      local h = redis.call('HMGET', leaseKey, 'last')
-      local token = math.max(num(h[1]) + 1, nowUs)
+      local token = math.max(num(redis.call('HGET', leaseKey, 'last')) + 1, nowUs)
       local expires = nowMs + p.ttl
       redis.call('HSET', leaseKey, 'name', name, 'owner', id, 'token', fmt(token), 'last', fmt(token),
         'expires', fmt(expires), 'acquired', fmt(nowMs), 'application', p.application or '', 'host', p.host or '', 'pid', p.pid or 0)

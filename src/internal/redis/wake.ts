@@ -35,13 +35,13 @@ export const make = (options: RedisWakeOptions, owner: Owner): Effect.Effect<Wak
   Effect.map(PgWake.make({ ...options, mode: "always" }, owner), (inner): WakeHub => {
     // Never fails: without the subscription the waiter polls (the hub is not trusted meanwhile).
     const subscribed = Effect.ignore(options.ensureSubscribed(options.subscribeBound))
+    // PgLease's hub with its subscribe steps replaced: every other part of it (wake, trusted, the
+    // give-back of a lease handed to an ended request) is the same, whatever the hub grows.
     return {
+      ...inner,
       subscribe: (name, waiter) => Effect.zipRight(subscribed, inner.subscribe(name, waiter)),
       // Every waiting acquire's path: already subscribed, nothing to make sure of first.
       subscribeNow: (name, waiter) =>
-        Effect.suspend(() => options.isSubscribed() ? inner.subscribeNow(name, waiter) : Effect.zipRight(subscribed, inner.subscribeNow(name, waiter))),
-      trusted: inner.trusted,
-      wake: inner.wake,
-      onHandedToEnded: inner.onHandedToEnded
+        Effect.suspend(() => options.isSubscribed() ? inner.subscribeNow(name, waiter) : Effect.zipRight(subscribed, inner.subscribeNow(name, waiter)))
     }
   })

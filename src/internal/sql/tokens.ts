@@ -113,12 +113,13 @@ export const ensureTokens = (seq: TableRef, tables: ReadonlyArray<Guarded>): str
       perform setval(${regclass(seq)}, greatest((select last_value from ${seq.sql}), (select coalesce(max(token), 0) from ${table.sql})), true);
     end if;`
   ).join("\n    ")
+  const anyMissing = `to_regclass('${seq.sql}') is null or ${missing.join(" or ")}`
   return `do $effect_lock_tokens$
 begin
-  if to_regclass('${seq.sql}') is null or ${missing.join(" or ")} then
+  if ${anyMissing} then
     perform pg_advisory_xact_lock(${advisoryKey(seq.text, DDL_NAMESPACE)});
     -- Again under the lock: an installer that waited for another's commit finds nothing to do.
-    if to_regclass('${seq.sql}') is null or ${missing.join(" or ")} then
+    if ${anyMissing} then
       create sequence if not exists ${seq.sql};
       create or replace function ${fn}() returns trigger language plpgsql as $guard$
       declare
