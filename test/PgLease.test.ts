@@ -28,6 +28,7 @@ import { fileURLToPath } from "node:url"
 import { importEntry } from "../tools/children.js"
 import pg from "pg"
 import { freshName, withYieldBudget } from "./support/contract.js"
+import { eventually } from "./support/eventually.js"
 import { makeFaults, withFaults } from "./support/faults.js"
 import { advisoryLocks, PgTest, scopedClient, useTestDatabase, withClient } from "./support/pg.js"
 import { type LineWorker, startLineWorker } from "./support/workers.js"
@@ -513,6 +514,67 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* query(`delete from ${PgLease.DEFAULT_TABLE}_queue where owner = $1`, [place])
     }))
 
+  it.scoped("a waiter whose process dies within 2.5 s of its last retry is handed the lease and holds it for one ttl, as a crashed holder does: the live waiter behind it is granted only once that ttl ran out, its token above both", () =>
+    Effect.gen(function*() {
+      const DEAD_TTL_MS = 2_000
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      // A holder far from running out: only its release frees the name.
+      const holder = yield* processOn(env, { ttl: Duration.seconds(30) })
+      const name = freshName("handover-dead")
+      const holderScope = yield* Scope.make()
+      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      // The waiter in a process of its own, asking for a 2 s lease: it takes its place, then is SIGKILLed.
+      const worker = yield* Effect.acquireRelease(Effect.promise(() => startWorker(db.url)), (w) => Effect.promise(() => w.kill()))
+      void worker.command(`acquire ${name} ${DEAD_TTL_MS}`, `acquired ${name}`).catch(() => {})
+      const placeOf = query<{ owner: string; left: number; ttl: string | null }>(
+        `select owner::text as owner, (extract(epoch from expires_at - clock_timestamp()) * 1000)::float8 as left, ttl_ms::text as ttl
+         from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null`,
+        [name]
+      )
+      const [dead] = yield* eventually("the worker's place", placeOf, (rows) => rows.length === 1, 10_000)
+      yield* Effect.promise(() => worker.kill())
+      expect(dead!.ttl).toBe(String(DEAD_TTL_MS))
+      // A live waiter queued behind the dead one; it polls only every 5-10 s, so its retries come
+      // on the place's schedule (1.5 s) or when what it was told could change (a lease's expiry).
+      const live = yield* processOn(env, { pollInterval: Duration.seconds(10) })
+      const next = yield* Effect.fork(Effect.scoped(Effect.flatMap(live.acquire(name), (lease) =>
+        // The server's own time of the grant (its now() in the granting statement).
+        Effect.map(
+          query<{ at: number }>(`select (extract(epoch from acquired_at) * 1000)::float8 as at from ${PgLease.DEFAULT_TABLE} where name = $1`, [name]),
+          (rows) => ({ token: lease.token, at: rows[0]!.at })
+        ))))
+      yield* waitFor("both places", Effect.map(placesOf(name), (n) => n === 2), Duration.seconds(5))
+      yield* probe.waiting(name)
+      // Nothing refreshes the dead place since the kill: it was written 5 s - left ago, within the last 2.5 s.
+      const [still] = yield* placeOf.pipe(Effect.map((rows) => rows.filter((row) => row.owner === dead!.owner)))
+      console.log(`PgLease: the dead waiter's place was written ${Math.round(5_000 - still!.left)} ms before the release`)
+      expect(still!.left).toBeGreaterThan(2_500 + 500)
+      yield* Scope.close(holderScope, Exit.void)
+      // (a) Handed to the dead waiter's place, for its own ttl, by the release itself.
+      const handed = (yield* query<{ owner: string; token: string; expires: number; left: number }>(
+        `select owner::text as owner, token::text as token, (extract(epoch from expires_at) * 1000)::float8 as expires,
+           (extract(epoch from expires_at - clock_timestamp()) * 1000)::float8 as left
+         from ${PgLease.DEFAULT_TABLE} where name = $1`,
+        [name]
+      ))[0]!
+      expect(handed.owner).toBe(dead!.owner)
+      expect(handed.left).toBeLessThanOrEqual(DEAD_TTL_MS)
+      expect(handed.left).toBeGreaterThan(DEAD_TTL_MS - 1_000)
+      // (b) Nobody renews it and nobody releases it: the live waiter is granted once it ran out
+      // (both times the server's), and soon after: it was told the handed lease's expiry at its
+      // next retry (within 1.5 s, before the expiry) and retries then (README: never later than
+      // the holder's expiry), not on its 1.5 s schedule, which would come about 1 s after the expiry here.
+      const granted = yield* Fiber.join(next).pipe(Effect.timeout(Duration.seconds(10)))
+      const after = granted.at - handed.expires
+      console.log(`PgLease: the live waiter was granted ${Math.round(after)} ms (server time) after the dead waiter's handed lease ran out`)
+      expect(after).toBeGreaterThanOrEqual(0)
+      expect(after).toBeLessThan(500)
+      // (c) Tokens still strictly increase: the releaser's, the handed lease's, the live waiter's.
+      expect(BigInt(handed.token) > held.token).toBe(true)
+      expect(granted.token > BigInt(handed.token)).toBe(true)
+      expect(yield* placesOf(name)).toBe(0)
+    }), { timeout: 30_000 })
+
   it.scoped("without notifications a waiter still acquires by polling", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
@@ -802,7 +864,21 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         query<{ at: number }>(`select (extract(epoch from acquired_at) * 1000)::float8 as at from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])
       )))
       yield* probe.waiting(name)
+      // Released once the dead place is older than a release hands a lease to (2.5 s): then it is
+      // woken, not handed the lease (that case, one ttl held, is the test above), and costs its place.
+      yield* waitFor(
+        "the dead waiter's place to be older than 2.5 s",
+        Effect.map(
+          query<{ left: number }>(
+            `select (extract(epoch from expires_at - now()) * 1000)::float8 as left from ${PgLease.DEFAULT_TABLE}_queue where name = $1 order by seq limit 1`,
+            [name]
+          ),
+          (rows) => rows[0] !== undefined && rows[0].left < 2_400
+        ),
+        Duration.seconds(5)
+      )
       yield* Scope.close(holderScope, Exit.void)
+      expect((yield* rowOf(name))!.owner).toBeNull()
       const [granted] = yield* Fiber.join(next)
       const after = granted!.at - placeEnds
       console.log(`PgLease: the lock was granted ${Math.round(after)} ms (server time) after the dead waiter's place ran out`)
@@ -1777,6 +1853,60 @@ describeWithPgBouncer("PgLease behind PgBouncer in transaction mode", () => {
       expect(taker > stale.token).toBe(true)
       expect(yield* backendA.renew([stale])).toEqual([{ _tag: "Lost", reason: "stolen" }])
       yield* stale.release
+    }), { timeout: 30_000 })
+
+  it.scopedLive("a waiter that polls finds the lease its holder's release handed to its place: no attempt of its own took it, one attempt after the release answered it was handed, with the token the release wrote", () =>
+    Effect.gen(function*() {
+      const bouncer = yield* Effect.acquireRelease(
+        Effect.promise(() => startPgBouncer({ targetUrl: db.url, poolMode: "transaction", defaultPoolSize: 3 })),
+        (b) => Effect.promise(() => b.stop())
+      )
+      const name = freshName("bouncer-handover")
+      // What each of the waiter's attempts at `name` answered: granted (its own grant, or one
+      // handed to its place) or not. Columns of PgLease's acquire statement.
+      const answers: Array<{ readonly token: string | null; readonly handed: boolean }> = []
+      const recording = (lane: Lane.Lane): Lane.Lane =>
+        withRun(lane, <A extends object>(operation: string, about: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+          operation === "acquire" && about === name
+            ? Effect.tap(lane.run<A>(operation, about, text, params, bound), (sent) =>
+              Effect.sync(() => {
+                const row = sent.rows[0] as unknown as { readonly token: string | null; readonly handed: boolean }
+                answers.push({ token: row.token, handed: row.handed })
+              }))
+            : lane.run<A>(operation, about, text, params, bound))
+      // A holder far from running out (only its release frees the name), and a waiter whose polls
+      // are 5-10 s apart: its retries come on the place's schedule, every 1.5 s.
+      const holder = yield* Effect.flatMap(poolOn(bouncer.url), (env) => processOn(env, { ttl: Duration.seconds(30) }))
+      const waiter = yield* Effect.flatMap(poolOn(bouncer.url), (env) => backendOn(env, { pollInterval: Duration.seconds(10) }, recording))
+      const holderScope = yield* Scope.make()
+      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const waiting = yield* Effect.fork(waiter.acquire(request(name, "wait", Duration.seconds(3))))
+      yield* probe.waitingLong(name)
+      const [place] = yield* query<{ owner: string }>(
+        `select owner::text as owner from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null and expires_at > now()`,
+        [name]
+      )
+      expect(place).toBeDefined()
+      yield* Scope.close(holderScope, Exit.void)
+      const releasedAt = performance.now()
+      // Handed by the release itself: the waiter's place holds the row (an attempt's own grant
+      // would name that attempt's owner, never the place).
+      const row = (yield* rowOf(name))!
+      expect(row.owner).toBe(place!.owner)
+      expect(BigInt(row.token) > held.token).toBe(true)
+      // Nothing is heard through the pooler: the waiter learns it at its next poll, within its
+      // 1.5 s retry interval (and a statement through the pooler).
+      const result = yield* Fiber.join(waiting).pipe(Effect.timeout(Duration.seconds(5)))
+      const tookMs = performance.now() - releasedAt
+      console.log(`PgLease behind PgBouncer: a handed lease found by the waiter's poll ${Math.round(tookMs)} ms after the release`)
+      if (result._tag !== "Granted") return yield* Effect.dieMessage(`expected a grant, got ${result._tag}`)
+      expect({ owner: result.grant.owner, token: result.grant.token }).toEqual({ owner: place!.owner, token: BigInt(row.token) })
+      expect(tookMs).toBeLessThan(1_500 + 500)
+      // Found by a poll: exactly one attempt answered "handed", with that token; none took it itself.
+      expect(answers.filter((answer) => answer.handed)).toEqual([{ token: row.token, handed: true }])
+      expect(answers.filter((answer) => answer.token !== null && !answer.handed)).toEqual([])
+      yield* result.grant.release
+      expect((yield* rowOf(name))!.owner).toBeNull()
     }), { timeout: 30_000 })
 })
 

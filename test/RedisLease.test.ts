@@ -20,7 +20,8 @@ import * as Crypto from "node:crypto"
 import type { Lane } from "effect-lock/internal/lease/lane"
 import { freshName, holdFor } from "./support/contract.js"
 import { withRun } from "./support/laneRun.js"
-import { waitFor } from "./support/eventually.js"
+import { eventually, waitFor } from "./support/eventually.js"
+import { startLineWorker } from "./support/workers.js"
 import { onceRequest } from "./support/requests.js"
 import { describeWithRedis, useInspector, useRedis } from "./support/redis.js"
 
@@ -325,6 +326,65 @@ describeWithRedis("RedisLease", () => {
         // Well within the 30 s the handed lease would have lasted.
         expect(performance.now() - freedAt).toBeLessThan(2_000)
       }))
+
+    it.scopedLive("a waiter whose process dies within 2.5 s of its last retry is handed the lease and holds it for one ttl, as a crashed holder does: the live waiter behind it is granted only once that ttl ran out, its token above both", () =>
+      Effect.gen(function*() {
+        const DEAD_TTL_MS = 2_000
+        const name = freshName("redis-handover-dead")
+        const keys = keysFor(name)
+        const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
+        // A holder far from running out: only its release frees the name.
+        const holder = yield* node({ ttl: Duration.seconds(30) })
+        const letGo = yield* holdFor(holder, name)
+        const held = BigInt(yield* command<string>("HGET", keys.lease, "token"))
+        // The waiter in a process of its own, asking for a 2 s lease: it takes its place, then is SIGKILLed.
+        const worker = yield* Effect.acquireRelease(
+          Effect.promise(async () => {
+            const started = startLineWorker("test/fixtures/redis-lease-worker.ts", [redis.url()])
+            await started.ready
+            return started
+          }),
+          (w) => Effect.promise(() => w.kill())
+        )
+        void worker.command(`acquire ${name} ${DEAD_TTL_MS}`, `acquired ${name}`).catch(() => {})
+        const [dead] = yield* eventually("the worker's place", command<Array<string>>("ZRANGE", keys.queue, 0, -1), (ids) => ids.length === 1, 10_000)
+        yield* Effect.promise(() => worker.kill())
+        const placeOf = (id: string) =>
+          Effect.map(command<string>("HGET", keys.places, id), (json) => JSON.parse(json) as { readonly expires: number; readonly ttl: number })
+        expect((yield* placeOf(dead!)).ttl).toBe(DEAD_TTL_MS)
+        // A live waiter queued behind the dead one; its subscription hears no wake-up for it (the
+        // release hands the lease on), so it retries on the place's schedule (1.5 s) or when what
+        // it was told could change (a lease's expiry).
+        const live = yield* node({ pollInterval: Duration.seconds(10) })
+        const next = yield* Effect.fork(Effect.scoped(Effect.flatMap(live.acquire(name), (lease) =>
+          // The server's own time of the grant (the acquire script's TIME).
+          Effect.map(command<string>("HGET", keys.lease, "acquired"), (at) => ({ token: lease.token, at: Number(at) })))))
+        yield* waitFor("both places", Effect.map(command<number>("ZCARD", keys.queue), (n) => n === 2), Duration.seconds(5))
+        // Nothing refreshes the dead place since the kill: it was written 5 s - left ago, within the last 2.5 s.
+        const left = (yield* placeOf(dead!)).expires - (yield* serverNow)
+        console.log(`RedisLease: the dead waiter's place was written ${5_000 - left} ms before the release`)
+        expect(left).toBeGreaterThan(2_500 + 500)
+        yield* letGo
+        // (a) Handed to the dead waiter's place, for its own ttl, by the release itself.
+        const [owner, token, expiresText] = yield* command<[string, string, string]>("HMGET", keys.lease, "owner", "token", "expires")
+        const expires = Number(expiresText)
+        expect(owner).toBe(dead)
+        expect(expires - (yield* serverNow)).toBeLessThanOrEqual(DEAD_TTL_MS)
+        expect(expires - (yield* serverNow)).toBeGreaterThan(DEAD_TTL_MS - 1_000)
+        // (b) Nobody renews it and nobody releases it: the live waiter is granted once it ran out
+        // (both times the server's), and soon after: it was told the handed lease's expiry at its
+        // next retry (within 1.5 s, before the expiry) and retries then (README: never later than
+        // the holder's expiry), not on its 1.5 s schedule, which would come about 1 s after the expiry here.
+        const granted = yield* Fiber.join(next).pipe(Effect.timeout(Duration.seconds(10)))
+        const after = granted.at - expires
+        console.log(`RedisLease: the live waiter was granted ${after} ms (server time) after the dead waiter's handed lease ran out`)
+        expect(after).toBeGreaterThanOrEqual(0)
+        expect(after).toBeLessThan(500)
+        // (c) Tokens still strictly increase: the releaser's, the handed lease's, the live waiter's.
+        expect(BigInt(token) > held).toBe(true)
+        expect(granted.token > BigInt(token)).toBe(true)
+        expect(yield* command<number>("ZCARD", keys.queue)).toBe(0)
+      }), { timeout: 30_000 })
   })
 
   describe("bounds", () => {
