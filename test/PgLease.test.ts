@@ -514,7 +514,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* query(`delete from ${PgLease.DEFAULT_TABLE}_queue where owner = $1`, [place])
     }))
 
-  it.scoped("a waiter whose process dies within 2.5 s of its last retry is handed the lease and holds it for one ttl, as a crashed holder does: the live waiter behind it is granted only once that ttl ran out, its token above both", () =>
+  it.scoped("a waiter whose process dies while its place is fresh (written less than 2.5 s before the release) is handed the lease and holds it for one ttl, as a crashed holder does: the live waiter behind it is granted only once that ttl ran out, its token above both", () =>
     Effect.gen(function*() {
       const DEAD_TTL_MS = 2_000
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()

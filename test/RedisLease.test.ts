@@ -327,7 +327,7 @@ describeWithRedis("RedisLease", () => {
         expect(performance.now() - freedAt).toBeLessThan(2_000)
       }))
 
-    it.scopedLive("a waiter whose process dies within 2.5 s of its last retry is handed the lease and holds it for one ttl, as a crashed holder does: the live waiter behind it is granted only once that ttl ran out, its token above both", () =>
+    it.scopedLive("a waiter whose process dies while its place is fresh (written less than 2.5 s before the release) is handed the lease and holds it for one ttl, as a crashed holder does: the live waiter behind it is granted only once that ttl ran out, its token above both", () =>
       Effect.gen(function*() {
         const DEAD_TTL_MS = 2_000
         const name = freshName("redis-handover-dead")
