@@ -470,6 +470,197 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect((yield* rowOf(name))!.owner).toBeNull()
     }))
 
+  it.scoped("a release that frees an exclusive lease hands a shared lease to every shared request at the head: each granted from its notification with no statement of its own, tokens above the releaser's and distinct; the exclusive request queued behind them gets the lock once both let go", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const counted = countingLane()
+      const readers = yield* Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(5) }, counted.wrap), DistributedLock.make)
+      const writer = yield* processOn(env, { pollInterval: Duration.seconds(5) })
+      const released = yield* releaseNotifications
+      const name = freshName("handover-shared")
+      const holderScope = yield* Scope.make()
+      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const granted = yield* Queue.unbounded<FencingToken.FencingToken>()
+      const letGo = yield* Deferred.make<void>()
+      const reader = Effect.scoped(Effect.flatMap(readers.acquire(name, { mode: "shared" }), (lease) =>
+        Effect.zipRight(Queue.offer(granted, lease.token), Deferred.await(letGo))))
+      // Places in this order: two readers, then the writer.
+      const r1 = yield* Effect.fork(reader)
+      yield* waitFor("the first reader's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
+      const r2 = yield* Effect.fork(reader)
+      yield* waitFor("the second reader's place", Effect.map(placesOf(name), (n) => n === 2), Duration.seconds(5))
+      const w = yield* Effect.fork(Effect.scoped(Effect.map(writer.acquire(name), (lease) => lease.token)))
+      yield* waitFor("the writer's place", Effect.map(placesOf(name), (n) => n === 3), Duration.seconds(5))
+      // Each reader has sent its first attempt and its look-again; with polls 5 s apart, nothing
+      // more until its place's refresh (1.5 s after) or a notification.
+      yield* waitFor("both readers' look-again", Effect.sync(() => counted.byOperation("acquire") >= 4), Duration.seconds(5))
+      yield* probe.settle
+      const acquiresBefore = counted.byOperation("acquire")
+      yield* Scope.close(holderScope, Exit.void)
+      const t1 = yield* Queue.take(granted).pipe(Effect.timeout(Duration.seconds(2)))
+      const t2 = yield* Queue.take(granted).pipe(Effect.timeout(Duration.seconds(2)))
+      // Handed over: both readers hold, and neither sent a statement for it.
+      expect(counted.byOperation("acquire")).toBe(acquiresBefore)
+      expect(t1 > held.token && t2 > held.token && t1 !== t2).toBe(true)
+      // This test's own listener is another connection: its copies of the notifications may lag.
+      yield* waitFor(
+        "both handovers' notifications",
+        Effect.sync(() => [t1, t2].every((token) => released.some((payload) => payload.startsWith("h") && payload.includes(`:${token}:`)))),
+        Duration.seconds(2)
+      )
+      expect((yield* rowOf(name))!.owner).toBeNull()
+      expect(yield* sharedCount(name)).toBe(2)
+      expect((yield* sharedRows(name)).map((row) => row.token).sort()).toEqual([String(t1), String(t2)].sort())
+      // The writer still waits behind both shared holders, in its place.
+      expect(Option.isNone(yield* Fiber.poll(w))).toBe(true)
+      expect(yield* placesOf(name)).toBe(1)
+      yield* Deferred.succeed(letGo, undefined)
+      yield* Fiber.join(r1)
+      yield* Fiber.join(r2)
+      const last = yield* Fiber.join(w).pipe(Effect.timeout(Duration.seconds(3)))
+      expect(last > t1 && last > t2).toBe(true)
+      expect(yield* sharedRows(name)).toEqual([])
+    }))
+
+  it.scoped("a shared waiter that misses the handover's notification finds the shared lease handed to it at its next attempt, and holds it like a grant of its own: renewed past its ttl, released", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const waiter = yield* processOn(env, { listen: false, pollInterval: Duration.millis(200) })
+      const name = freshName("handover-shared-missed")
+      const holderScope = yield* Scope.make()
+      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const letGo = yield* Deferred.make<void>()
+      const got = yield* Deferred.make<FencingToken.FencingToken>()
+      const reading = yield* Effect.fork(Effect.scoped(Effect.flatMap(waiter.acquire(name, { mode: "shared" }), (lease) =>
+        Effect.zipRight(Deferred.succeed(got, lease.token), Effect.zipRight(Deferred.await(letGo), lease.isHeld)))))
+      yield* waitFor("the reader's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
+      yield* Scope.close(holderScope, Exit.void)
+      // Handed at the release (nobody hears it): the reader's place is its holding row before it asks again.
+      const [row] = yield* sharedRows(name)
+      expect(row).toBeDefined()
+      expect(BigInt(row!.token) > held.token).toBe(true)
+      expect(yield* Deferred.await(got).pipe(Effect.timeout(Duration.seconds(2)))).toBe(BigInt(row!.token))
+      expect(yield* placesOf(name)).toBe(0)
+      // Held like any shared grant: renewed past the file's ttl, then freed by its release.
+      yield* Effect.sleep(Duration.millis(Duration.toMillis(TTL) + 500))
+      yield* Deferred.succeed(letGo, undefined)
+      expect(yield* Fiber.join(reading)).toBe(true)
+      expect(yield* sharedRows(name)).toEqual([])
+      expect(yield* sharedCount(name)).toBe(0)
+    }))
+
+  it.scoped("a shared head whose place was not written lately is woken, not handed: a release hands the shared heads a lease only when every one of them surely waits", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const released = yield* releaseNotifications
+      const name = freshName("handover-shared-stale")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      // Two shared places, the first as a waiter that stopped retrying 3 s ago would leave it.
+      const stale = Crypto.randomUUID()
+      const fresh = Crypto.randomUUID()
+      yield* query(
+        `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
+         values ($1, $3, 'shared', now() + interval '2 seconds', now(), 5000), ($2, $3, 'shared', now() + interval '5 seconds', now(), 5000)`,
+        [stale, fresh, name]
+      )
+      yield* Scope.close(holderScope, Exit.void)
+      // Both woken to try, none handed a lease.
+      yield* waitFor("both wake-ups", Effect.sync(() => released.includes(`w${stale}`) && released.includes(`w${fresh}`)), Duration.seconds(5))
+      expect(released.some((payload) => payload.startsWith(`h${stale}`) || payload.startsWith(`h${fresh}`))).toBe(false)
+      expect(yield* sharedRows(name)).toEqual([])
+      expect(yield* sharedCount(name)).toBe(0)
+      yield* query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+    }))
+
+  it.scoped("a waiter's leave whose statement fails is retried: the place of a waiter that timed out is gone within the leave's bound, not left for its 5 s", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const name = freshName("leave-retried")
+      // The waiter's first leave of `name` fails as a lost connection would (the store never saw it).
+      let failed = 0
+      const failing = (lane: Lane.Lane): Lane.Lane =>
+        withRun(lane, (operation, about, text, params, bound) =>
+          operation === "release" && about === name && params[1] === null && failed === 0
+            ? Effect.suspend(() => {
+              failed++
+              return Effect.fail(new LockBackendError({ operation, name: about, cause: new Error("the connection was lost (test)") }))
+            })
+            : lane.run(operation, about, text, params, bound))
+      const waiter = yield* Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(5) }, failing), DistributedLock.make)
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const error = yield* Effect.flip(Effect.scoped(waiter.acquire(name, { timeout: Duration.millis(500) })))
+      expect(error._tag).toBe("LockTimeout")
+      // Retried 50 ms after the failure: the place is gone long before its 5 s could run out.
+      yield* waitFor("the place given up", Effect.map(placesOf(name), (n) => n === 0), Duration.seconds(1))
+      expect(failed).toBe(1)
+      yield* Scope.close(holderScope, Exit.void)
+    }))
+
+  it.scoped("a waiter's attempt racing the release that hands it the lease never takes its place again: the place it writes again is the one the release deleted", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env, { ttl: Duration.seconds(30) })
+      const waiter = yield* processOn(env, { pollInterval: Duration.seconds(10) })
+      const name = freshName("handover-race")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const granted = yield* Deferred.make<FencingToken.FencingToken>()
+      const letGo = yield* Deferred.make<void>()
+      const waiting = yield* Effect.fork(Effect.scoped(Effect.flatMap(waiter.acquire(name), (lease) =>
+        Effect.zipRight(Deferred.succeed(granted, lease.token), Deferred.await(letGo)))))
+      const placeOf = query<{ owner: string; left: number }>(
+        `select owner::text as owner, (extract(epoch from expires_at - now()) * 1000)::float8 as left
+         from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null`,
+        [name]
+      )
+      const [place] = yield* eventually("the waiter's place", placeOf, (rows) => rows.length === 1, 5_000)
+      // Old enough that the waiter's next attempt writes it again (over 1 s), young enough to be handed the lease (under 2.5 s).
+      yield* waitFor("the place over 1 s old", Effect.map(placeOf, (rows) => rows[0] !== undefined && rows[0].left < 3_900), Duration.seconds(3))
+      // The race, made on purpose: a session holds the place's row, so that the release (which
+      // locks it to hand the lease over) and then the waiter's attempt (which writes it again)
+      // both wait for it; the release goes first, the attempt's snapshot predates its commit.
+      const blocker = yield* scopedClient(db.url)
+      yield* Effect.promise(() => blocker.query("begin"))
+      yield* Effect.promise(() => blocker.query(`select 1 from ${PgLease.DEFAULT_TABLE}_queue where owner = $1 for update`, [place!.owner]))
+      const releasing = yield* Effect.fork(Scope.close(holderScope, Exit.void))
+      const lockWaits = Effect.map(
+        query<{ n: number }>(`select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`),
+        (rows) => rows[0]!.n
+      )
+      yield* waitFor("the release waiting for the place's row", Effect.map(lockWaits, (n) => n === 1), Duration.seconds(5))
+      // Wakes the waiter (as a release would): its attempt writes its place again, and waits too.
+      yield* query("select pg_notify($1, $2)", [PgLease.DEFAULT_TABLE, `w${place!.owner}`])
+      yield* waitFor("the waiter's attempt waiting for the place's row", Effect.map(lockWaits, (n) => n === 2), Duration.seconds(5))
+      yield* Effect.promise(() => blocker.query("commit"))
+      yield* Fiber.join(releasing)
+      // Handed the lease; while it holds it, no place of its own is back in the queue.
+      const token = yield* Deferred.await(granted).pipe(Effect.timeout(Duration.seconds(5)))
+      const row = (yield* rowOf(name))!
+      expect(row).toMatchObject({ owner: place!.owner, token: String(token) })
+      expect(yield* query(`select 1 from ${PgLease.DEFAULT_TABLE}_queue where owner = $1`, [place!.owner])).toEqual([])
+      yield* Deferred.succeed(letGo, undefined)
+      yield* Fiber.join(waiting)
+    }))
+
+  it.scoped("a renewal renews only the grant of its token: the same owner id under a newer token (a lease handed to that place again) is a loss, not a renewal", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const backend = yield* backendOn(env)
+      const name = freshName("renew-token")
+      const grant = yield* grantOf(backend, name)
+      expect((yield* backend.renew([grant])).map((outcome) => outcome._tag)).toEqual(["Renewed"])
+      // The row names this owner with a newer token, as a second handover to one place id would.
+      yield* query(`update ${PgLease.DEFAULT_TABLE} set token = token + 1 where name = $1`, [name])
+      expect(yield* backend.renew([grant])).toEqual([{ _tag: "Lost", reason: "stolen" }])
+      yield* grant.release
+    }))
+
   it.scoped("a waiter that misses the handover's notification finds the lease handed to it at its next attempt", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()

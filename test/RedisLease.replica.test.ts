@@ -94,6 +94,31 @@ describe.skipIf(skip)("RedisLease with a replica and WAIT", () => {
       yield* waitFor("another process gets the name", Effect.scoped(Effect.map(b.tryAcquire(name), Option.isSome)), Duration.seconds(2))
     }), 20_000)
 
+  it.scopedLive("a waiter that waits for replicas is woken, never handed the lease by a release: its grant comes from its own acquire, which WAITs (here for 2 replicas of 1, so it fails)", () =>
+    Effect.gen(function*() {
+      yield* waitFor("the replica is attached", replicaUp, Duration.seconds(10))
+      const ttl = Duration.seconds(10)
+      // The holder waits for no replica; the waiter for two, of which there is one.
+      const holder = yield* processOn({ ttl })
+      const waiter = yield* processOn({ ttl, waitForReplicas: { count: 2, timeout: Duration.millis(100) } })
+      const name = freshName("redis-wait-handover")
+      const keys = Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name), holderScope)
+      const waiting = yield* Effect.fork(Effect.either(Effect.scoped(waiter.acquire(name, { timeout: Duration.seconds(5) }))))
+      const inspector = clientOf(primary!.url)
+      yield* waitFor("the waiter's place", Effect.map(Effect.promise(() => inspector.zcard(keys.queue)), (n) => n === 1), Duration.seconds(5))
+      // Its place records no ttl: a release cannot hand it a lease.
+      const [place] = yield* Effect.promise(() => inspector.hvals(keys.places))
+      expect(JSON.parse(place!)).not.toHaveProperty("ttl")
+      yield* Scope.close(holderScope, Exit.void)
+      const outcome = yield* Fiber.join(waiting).pipe(Effect.timeout(Duration.seconds(5)))
+      // Granted by its own acquire, which WAITed: 1 of 2 replicas fails it.
+      if (Either.isRight(outcome)) return yield* Effect.dieMessage("expected the waiter's grant to fail its WAIT")
+      expect(outcome.left._tag).toBe("LockBackendError")
+      expect(String(outcome.left.message)).toContain("WAIT: 1 of 2 replicas")
+    }), 20_000)
+
   it.scopedLive("permits too: fewer replicas than asked for fail the grant, which is given back at once", () =>
     Effect.gen(function*() {
       yield* waitFor("the replica is attached", replicaUp, Duration.seconds(10))

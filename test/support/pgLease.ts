@@ -88,13 +88,14 @@ const makeProbe = () => {
     waiting: (name: string, count = 1) =>
       waitFor(`${count} waiter(s) of "${name}" in their wait`, Effect.sync(() => (waiting.get(name) ?? 0) >= count), Duration.seconds(5)),
     /**
-     * Until the one waiter of `name` is in a wait after its look-again following its first
-     * attempt: from then on only a wake-up (or its long retry interval) makes it try again.
+     * Until the `count` waiters of `name` (one by default) are in a wait after their look-again
+     * following their first attempt: from then on only a wake-up (or their long retry interval)
+     * makes them try again.
      */
-    waitingLong: (name: string) =>
+    waitingLong: (name: string, count = 1) =>
       waitFor(
-        `the waiter of "${name}" in its long wait`,
-        Effect.sync(() => (waiting.get(name) ?? 0) >= 1 && (waitsEntered.get(name) ?? 0) >= 2),
+        `${count} waiter(s) of "${name}" in their long wait`,
+        Effect.sync(() => (waiting.get(name) ?? 0) >= count && (waitsEntered.get(name) ?? 0) >= 2 * count),
         Duration.seconds(5)
       )
   }

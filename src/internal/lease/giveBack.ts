@@ -117,20 +117,22 @@ export const make = (
         : background(self)
 
     const totalMillis = Duration.toMillis(statementTimeout)
-    const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> =>
+    /** A give-back retried within one statement bound in all. */
+    const retried = (name: string, grantOwner: string | null, waiter: string | null): Effect.Effect<void, LockBackendError> =>
       Effect.gen(function*() {
         const deadline = (yield* monotonicMillis) + totalMillis
         for (let attempt = 0;; attempt++) {
           // Each try gets what is left of the whole bound; owner-scoped and idempotent, so a
           // retry after an ambiguous failure is safe.
           const left = deadline - (yield* monotonicMillis)
-          const outcome = yield* Effect.either(giveBack(name, owner, null, Duration.millis(Math.max(1, left))))
+          const outcome = yield* Effect.either(giveBack(name, grantOwner, waiter, Duration.millis(Math.max(1, left))))
           if (outcome._tag === "Right") return
           const spent = deadline - (yield* monotonicMillis) <= Duration.toMillis(RELEASE_RETRY_SPACING)
           if (attempt >= RELEASE_RETRIES || spent) return yield* outcome.left
           yield* Effect.sleep(RELEASE_RETRY_SPACING)
         }
       })
+    const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> => retried(name, owner, null)
 
     const runNow = lane.runNow
     const spacingMillis = Duration.toMillis(RELEASE_RETRY_SPACING)
@@ -153,10 +155,12 @@ export const make = (
       once()
     }
 
-    // An awaited leave is one give-back statement: its bound, and some slack for the fiber.
+    // An awaited leave is a give-back retried within one statement bound, and some slack for the fiber.
     const leaveWaitMillis = totalMillis + AWAIT_GRACE_MS
     const leave: GiveBack["leave"] = (name, waiter, awaited) =>
-      backgroundAwaited(Effect.ignore(giveBack(name, null, waiter)), awaited, leaveWaitMillis)
+      // Retried as a release is: a lease a release handed to the place as it left is freed by it,
+      // not left to its ttl; a place left behind would hold those behind it until it expires.
+      backgroundAwaited(Effect.ignore(retried(name, null, waiter)), awaited, leaveWaitMillis)
 
     // An awaited abandon is the attempt still in flight (its statement bound), then one give-back.
     const abandonWaitMillis = 2 * totalMillis + AWAIT_GRACE_MS

@@ -31,6 +31,8 @@ export const notRenewed = (queue: TableRef, indent: string): string =>
   [
     `when h.name is null then 'revoked'`,
     `when h.owner is not null and h.owner <> i.owner and h.token > i.token then 'stolen'`,
+    // The same owner id with a newer token: a lease a release handed to the place again.
+    `when i.mode = 'exclusive' and h.owner = i.owner and h.token > i.token then 'stolen'`,
     `when i.mode = 'exclusive' and h.owner = i.owner then 'expired'`,
     `when i.mode = 'exclusive' and h.token > i.token then 'stolen'`,
     `when i.mode = 'shared' and exists (select 1 from ${queue.sql} q where q.owner = i.owner and q.token is not null) then 'expired'`,

@@ -111,13 +111,32 @@ export const makeWaiters = (): Waiters => {
   // hand a lease to a place whose leave has not landed (or failed) while the place lives.
   const ended = new Map<string, { readonly name: string; readonly until: number }>()
   let giveBackEnded: ((name: string, waiter: string) => void) | undefined
-  const rememberEnded = (id: string, name: string) => {
-    const now = performance.now()
+  /** Forgets the ended requests whose places have surely run out (the oldest first). */
+  const trimEnded = (now: number) => {
     for (const [old, entry] of ended) {
       if (entry.until > now) break
       ended.delete(old)
     }
+  }
+  // Trims once the process goes quiet too: nothing of a burst of ended requests outlives its places.
+  let trimming: ReturnType<typeof setTimeout> | undefined
+  const trimLater = () => {
+    if (trimming !== undefined || ended.size === 0) return
+    trimming = setTimeout(() => {
+      trimming = undefined
+      trimEnded(performance.now())
+      trimLater()
+    }, ENDED_KEPT_MILLIS)
+    // Never keeps the process alive: the memory goes with it.
+    trimming.unref?.()
+  }
+  const rememberEnded = (id: string, name: string) => {
+    // Only stores that hand leases over (PgLease, RedisLease) need it.
+    if (giveBackEnded === undefined) return
+    const now = performance.now()
+    trimEnded(now)
     ended.set(id, { name, until: now + ENDED_KEPT_MILLIS })
+    trimLater()
   }
 
   const fire = (waiter: Waiter) => {

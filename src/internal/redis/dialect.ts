@@ -35,7 +35,7 @@ const call = (keys: ReadonlyArray<string>, argv: ReadonlyArray<string | number>)
  * Lock acquire's call: its 4 keys, then its arguments in the order `Scripts.acquire` reads them.
  * Built in one array, not as `call(keys, args)`: this is on every acquire's path.
  */
-const acquireCall = (keys: ReadonlyArray<string>, i: LockAcquireInput): Call => [
+const acquireCall = (keys: ReadonlyArray<string>, i: LockAcquireInput, handing: "1" | "0"): Call => [
   4,
   keys[0]!,
   keys[1]!,
@@ -50,7 +50,8 @@ const acquireCall = (keys: ReadonlyArray<string>, i: LockAcquireInput): Call => 
   i.application,
   i.host,
   i.pid,
-  i.takePlace ? "1" : "0"
+  i.takePlace ? "1" : "0",
+  handing
 ]
 
 /** Permit acquire's arguments, in the order `PermitScripts.acquire` reads them. */
@@ -115,8 +116,13 @@ export const operator = (prefix: string, channel: string) => ({
   }
 })
 
-/** The statements under `prefix`, waking on `channel`. */
-export const dialect = (prefix: string, channel: string): Dialect => {
+/**
+ * The statements under `prefix`, waking on `channel`. `handOver`: this layer's waiting places may
+ * be handed the lease by a release (off with `waitForReplicas`: a handed lease would skip the
+ * WAIT that each of its grants gets, so its waiters are woken and their own acquires waited for).
+ */
+export const dialect = (prefix: string, channel: string, handOver = true): Dialect => {
+  const handing = handOver ? "1" : "0"
   // Cached (bounded): acquire and release of a name would each hash it and build its keys again.
   const keysOf = Keys.keyCache((name) => Keys.keyList(Keys.lockKeys(prefix, name)))
   const semKeyOf = Keys.keyCache((name) => Keys.semKey(prefix, name))
@@ -126,7 +132,7 @@ export const dialect = (prefix: string, channel: string): Dialect => {
       acquire: {
         operation: "acquire",
         text: Scripts.acquire,
-        encode: (i) => acquireCall(keysOf(i.name), i),
+        encode: (i) => acquireCall(keysOf(i.name), i, handing),
         decode: (rows) => {
           const [token, wait, handed, left, now] = list(reply(rows))
           return decode.lockAcquire([{ token: token ?? null, wait: wait ?? null, handed: handed ?? 0, left: left ?? null, now: now ?? null }])

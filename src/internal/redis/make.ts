@@ -118,7 +118,7 @@ export const makeBackend = (
       // Scripts run one at a time: a release sees every place taken before it, and its PUBLISH
       // reaches a waiter subscribed before its first try. No look again after taking a place.
       placesSeenByEveryRelease: true
-    }, Dialect.dialect(prefix, channel), hub, owner)
+    }, Dialect.dialect(prefix, channel, replicas === undefined), hub, owner)
     return backend
   })
 

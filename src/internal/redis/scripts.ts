@@ -100,7 +100,8 @@ const FRESH_MS = PLACE_TTL_MILLIS / 2
 /**
  * One grant attempt.
  * KEYS: lease, queue, places, shared.
- * ARGV: 1 name, 2 owner, 3 waiter, 4 mode, 5 ttl ms, 6 place ms, 7 application, 8 host, 9 pid, 10 take a place ("1"/"0").
+ * ARGV: 1 name, 2 owner, 3 waiter, 4 mode, 5 ttl ms, 6 place ms, 7 application, 8 host, 9 pid, 10 take a place ("1"/"0"),
+ * 11 "0" for a place a release never hands the lease to (absent: it may).
  * Answer: { token (string) | nil, wait (ms) | nil, handed (1 | nil), left (ms) | nil, now (ms) }:
  * `handed` when the token is of a lease a release handed to this request's place, `left` what
  * it still has; `now` the server's clock, always (a waiter times a handed lease by it, `lease/handover`).
@@ -109,6 +110,9 @@ export const acquire = `${prelude}${lockHelpers}
 local name, owner, waiter, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local ttl, placeMs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local application, host, pid, takePlace = ARGV[7], ARGV[8], ARGV[9], ARGV[10] == '1'
+-- A place without its ttl is woken, never handed the lease (its layer WAITs for each grant).
+local placeTtl = ttl
+if ARGV[11] == '0' then placeTtl = nil end
 
 local h = redis.call('HMGET', leaseKey, 'owner', 'expires', 'last', 'token')
 local holderExpires = num(h[2])
@@ -189,7 +193,7 @@ if takePlace then
     -- Kept: written again once at most 4/5 of its time is left (lease/place).
     if mine.expires <= nowMs + placeMs * ${PLACE_REFRESH_BELOW} then
       mine.expires = placeUntil
-      mine.ttl = ttl
+      mine.ttl = placeTtl
       redis.call('HSET', placesKey, waiter, cjson.encode(mine))
       keepUntil(placesKey, placeUntil)
       keepUntil(queueKey, placeUntil)
@@ -201,7 +205,7 @@ if takePlace then
     redis.call('ZADD', queueKey, fmt(score), waiter)
     -- ttl: the lease a release hands this place (none on a place of a version before the handover).
     redis.call('HSET', placesKey, waiter, cjson.encode({ mode = mode, expires = placeUntil, since = nowMs,
-      application = application, host = host, pid = pid, ttl = ttl }))
+      application = application, host = host, pid = pid, ttl = placeTtl }))
     keepUntil(placesKey, placeUntil)
     keepUntil(queueKey, placeUntil)
   end

@@ -214,8 +214,12 @@ const acquireSql = ({ leases, queue }: Tables): string => {
   return `with me as (
   select seq from ${queue.sql} where owner = $3::uuid and token is null and expires_at > now()
 ), mine as (
-  -- A lease a release handed to this request's place (see the release statement): it holds it already.
+  -- A lease a release handed to this request's place (see the release statement): it holds it
+  -- already — an exclusive one on the lease row, a shared one as its place turned holding row.
   select h.token, h.expires_at from ${leases.sql} h where h.name = $1::text and h.owner = $3::uuid and h.expires_at > now()
+  union all
+  select q.token, q.expires_at from ${queue.sql} q
+  where q.owner = $3::uuid and q.name = $1::text and q.token is not null and q.expires_at > now()
 ), ahead as (
   select min(w.expires_at) as until from ${queue.sql} w
   where w.name = $1::text and w.token is null and w.expires_at > now() and w.owner <> $3::uuid
@@ -225,7 +229,10 @@ const acquireSql = ({ leases, queue }: Tables): string => {
   -- Nobody ahead; or this request's place was handed the lease and it ran out before the waiter
   -- heard (a lost notification, a short ttl): its turn still, with a new token.
   select 1 as free where ((select until from ahead) is null
-      or exists (select 1 from ${leases.sql} h where h.name = $1::text and h.owner = $3::uuid))
+      or exists (select 1 from ${leases.sql} h where h.name = $1::text and h.owner = $3::uuid)
+      or exists (select 1 from ${queue.sql} q where q.owner = $3::uuid and q.name = $1::text and q.token is not null))
+    -- Never a second lease beside the one handed to this request's place.
+    and not exists (select 1 from mine)
     and not exists (
     select 1 from ${leases.sql} h
     where h.name = $1::text and ((h.owner is not null and h.expires_at > now()) or ($4::text = 'exclusive' and h.shared_until > now())))
@@ -265,16 +272,28 @@ const acquireSql = ({ leases, queue }: Tables): string => {
 ), dequeued as (
   -- With a handed lease: a place an attempt that missed the handover took again.
   delete from ${queue.sql} where owner = $3::uuid and token is null and (exists (select 1 from granted) or exists (select 1 from mine))
-), enqueued as (
-  insert into ${queue.sql} as q (owner, name, mode, expires_at, enqueued_at, holder_application, holder_host, holder_pid, ttl_ms)
-  select $3::uuid, $1::text, $4::text, now() + ${ms("$6")}, now(), $7::text, $8::text, $9::integer, $5::bigint
-  where $10::boolean and not exists (select 1 from granted) and not exists (select 1 from mine) and not exists (
+), to_place as (
+  -- This request takes its place, or writes it again once at most 4/5 of its time is left.
+  select 1 where $10::boolean and not exists (select 1 from granted) and not exists (select 1 from mine) and not exists (
     select 1 from ${queue.sql} m where m.owner = $3::uuid and m.token is null and m.expires_at > now() + ${ms("$6")} * ${PLACE_REFRESH_BELOW})
-  on conflict (owner) do update
-    set expires_at = excluded.expires_at,
-        ttl_ms = excluded.ttl_ms,
-        seq = case when q.expires_at <= now() then nextval(pg_get_serial_sequence('${queue.sql}', 'seq')) else q.seq end,
-        enqueued_at = case when q.expires_at <= now() then now() else q.enqueued_at end
+), refreshed as (
+  -- The place this statement's snapshot has, written again: an update, so that a place a release
+  -- deleted meanwhile (handing its waiter the lease) is not taken again, nor a live shared lease
+  -- a release handed to it turned back into a place. A place whose handed shared lease ran out
+  -- unheard is a place again.
+  update ${queue.sql} as q
+  set expires_at = now() + ${ms("$6")},
+      ttl_ms = $5::bigint,
+      token = null,
+      seq = case when q.expires_at <= now() then nextval(pg_get_serial_sequence('${queue.sql}', 'seq')) else q.seq end,
+      enqueued_at = case when q.expires_at <= now() then now() else q.enqueued_at end
+  where q.owner = $3::uuid and exists (select 1 from to_place) and (q.token is null or q.expires_at <= now())
+), enqueued as (
+  -- A first place: none in this statement's snapshot.
+  insert into ${queue.sql} (owner, name, mode, expires_at, enqueued_at, holder_application, holder_host, holder_pid, ttl_ms)
+  select $3::uuid, $1::text, $4::text, now() + ${ms("$6")}, now(), $7::text, $8::text, $9::integer, $5::bigint
+  where exists (select 1 from to_place) and not exists (select 1 from ${queue.sql} m where m.owner = $3::uuid)
+  on conflict (owner) do nothing
 )
 select coalesce((select token::text from granted), (select token::text from mine)) as token,
   -- Nothing granted: the place (if any) need not wait for the disk (a handed lease's release waited).
@@ -313,12 +332,14 @@ const renewSql = ({ leases, queue }: Tables): string =>
   update ${leases.sql} as l
   set expires_at = now() + i.ttl * interval '1 millisecond'
   from input i
-  where i.mode = 'exclusive' and l.name = i.name and l.owner = i.owner and l.expires_at > now()
+  -- On the token too: an owner id is a place's when a release handed it the lease, and only
+  -- this grant's token is this holder's.
+  where i.mode = 'exclusive' and l.name = i.name and l.owner = i.owner and l.token = i.token and l.expires_at > now()
   returning l.name, l.owner
 ), live_shared as (
   select i.name, max(i.ttl) as ttl from input i
   where i.mode = 'shared' and exists (
-    select 1 from ${queue.sql} q where q.owner = i.owner and q.name = i.name and q.token is not null and q.expires_at > now())
+    select 1 from ${queue.sql} q where q.owner = i.owner and q.name = i.name and q.token = i.token and q.expires_at > now())
   group by i.name
 ), bound as (
   update ${leases.sql} as l
@@ -330,7 +351,7 @@ const renewSql = ({ leases, queue }: Tables): string =>
   update ${queue.sql} as q
   set expires_at = now() + i.ttl * interval '1 millisecond'
   from input i
-  where i.mode = 'shared' and q.owner = i.owner and q.name = i.name and q.token is not null and q.expires_at > now()
+  where i.mode = 'shared' and q.owner = i.owner and q.name = i.name and q.token = i.token and q.expires_at > now()
     and i.name in (select name from bound)
   returning q.owner
 )
@@ -364,7 +385,10 @@ const FRESH_MS = PLACE_TTL_MILLIS / 2
  * ttl), the lease is **handed over** in this statement: the head's place becomes the holder
  * (`owner` = its place id, a token drawn as a grant draws it, its own ttl from now), its place is
  * deleted, and it is notified `h<place>:<token>:<expiry epoch ms>`; this commit then waits for
- * the disk, as a grant's does. Otherwise, when this frees the lock, or a place is left while no
+ * the disk, as a grant's does. When the heads are shared requests (every one before the first
+ * exclusive place) and each surely waits, freeing a live exclusive lease hands each of them a
+ * shared lease alike: its place becomes its holding row (a token each, its own ttl), the lease row
+ * counts them as a new group of shared holders, and each is notified `h…`. Otherwise, when this frees the lock, or a place is left while no
  * exclusive lease is live, the waiters now at the head are notified (`w<place>`), in the same
  * statement (sent on commit): only they retry. Queue rows expired for over a minute (crashed
  * waiters and shared holders) are removed in passing.
@@ -382,12 +406,13 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   -- Locked first, as a granting acquire locks it, and read as it is NOW, not as in this
   -- statement's snapshot: a lease a release handed to $3 after this statement began is $3's too
   -- (a leave racing its handover frees it). So matched by name only, and by owner after the lock.
-  select l.owner from ${leases.sql} l where l.name = $1::text
+  select l.owner, l.token, l.expires_at from ${leases.sql} l where l.name = $1::text
   for no key update
 ), held as materialized (
-  select 1 from lease_row where owner in ($2::uuid, $3::uuid)
+  select expires_at from lease_row where owner in ($2::uuid, $3::uuid)
 ), shared as (
-  delete from ${queue.sql} where owner = $2::uuid and name = $1::text and token is not null
+  -- With $3: a shared lease a release handed to the place of a request that leaves.
+  delete from ${queue.sql} where owner in ($2::uuid, $3::uuid) and name = $1::text and token is not null
   returning token
 ), counted as (
   update ${leases.sql}
@@ -422,22 +447,42 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   select w.owner, w.ttl_ms, w.holder_application, w.holder_host, w.holder_pid from waiting w
   where exists (select 1 from held) and w.seq = (select min(seq) from waiting) and w.mode = 'exclusive'
     and w.ttl_ms is not null and w.expires_at > now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))}
+), sharing as materialized (
+  -- Shared requests at the head (every one before the first exclusive place): each is handed a
+  -- shared lease, if every one surely waits. Only from a lease still live here: a shared attempt
+  -- that saw it expired may be granted on its own right after this commit, and would hold twice.
+  select w.owner, w.ttl_ms, w.seq from waiting w
+  where exists (select 1 from held where expires_at > now()) and w.mode = 'shared' and w.owner in (select owner from heads)
+    and not exists (
+      select 1 from waiting s where s.mode = 'shared' and s.owner in (select owner from heads)
+        and (s.ttl_ms is null or s.expires_at <= now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))}))
 ), guard as materialized (
   -- Taken before the draw, as an acquire takes it: the sweep cannot delete the row meanwhile.
-  select ${Tokens.holdGuard(ns, "$1::text")} from handing
+  select ${Tokens.holdGuard(ns, "$1::text")} where exists (select 1 from handing) or exists (select 1 from sharing)
 ), drawn as materialized (
   select h.owner, h.ttl_ms, h.holder_application, h.holder_host, h.holder_pid, ${Tokens.draw(seq)} as token from handing h, guard
+), shared_drawn as materialized (
+  select s.owner, s.ttl_ms, ${Tokens.draw(seq)} as drawn from sharing s, guard
+), shared_tokens as materialized (
+  -- Each above the row's last token, as a grant's, and all distinct: both terms rise with the draw.
+  select owner, ttl_ms, greatest((select token from lease_row) + row_number() over (order by drawn), drawn) as token from shared_drawn
 ), exclusive as (
   update ${leases.sql} as l set
     owner = d.owner,
     expires_at = now() + ${ms("d.ttl_ms")},
     -- Above the row's last token even when a previous version's per-name count ran ahead of the sequence.
-    token = case when d.owner is null then l.token else greatest(l.token + 1, d.token) end,
+    token = case when d.owner is not null then greatest(l.token + 1, d.token) when g.n is not null then g.last else l.token end,
     acquired_at = case when d.owner is null then l.acquired_at else now() end,
     holder_application = coalesce(d.holder_application, l.holder_application),
     holder_host = coalesce(d.holder_host, l.holder_host),
-    holder_pid = coalesce(d.holder_pid, l.holder_pid)
+    holder_pid = coalesce(d.holder_pid, l.holder_pid),
+    -- Handed to shared requests: a new group of shared holders, counted from its first token.
+    shared_count = coalesce(g.n, l.shared_count),
+    shared_until = case when g.n is null then l.shared_until else now() + ${ms("g.ttl_ms")} end,
+    shared_since = case when g.n is null then l.shared_since else g.first end
   from (select 1) as one left join drawn d on true
+    left join (select count(*)::integer as n, min(token) as first, max(token) as last, max(ttl_ms) as ttl_ms
+      from shared_tokens having count(*) > 0) g on true
   -- Not on the owner: in this statement's snapshot the row may still show the previous holder.
   where l.name = $1::text and exists (select 1 from held)
   returning l.owner, l.token, l.expires_at
@@ -445,14 +490,21 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   select owner, token, expires_at from exclusive where owner is not null
 ), dequeued as (
   delete from ${queue.sql} where owner = (select owner from handed) and token is null
+), shared_handed as (
+  -- Each shared head's place becomes its holding row (as a shared grant's), its lease its own ttl.
+  update ${queue.sql} as q set token = t.token, expires_at = now() + ${ms("t.ttl_ms")}
+  from shared_tokens t where q.owner = t.owner and q.token is null
+  returning q.owner, q.token, q.expires_at
+), all_handed as (
+  select owner, token, expires_at from handed union all select owner, token, expires_at from shared_handed
 )
 select (select count(*) from exclusive) + (select count(*) from shared) as released,
   -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
-  ${commitsUnflushed("not exists (select 1 from handed)")},
+  ${commitsUnflushed("not exists (select 1 from all_handed)")},
   (select count(pg_notify($4::text, '${HANDED_PREFIX}' || owner::text || ':' || token::text || ':' ||
-     (extract(epoch from expires_at) * 1000)::float8::text)) from handed)
+     (extract(epoch from expires_at) * 1000)::float8::text)) from all_handed)
   + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from heads
-     where not exists (select 1 from handed)) as woken`
+     where not exists (select 1 from all_handed)) as woken`
 }
 
 /**
