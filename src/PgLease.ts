@@ -24,7 +24,8 @@
  * release notifies nothing: NOTIFY serializes commits server-wide): an exclusive request at the
  * head whose place was written in the last 2.5 s is **handed the lease** (its place becomes the
  * holder, with a new token and its own ttl, and the notification says so: it holds the lease with
- * no statement of its own); other heads are notified to try again.
+ * no statement of its own); so are shared requests at the head, each a shared lease, when the
+ * release frees a live exclusive lease; other heads are notified to try again.
  *
  * **Fairness.** Waiters are served in arrival order: a request takes the lock only when no live
  * waiter is ahead of it (for a shared request, no exclusive waiter), so a releaser that asks again

@@ -107,7 +107,9 @@ import * as Operator from "./internal/redis/operator.js"
  *   on the same connection. A grant fewer than `count` replicas acknowledged fails with
  *   `LockBackendError` ("WAIT: n of count replicas acknowledged …") and is given back at once;
  *   such a renewal does not extend the lease (the holder is told `LockLost` when no acknowledged
- *   renewal comes in time). `timeout`: at least 1 ms and below `statementTimeout`; default the
+ *   renewal comes in time). This layer's waiters are then never handed a lease by a release (it
+ *   would skip their WAIT): they are woken, and their own acquire is waited for.
+ *   `timeout`: at least 1 ms and below `statementTimeout`; default the
  *   lesser of 1 s and half of `statementTimeout`. WAIT holds up the connection it runs on (your
  *   `client`'s, when given) for up to `timeout`. It narrows what a failover can lose but is not
  *   strong consistency (README, "Redis: failover and WAIT"). Refused with a `Cluster` client.
