@@ -18,7 +18,8 @@ export default defineConfig({
     // Test files share their worker process (and its loaded modules): importing effect and the
     // drivers anew for each of ~40 files cost a minute of CPU. Per-file state a test needs is its own.
     isolate: false,
-    setupFiles: ["test/support/pristineIt.ts"],
+    // STALL_MONITOR=<dir> logs each worker's event-loop stalls and where the time went: see test/support/stallMonitor.ts.
+    setupFiles: ["test/support/pristineIt.ts", ...(process.env["STALL_MONITOR"] ? ["test/support/stallMonitor.ts"] : [])],
     testTimeout: 30_000,
     hookTimeout: 60_000,
     // Three test files at once on the 2-core machine: most files spend their time waiting out real
@@ -28,7 +29,7 @@ export default defineConfig({
     // ("Terminating worker thread") and one run stopped early.
     maxWorkers: 3,
     minWorkers: 3,
-    // The long contract files first: see test/support/sequencer.ts.
+    // The long contract files and SqliteLease.test.ts first, package.test.ts later: see test/support/sequencer.ts.
     sequence: { sequencer: Sequencer }
   }
 })
