@@ -327,6 +327,20 @@ describeWithRedis("RedisLease", () => {
         expect(performance.now() - freedAt).toBeLessThan(2_000)
       }))
 
+    it.scopedLive("a renewal renews only the grant of its token: the same owner id under a newer token (a lease handed to that place again) is a loss, not a renewal", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-renew-token")
+        const backend = yield* Make.makeBackend({ url: redis.url(), ttl: Duration.seconds(3) })
+        const result = yield* backend.acquire(onceRequest(name, Duration.seconds(3)))
+        if (result._tag !== "Granted") return yield* Effect.dieMessage(`expected a grant, got ${result._tag}`)
+        const grant = result.grant
+        expect((yield* backend.renew([grant])).map((outcome) => outcome._tag)).toEqual(["Renewed"])
+        // The hash names this owner with a newer token, as a second handover to one place id would.
+        yield* command("HSET", keysFor(name).lease, "token", String(grant.token + 1n), "last", String(grant.token + 1n))
+        expect(yield* backend.renew([grant])).toEqual([{ _tag: "Lost", reason: "stolen" }])
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
     it.scopedLive("a waiter whose process dies while its place is fresh (written less than 2.5 s before the release) is handed the lease and holds it for one ttl, as a crashed holder does: the live waiter behind it is granted only once that ttl ran out, its token above both", () =>
       Effect.gen(function*() {
         const DEAD_TTL_MS = 2_000

@@ -306,15 +306,17 @@ return { released, woken }
 export const renew = `${prelude}
 local leaseKey, sharedKey = KEYS[1], KEYS[2]
 local owner, token, ttl, mode = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
-local h = redis.call('HMGET', leaseKey, 'owner', 'expires', 'last')
+local h = redis.call('HMGET', leaseKey, 'owner', 'expires', 'last', 'token')
 local exists = redis.call('EXISTS', leaseKey) == 1
 local expires = nowMs + ttl
 if mode == 'exclusive' then
-  if h[1] == owner and num(h[2]) > nowMs then
+  -- On the token too: an owner id is a place's when a release handed it the lease.
+  if h[1] == owner and num(h[4]) == token and num(h[2]) > nowMs then
     redis.call('HSET', leaseKey, 'expires', fmt(expires))
     keepUntil(leaseKey, expires)
     return 'renewed'
   end
+  if h[1] == owner and num(h[4]) > token then return 'stolen' end
   if not exists or h[1] == owner then return 'expired' end
   if num(h[3]) > token then return 'stolen' end
   return 'revoked'
@@ -322,7 +324,8 @@ end
 local raw = redis.call('HGET', sharedKey, owner)
 if raw then
   local e = cjson.decode(raw)
-  if e.expires > nowMs and not h[1] then
+  if num(e.token) > token then return 'stolen' end
+  if e.expires > nowMs and not h[1] and num(e.token) == token then
     e.expires = expires
     redis.call('HSET', sharedKey, owner, cjson.encode(e))
     local bound = math.max(num(redis.call('HGET', leaseKey, 'suntil')), expires)
