@@ -20,6 +20,7 @@ import { advisoryKey } from "../../src/internal/core/lockKey.js"
 import * as AdvisorySql from "../../src/internal/advisory/sql.js"
 import { fencingTokensSql } from "../../src/internal/advisory/bootstrap.js"
 import * as LeaseSql from "../../src/internal/lease/pg/sql.js"
+import { DEFAULT_CONNECTIONS as DEFAULT_LOCK_CONNECTIONS } from "../../src/internal/lease/pg/make.js"
 import * as MemoryBackend from "../../src/MemoryBackend.js"
 import * as PgAdvisory from "../../src/PgAdvisory.js"
 import * as PgLease from "../../src/PgLease.js"
@@ -292,6 +293,19 @@ export const pgLeaseSubject = (database: Database, concurrency: number, duration
     durationMs
   )
 
+/**
+ * PgLease on its default lock connections (4) whatever the worker count: with more workers than
+ * connections its statements queue at its own pool, each sent alone (information: what batching
+ * statements that queue on one lane could win, issue 37).
+ */
+export const pgLeaseDefaultSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> =>
+  lockSubject(
+    `pg-lease-default-${concurrency}`,
+    () => Layer.provide(PgLease.layer(), pgClientLayer(database, concurrency, `bench-pg-lease-default-${concurrency}`)),
+    concurrency,
+    durationMs
+  )
+
 export const memorySubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> =>
   lockSubject(`memory-${concurrency}`, () => MemoryBackend.layer(), concurrency, durationMs)
 
@@ -364,6 +378,7 @@ export const FACTORIES = {
   pgAdvisorySubject: (database: Database, c: number, ms: number) => pgAdvisorySubject(database, c, ms),
   rawLease: (database: Database, c: number, ms: number) => rawLease(database, c, ms),
   pgLeaseSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms),
+  pgLeaseDefaultSubject: (database: Database, c: number, ms: number) => pgLeaseDefaultSubject(database, c, ms),
   effectLeaseFloor: (database: Database, c: number, ms: number) => effectLeaseFloor(database, c, ms),
   rawXactMinimal: (database: Database, c: number, ms: number) => rawXactMinimal(database, c, ms),
   rawXactLibrary: (database: Database, c: number, ms: number) => rawXactLibrary(database, c, ms),
@@ -421,6 +436,10 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
     // Information: what any Effect program pays on these statements (the library's row stays judged against raw pg).
     { block: "lease", id: "effect-lease-floor", label: "Effect.scoped(acquireRelease) of PgLease's statements on raw pg", connections: `${c}`, concurrency: c, baseline: "raw-lease", subject: own("effectLeaseFloor", database, c, ms) },
     { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseSubject", database, c, ms) },
+    // Information: more workers than its default lock connections, so statements queue at its pool.
+    ...(c > DEFAULT_LOCK_CONNECTIONS
+      ? [{ block: "lease", id: "pg-lease-default", label: `PgLease.layer, its default ${DEFAULT_LOCK_CONNECTIONS} lock connections (information)`, connections: `${DEFAULT_LOCK_CONNECTIONS} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseDefaultSubject", database, c, ms) } satisfies ThroughputSpec]
+      : []),
     { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: own("rawXactMinimal", database, c, ms) },
     { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's statements", connections: `${c}`, concurrency: c, subject: own("rawXactLibrary", database, c, ms) },
     { block: "xact", id: "sql-xact", label: "@effect/sql-pg withTransaction: the same statements", connections: pool(c), concurrency: c, baseline: "raw-xact-lib", subject: own("sqlXactSubject", database, c, ms) },
