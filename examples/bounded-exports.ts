@@ -18,7 +18,7 @@ const exportReport = (replica: string, report: number) =>
     running++
     most = Math.max(most, running)
     yield* Effect.log(`${replica}: exporting report ${report} (${running} running)`)
-    yield* Effect.sleep("50 millis")
+    yield* Effect.sleep("300 millis")
     running--
   }).pipe(DistributedSemaphore.withPermits("exports", { limit: 2 }))
 
