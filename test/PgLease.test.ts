@@ -301,6 +301,30 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(yield* rowOf(name)).toEqual({ owner: null, token: String(grant.token), left: null })
     }))
 
+  it.scoped("a statement cancelled at the server (a stray cancel on a pooled connection: 57014) is sent again within its bound, not failed", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      // The application's pool: where sql-pg's cancel of an interrupted query can land on the next one.
+      const backend = yield* backendOn(sqlOnly(env))
+      const name = freshName("stray-cancel")
+      const first = yield* grantOf(backend, name)
+      yield* first.release
+      const unlock = yield* lockRow(name)
+      const pending = yield* Effect.fork(grantOf(backend, name))
+      yield* waitFor("the acquire statement waiting for the row lock", blockedOnLock, Duration.seconds(5))
+      // Cancelled as a stray cancel would: the server aborts the statement (nothing of it commits).
+      const cancelled = yield* query<{ n: number }>(
+        `select count(pg_cancel_backend(pid))::int as n from pg_stat_activity
+         where datname = current_database() and wait_event_type = 'Lock' and query like '%${PgLease.DEFAULT_TABLE}%'`
+      )
+      expect(cancelled[0]!.n).toBe(1)
+      yield* unlock
+      const grant = yield* Fiber.join(pending).pipe(Effect.timeout(Duration.seconds(5)))
+      // Above the last (the cancelled send may have drawn a token of the sequence already).
+      expect(grant.token > first.token).toBe(true)
+      yield* grant.release
+    }))
+
   it.scoped("an acquire cut off at its statement bound while the row is locked leaves no lease once the row is let go", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()

@@ -16,8 +16,13 @@ import { sqlStateOf } from "./state.js"
 // SQLite's is ever resent. Never inside a caller's transaction: there a refused statement has
 // aborted the whole transaction, and only the caller can retry it.
 
-/** SQLSTATEs of a statement the server refused as a whole: serialization failure, deadlock, lock_timeout. */
-export const RESENDABLE: ReadonlySet<string> = new Set(["40001", "40P01", "55P03"])
+/**
+ * SQLSTATEs of a statement the server refused as a whole: serialization failure, deadlock,
+ * lock_timeout, and a cancel (57014). A cancel of an autocommit statement rolled it back; on a
+ * pooled connection it can be a stray one, meant for the connection's previous statement (sql-pg
+ * cancels an interrupted query with `pg_cancel_backend`, which can land after that query ended).
+ */
+export const RESENDABLE: ReadonlySet<string> = new Set(["40001", "40P01", "55P03", "57014"])
 /**
  * Sends of one statement in all, the first included: a backstop only — the statement's bound is
  * what ends the resends. Twelve were too few: under SERIALIZABLE a semaphore row that a dozen
