@@ -8,7 +8,6 @@
 import * as SqlClient from "@effect/sql/SqlClient"
 import * as SqliteClient from "@effect/sql-sqlite-node/SqliteClient"
 import { describe, expect, it } from "@effect/vitest"
-import { afterAll, beforeAll } from "vitest"
 import { Cause, Duration, Effect, Exit, Fiber, Layer, Option, Scope } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as Fence from "effect-lock/Fence"
@@ -67,32 +66,6 @@ const rowOf = (name: string) =>
  * renewals was lost in 1 of 2 fresh-clone runs on 12-05 (b's in "a holder that was taken over").
  */
 const CONTRACT_TTL = Duration.sum(LIVE_CONTRACT_TTL, Duration.seconds(1))
-
-/**
- * This file's worker runs at a higher priority where the OS allows it (CI runs as root), back to
- * its own after the file. Its statements come as synchronous bursts of CPU (150-400 ms with five
- * cases at once), and on a busy 2-core host a burst waited 0.5-2.4 s for a core (runnable, not
- * running: test/support/stallMonitor.ts), past the renewal bounds its timing cases check. At
- * nice -10 the waits fell to 30-240 ms in 3 of 3 runs. Elsewhere (no privilege) nothing changes.
- */
-let priorityBefore: number | undefined
-beforeAll(() => {
-  try {
-    const before = Os.getPriority()
-    Os.setPriority(Math.max(-20, before - 10))
-    priorityBefore = before
-  } catch {
-    // Not allowed here: the file runs at its worker's priority.
-  }
-})
-afterAll(() => {
-  if (priorityBefore === undefined) return
-  try {
-    Os.setPriority(priorityBefore)
-  } catch {
-    // Raising it back is always allowed; should the worker be gone, nothing is left to restore.
-  }
-})
 
 contractSuite("SqliteLease", {
   clock: "live",
