@@ -29,7 +29,7 @@ export default defineConfig({
     // ("Terminating worker thread") and one run stopped early.
     maxWorkers: 3,
     minWorkers: 3,
-    // The long contract files and SqliteLease.test.ts first, package.test.ts later: see test/support/sequencer.ts.
+    // The long contract files first: see test/support/sequencer.ts.
     sequence: { sequencer: Sequencer }
   }
 })
