@@ -567,8 +567,21 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(BigInt(row!.token) > held.token).toBe(true)
       expect(yield* Deferred.await(got).pipe(Effect.timeout(Duration.seconds(2)))).toBe(BigInt(row!.token))
       expect(yield* placesOf(name)).toBe(0)
-      // Held like any shared grant: renewed past the file's ttl, then freed by its release.
-      yield* Effect.sleep(Duration.millis(Duration.toMillis(TTL) + 500))
+      // Held like any shared grant: renewed past its first expiry (server time), then freed by its release.
+      const expiry = Effect.map(
+        query<{ at: number; now: number }>(
+          `select (extract(epoch from expires_at) * 1000)::float8 as at, (extract(epoch from now()) * 1000)::float8 as now
+           from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is not null`,
+          [name]
+        ),
+        (rows) => rows[0]
+      )
+      const first = (yield* expiry)!.at
+      yield* waitFor(
+        "the handed shared lease live past its first expiry",
+        Effect.map(expiry, (now) => now !== undefined && now.now > first && now.at > now.now),
+        Duration.seconds(5)
+      )
       yield* Deferred.succeed(letGo, undefined)
       expect(yield* Fiber.join(reading)).toBe(true)
       expect(yield* sharedRows(name)).toEqual([])

@@ -373,6 +373,10 @@ order by i.idx`
  */
 const FRESH_MS = PLACE_TTL_MILLIS / 2
 
+/** A waiting place (alias `p`) a release may hand a lease to: written in the last `FRESH_MS`, with its ttl. */
+const handable = (p: string): string =>
+  `(${p}.ttl_ms is not null and ${p}.expires_at > now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))})`
+
 /**
  * Gives back what one request holds of `name`: the exclusive lease of `owner` (or of `waiter`, a
  * lease a release handed to its place), or its shared lease (counted out only if it belongs to
@@ -446,7 +450,7 @@ const releaseSql = ({ leases, queue }: Tables): string => {
 ), handing as materialized (
   select w.owner, w.ttl_ms, w.holder_application, w.holder_host, w.holder_pid from waiting w
   where exists (select 1 from held) and w.seq = (select min(seq) from waiting) and w.mode = 'exclusive'
-    and w.ttl_ms is not null and w.expires_at > now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))}
+    and ${handable("w")}
 ), sharing as materialized (
   -- Shared requests at the head (every one before the first exclusive place): each is handed a
   -- shared lease, if every one surely waits. Only from a lease still live here: a shared attempt
@@ -455,7 +459,7 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   where exists (select 1 from held where expires_at > now()) and w.mode = 'shared' and w.owner in (select owner from heads)
     and not exists (
       select 1 from waiting s where s.mode = 'shared' and s.owner in (select owner from heads)
-        and (s.ttl_ms is null or s.expires_at <= now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))}))
+        and not ${handable("s")})
 ), guard as materialized (
   -- Taken before the draw, as an acquire takes it: the sweep cannot delete the row meanwhile.
   select ${Tokens.holdGuard(ns, "$1::text")} where exists (select 1 from handing) or exists (select 1 from sharing)
