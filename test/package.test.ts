@@ -136,6 +136,14 @@ const inChildSlot = async <A>(task: () => Promise<A>, urgent = false): Promise<A
   }
 }
 
+const lowerPriority = (pid: number): void => {
+  try {
+    Os.setPriority(pid, 19)
+  } catch {
+    // Gone already (it failed to start: its error event says why), or not allowed: it runs at nice 0.
+  }
+}
+
 /**
  * `command` to its end, in a process group of its own: past `timeout` the whole group is killed,
  * not only the process started (`sh -c "npm install …"` leaves npm running when only sh is).
@@ -150,6 +158,10 @@ const runToEnd = (
 ): Promise<Ran> =>
   new Promise((resolve, reject) => {
     const child = spawn(command, [...args], { cwd, env, detached: true, stdio: ["ignore", "pipe", "pipe"] })
+    // Nice 19, before it can fork (its node is still starting): npm, tsc and what they start take
+    // only the CPU the other files' timing cases leave idle. At nice 0 on 2 cores, a SqliteLease
+    // renewal case beside these installs waited 1.4 s for a CPU and was told of its loss too late.
+    if (child.pid !== undefined) lowerPriority(child.pid)
     let stdout = ""
     let stderr = ""
     child.stdout.setEncoding("utf8").on("data", (chunk: string) => (stdout += chunk))
