@@ -6,8 +6,9 @@
  * Semaphores: RedisLease.semaphore.test.ts. Without a server the file skips and says why.
  */
 import { describe, expect, it } from "@effect/vitest"
-import { Duration, Effect, Fiber, Option, Schedule } from "effect"
+import { Deferred, Duration, Effect, Fiber, Option, Queue, Schedule } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
+import type * as FencingToken from "effect-lock/FencingToken"
 import { LockBackendError } from "effect-lock/LockError"
 import { monotonicMillis } from "effect-lock/internal/core/clock"
 import * as RedisLease from "effect-lock/RedisLease"
@@ -173,10 +174,19 @@ describeWithRedis("RedisLease", () => {
     const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
     const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
     /** One acquire script by hand: 10 s lease, 5 s place. */
-    const attempt = (name: string, owner: string, waiter: string, ttlMs = 10_000) =>
+    const attempt = (name: string, owner: string, waiter: string, ttlMs = 10_000, mode: "exclusive" | "shared" = "exclusive") =>
       command<[string | null, number | null, number | null, number | null, number]>(
-        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, "exclusive", ttlMs, 5_000, "test", "test", 1, "1"
+        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, mode, ttlMs, 5_000, "test", "test", 1, "1"
       )
+    /** The shared holders' entries of a name, by owner id. */
+    const sharedEntries = (name: string) =>
+      Effect.map(command<Array<string>>("HGETALL", keysFor(name).shared), (flat) => {
+        const entries: Record<string, { token: string; expires: number }> = {}
+        for (let i = 0; i < flat.length; i += 2) entries[flat[i]!] = JSON.parse(flat[i + 1]!) as { token: string; expires: number }
+        return entries
+      })
+    /** The server's clock, ms since the epoch. */
+    const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
     const release = (name: string, owner: string, waiter: string) =>
       command<[number, number]>("eval", Scripts.release, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, channel)
     /** What the wake channel carries, heard on a subscriber of the test's own. */
@@ -296,6 +306,141 @@ describeWithRedis("RedisLease", () => {
         // The waiter gave up meanwhile: its leave names its attempt's owner and its place.
         expect((yield* release(name, Crypto.randomUUID(), w))[0]).toBe(1)
         expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
+    it.scopedLive("a release that frees an exclusive lease hands a shared lease to every shared request at the head: each granted from its wake-up with no command of its own, tokens above the releaser's and distinct, renewed like any grant; the exclusive request queued behind them gets the lock once both let go", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-shared")
+        const attempts: Array<number> = []
+        const counting = (lane: Lane) =>
+          withRun(lane, (operation, about, text, params, bound) => {
+            if (operation === "acquire" && about === name) attempts.push(performance.now())
+            return lane.run(operation, about, text, params, bound)
+          })
+        const holder = yield* node({ ttl: Duration.seconds(30) })
+        // Polls 10 s apart: a grant within the window can only come from the release.
+        const readers = yield* Effect.flatMap(
+          Make.makeBackend({ url: redis.url(), ttl: Duration.seconds(2), pollInterval: Duration.seconds(10) }, counting),
+          (backend) => DistributedLock.make(backend)
+        )
+        const writer = yield* node({ ttl: Duration.seconds(2), pollInterval: Duration.seconds(10) })
+        const heard = yield* published
+        const letGoHolder = yield* holdFor(holder, name)
+        const held = BigInt((yield* command<string>("HGET", keysFor(name).lease, "token")))
+        const granted = yield* Queue.unbounded<FencingToken.FencingToken>()
+        const letGo = yield* Deferred.make<void>()
+        const reader = Effect.scoped(Effect.flatMap(readers.acquire(name, { mode: "shared", timeout: Duration.seconds(10) }), (lease) =>
+          Effect.zipRight(Queue.offer(granted, lease.token), Deferred.await(letGo))))
+        const places = (n: number) => Effect.map(command<number>("ZCARD", keysFor(name).queue), (count) => count === n)
+        // Places in this order: two readers, then the writer.
+        const r1 = yield* Effect.fork(reader)
+        yield* waitFor("the first reader's place", places(1), Duration.seconds(5))
+        const r2 = yield* Effect.fork(reader)
+        yield* waitFor("the second reader's place", places(2), Duration.seconds(5))
+        const w = yield* Effect.fork(Effect.scoped(Effect.map(writer.acquire(name, { timeout: Duration.seconds(10) }), (lease) => lease.token)))
+        yield* waitFor("the writer's place", places(3), Duration.seconds(5))
+        // One attempt each, its place: no look again (a script sees every place taken before it).
+        const attemptsBefore = attempts.length
+        expect(attemptsBefore).toBe(2)
+        yield* letGoHolder
+        const t1 = yield* Queue.take(granted).pipe(Effect.timeout(Duration.seconds(2)))
+        const t2 = yield* Queue.take(granted).pipe(Effect.timeout(Duration.seconds(2)))
+        // Handed over: both readers hold, and neither sent a script for it.
+        expect(attempts.length).toBe(attemptsBefore)
+        expect(t1 > held && t2 > held && t1 !== t2).toBe(true)
+        yield* waitFor(
+          "both handovers' messages",
+          Effect.sync(() => [t1, t2].every((token) => heard.some((payload) => payload.startsWith("h") && payload.includes(`:${token}:`)))),
+          Duration.seconds(2)
+        )
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
+        const entries = yield* sharedEntries(name)
+        expect(Object.values(entries).map((entry) => entry.token).sort()).toEqual([String(t1), String(t2)].sort())
+        // The writer still waits behind both shared holders, in its place.
+        expect(Option.isNone(yield* Fiber.poll(w))).toBe(true)
+        expect(yield* command<number>("ZCARD", keysFor(name).queue)).toBe(1)
+        // Renewed like any shared grant: both live past their first expiry on the server's clock.
+        const firstExpiry = Math.max(...Object.values(entries).map((entry) => entry.expires))
+        yield* waitFor(
+          "both handed shared leases live past their first expiry",
+          Effect.gen(function*() {
+            const now = yield* serverNow
+            const live = Object.values(yield* sharedEntries(name)).filter((entry) => entry.expires > now)
+            return now > firstExpiry && live.length === 2
+          }),
+          Duration.seconds(5)
+        )
+        yield* Deferred.succeed(letGo, undefined)
+        yield* Fiber.join(r1)
+        yield* Fiber.join(r2)
+        const last = yield* Fiber.join(w).pipe(Effect.timeout(Duration.seconds(3)))
+        expect(last > t1 && last > t2).toBe(true)
+        expect(yield* sharedEntries(name)).toEqual({})
+      }))
+
+    it.scopedLive("a shared waiter that misses the handover's wake-up finds the shared lease handed to it at its next attempt; one whose handed shared lease ran out keeps its turn", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-shared-missed")
+        const [holder, r, x] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
+        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
+        expect((yield* attempt(name, Crypto.randomUUID(), r, 10_000, "shared"))[0]).toBeNull()
+        // Handed to r's place at the release (nobody listens here): r's next attempt says so, and
+        // takes no second lease beside it.
+        expect((yield* release(name, holder, ""))[0]).toBe(1)
+        const entry = (yield* sharedEntries(name))[r]
+        expect(entry).toBeDefined()
+        const handed = yield* attempt(name, Crypto.randomUUID(), r, 10_000, "shared")
+        expect(handed[0]).toBe(entry!.token)
+        expect(handed[2]).toBe(1)
+        expect(handed[3]).toBeGreaterThan(9_000)
+        expect(handed[3]).toBeLessThanOrEqual(10_000)
+        expect(Object.keys(yield* sharedEntries(name))).toEqual([r])
+        expect(yield* command<number>("ZCARD", keysFor(name).queue)).toBe(0)
+        // An exclusive place behind it; r's handed lease runs out before r heard: still r's turn,
+        // ahead of x's live place, with a new token.
+        expect((yield* attempt(name, Crypto.randomUUID(), x))[0]).toBeNull()
+        yield* command("HSET", keysFor(name).shared, r, JSON.stringify({ ...entry, expires: 1 }))
+        const again = yield* attempt(name, Crypto.randomUUID(), r, 10_000, "shared")
+        expect(again[0]).not.toBeNull()
+        expect(BigInt(again[0]!) > BigInt(entry!.token)).toBe(true)
+        expect(again[2]).toBeNull()
+        expect((yield* attempt(name, Crypto.randomUUID(), x))[0]).toBeNull()
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
+    it.scopedLive("a shared head whose place was not written lately is woken, not handed: a release hands the shared heads leases only when every one of them surely waits", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-shared-stale")
+        const heard = yield* published
+        const holder = Crypto.randomUUID()
+        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
+        const [stale, fresh] = [Crypto.randomUUID(), Crypto.randomUUID()]
+        expect((yield* attempt(name, Crypto.randomUUID(), stale, 10_000, "shared"))[0]).toBeNull()
+        expect((yield* attempt(name, Crypto.randomUUID(), fresh, 10_000, "shared"))[0]).toBeNull()
+        // As a waiter that stopped writing its place 3 s ago leaves it: 2 s left of its 5.
+        const written = JSON.parse(yield* command<string>("HGET", keysFor(name).places, stale)) as Record<string, unknown>
+        yield* command("HSET", keysFor(name).places, stale, JSON.stringify({ ...written, expires: Number(written["expires"]) - 3_000 }))
+        expect((yield* release(name, holder, ""))[0]).toBe(1)
+        yield* waitFor("both wake-ups", Effect.sync(() => heard.includes(`w${stale}`) && heard.includes(`w${fresh}`)), Duration.seconds(5))
+        expect(heard.some((payload) => payload.startsWith("h"))).toBe(false)
+        expect(yield* sharedEntries(name)).toEqual({})
+        yield* command("DEL", ...Keys.keyList(keysFor(name)))
+      }))
+
+    it.scopedLive("a leave that races the handover to its own shared place frees the shared lease it was handed", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-handover-shared-leave")
+        const holder = Crypto.randomUUID()
+        const r = Crypto.randomUUID()
+        expect((yield* attempt(name, holder, Crypto.randomUUID()))[0]).not.toBeNull()
+        expect((yield* attempt(name, Crypto.randomUUID(), r, 10_000, "shared"))[0]).toBeNull()
+        expect((yield* release(name, holder, ""))[0]).toBe(1)
+        expect(Object.keys(yield* sharedEntries(name))).toEqual([r])
+        // The waiter gave up meanwhile: its leave names its attempt's owner and its place.
+        expect((yield* release(name, Crypto.randomUUID(), r))[0]).toBe(1)
+        expect(yield* sharedEntries(name)).toEqual({})
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "suntil")).toBeNull()
         yield* command("DEL", ...Keys.keyList(keysFor(name)))
       }))
 

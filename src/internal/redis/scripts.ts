@@ -128,6 +128,20 @@ end
 -- Handed to this place and run out before the waiter heard (a lost wake-up, a short ttl): its
 -- turn still, ahead of the places behind it.
 local handedOut = h[1] == waiter
+if mode == 'shared' then
+  -- A shared lease a release handed to this request's place: it holds it already, and never
+  -- takes a second beside it. Run out unheard: its turn still, as above.
+  local raw = redis.call('HGET', sharedKey, waiter)
+  if raw then
+    local e = cjson.decode(raw)
+    if e.expires > nowMs then
+      dropPlace(waiter)
+      return { e.token, false, 1, e.expires - nowMs, nowMs }
+    end
+    redis.call('HDEL', sharedKey, waiter)
+    handedOut = true
+  end
+end
 
 -- This request's place, if it is still live (a place that ran out lost its position).
 local mine = placeOf(waiter)
@@ -227,14 +241,14 @@ return { false, false, false, false, nowMs }
  * `owner`: a handed holder's place, taken again by an attempt that missed the handover) — all
  * owner-scoped.
  *
- * When it frees an exclusive lease and the oldest live place is an exclusive request whose
- * waiter surely waits (its place written in the last `FRESH_MS`, by a version that records its
- * ttl), the lease is **handed over** in this script: the place becomes the holder (`owner` = its
- * id, a token as a grant's, its own ttl from now), its place goes, and `h<place>:<token>:<expiry
- * ms>` is published: the waiter holds the lease with no command of its own. Otherwise, when this
- * frees the lock (or leaves a place while no exclusive lease is live), the waiters now at the
- * head are woken on the channel: the oldest, and every shared waiter ahead of the oldest
- * exclusive one.
+ * When it frees an exclusive lease and the waiters at the head surely wait (each place written
+ * in the last `FRESH_MS`, by a version that records its ttl), the lease is **handed over** in this
+ * script: to the oldest place when it is exclusive, else a shared lease to every shared place
+ * ahead of the first exclusive one (at most `HEAD_CANDIDATES`). Each place becomes a holder
+ * (`owner` = its id, or its id's entry among the shared holders; a token as a grant's, its own
+ * ttl from now), its place goes, and `h<place>:<token>:<expiry ms>` is published: the waiter
+ * holds the lease with no command of its own. Otherwise, when this frees the lock (or leaves a
+ * place while no exclusive lease is live), the same waiters are woken on the channel (`w<place>`).
  * KEYS: lease, queue, places, shared. ARGV: 1 name, 2 owner ('' for none), 3 waiter ('' for none), 4 channel.
  * Answer: { released (0/1), woken (count) }.
  */
@@ -249,8 +263,9 @@ if holder and ((owner ~= '' and holder == owner) or (waiter ~= '' and holder == 
   -- A handed holder's place, taken again by an attempt that missed the handover.
   if holder == owner and redis.call('ZREM', queueKey, owner) == 1 then redis.call('HDEL', placesKey, owner) end
 end
-if owner ~= '' then
-  if redis.call('HDEL', sharedKey, owner) == 1 then
+-- The shared lease of the owner, or of the place (handed to it, the leave racing the handover).
+for _, id in ipairs({ owner, waiter }) do
+  if id ~= '' and redis.call('HDEL', sharedKey, id) == 1 then
     released = 1
     local n = liveShared()
     if n == 0 then
@@ -268,29 +283,52 @@ elseif waiter ~= '' then
 end
 local woken = 0
 if freed then
-  local live = 0
+  -- The live places at the head: the oldest, and the shared ones right behind it until the first
+  -- exclusive. Each surely waits when its place was written in the last FRESH_MS with its ttl.
+  local heads, allFresh = {}, true
   for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, ${HEAD_CANDIDATES * 4 - 1})) do
     local p = placeOf(id)
     if not p or p.expires <= nowMs then
       dropPlace(id)
-    elseif live == 0 and held and p.mode == 'exclusive' and p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS} then
-      -- Handed over: the head's place holds the lease from now on, as a grant of its own would.
-      local token = math.max(num(redis.call('HGET', leaseKey, 'last')) + 1, nowUs)
+    else
+      if #heads > 0 and p.mode == 'exclusive' then break end
+      table.insert(heads, { id = id, p = p })
+      if not (p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS}) then allFresh = false end
+      if p.mode == 'exclusive' or #heads >= ${HEAD_CANDIDATES} then break end
+    end
+  end
+  if held and #heads > 0 and allFresh then
+    -- Handed over: each head's place holds a lease from now on, as a grant of its own would: the
+    -- exclusive head the lease, or every shared head a shared lease (no shared lease is live: the
+    -- freed exclusive one's grant deleted them), tokens drawn one after another.
+    local last = num(redis.call('HGET', leaseKey, 'last'))
+    local bound = 0
+    for _, head in ipairs(heads) do
+      local id, p = head.id, head.p
+      local token = math.max(last + 1, nowUs)
+      last = token
       local expires = nowMs + p.ttl
-      redis.call('HSET', leaseKey, 'name', name, 'owner', id, 'token', fmt(token), 'last', fmt(token),
-        'expires', fmt(expires), 'acquired', fmt(nowMs), 'application', p.application or '', 'host', p.host or '', 'pid', p.pid or 0)
+      if p.mode == 'exclusive' then
+        redis.call('HSET', leaseKey, 'name', name, 'owner', id, 'token', fmt(token), 'last', fmt(token),
+          'expires', fmt(expires), 'acquired', fmt(nowMs), 'application', p.application or '', 'host', p.host or '', 'pid', p.pid or 0)
+      else
+        redis.call('HSET', sharedKey, id, cjson.encode({ token = fmt(token), expires = expires, acquired = nowMs,
+          application = p.application or '', host = p.host or '', pid = p.pid or 0 }))
+        if expires > bound then bound = expires end
+      end
       keepUntil(leaseKey, expires)
       dropPlace(id)
       redis.call('PUBLISH', channel, 'h' .. id .. ':' .. fmt(token) .. ':' .. fmt(expires))
-      woken = 1
-      break
-    else
-      -- The oldest live place, and the shared ones right behind it until the first exclusive.
-      if live > 0 and p.mode == 'exclusive' then break end
-      redis.call('PUBLISH', channel, 'w' .. id)
       woken = woken + 1
-      live = live + 1
-      if p.mode == 'exclusive' or live >= ${HEAD_CANDIDATES} then break end
+    end
+    if bound > 0 then
+      redis.call('HSET', leaseKey, 'name', name, 'last', fmt(last), 'suntil', fmt(bound))
+      keepUntil(sharedKey, bound)
+    end
+  else
+    for _, head in ipairs(heads) do
+      redis.call('PUBLISH', channel, 'w' .. head.id)
+      woken = woken + 1
     end
   end
 end
