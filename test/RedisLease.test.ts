@@ -45,6 +45,25 @@ const command = <A = unknown>(name: string, ...args: Array<string | number>): Ef
 const tokenOf = (service: DistributedLock.Service, name: string) =>
   Effect.scoped(Effect.map(service.acquire(name, { ttl: TTL, timeout: Duration.seconds(5) }), (lease) => lease.token))
 
+/**
+ * A lock service on its own backend whose acquire scripts for `name` are timed as they are sent
+ * (`attempts`), polling only every 10 s: within a test's window only a wake-up brings it back.
+ */
+const countingNode = (name: string, ttl: Duration.Duration) =>
+  Effect.gen(function*() {
+    const attempts: Array<number> = []
+    const counting = (lane: Lane) =>
+      withRun(lane, (operation, about, text, params, bound) => {
+        if (operation === "acquire" && about === name) attempts.push(performance.now())
+        return lane.run(operation, about, text, params, bound)
+      })
+    const service = yield* Effect.flatMap(
+      Make.makeBackend({ url: redis.url(), ttl, pollInterval: Duration.seconds(10) }, counting),
+      (backend) => DistributedLock.make(backend)
+    )
+    return { service, attempts }
+  })
+
 describeWithRedis("RedisLease", () => {
   describe("fencing tokens", () => {
     it.scopedLive("strictly increase per name across layers", () =>
@@ -90,20 +109,10 @@ describeWithRedis("RedisLease", () => {
     it.scopedLive("a waiter sends one attempt to take its place and none after: the release hands it the lease, heard through pub/sub (no look again: a script sees every place taken before it)", () =>
       Effect.gen(function*() {
         const name = freshName("redis-attempts")
-        const attempts: Array<number> = []
-        // The waiter's lane, its acquire scripts for `name` counted as they are sent.
-        const counting = (lane: Lane) =>
-          withRun(lane, (operation, about, text, params, bound) => {
-            if (operation === "acquire" && about === name) attempts.push(performance.now())
-            return lane.run(operation, about, text, params, bound)
-          })
         // Nothing else may bring the waiter back within the window: the holder's lease far from
         // running out (a waiter retries when it could), polls (before wake-ups are proven) 10 s apart.
         const holder = yield* node({ ttl: Duration.seconds(30) })
-        const waiter = yield* Effect.flatMap(
-          Make.makeBackend({ url: redis.url(), ttl: TTL, pollInterval: Duration.seconds(10) }, counting),
-          (backend) => DistributedLock.make(backend)
-        )
+        const { attempts, service: waiter } = yield* countingNode(name, TTL)
         const letGo = yield* holdFor(holder, name)
         const held = yield* Effect.map(command<string | null>("HGET", Keys.lockKeys(Keys.DEFAULT_PREFIX, name).lease, "token"), (token) => BigInt(token!))
         const waiting = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name, { timeout: Duration.seconds(10) }), (lease) => lease.token)))
@@ -312,18 +321,9 @@ describeWithRedis("RedisLease", () => {
     it.scopedLive("a release that frees an exclusive lease hands a shared lease to every shared request at the head: each granted from its wake-up with no command of its own, tokens above the releaser's and distinct, renewed like any grant; the exclusive request queued behind them gets the lock once both let go", () =>
       Effect.gen(function*() {
         const name = freshName("redis-handover-shared")
-        const attempts: Array<number> = []
-        const counting = (lane: Lane) =>
-          withRun(lane, (operation, about, text, params, bound) => {
-            if (operation === "acquire" && about === name) attempts.push(performance.now())
-            return lane.run(operation, about, text, params, bound)
-          })
         const holder = yield* node({ ttl: Duration.seconds(30) })
         // Polls 10 s apart: a grant within the window can only come from the release.
-        const readers = yield* Effect.flatMap(
-          Make.makeBackend({ url: redis.url(), ttl: Duration.seconds(2), pollInterval: Duration.seconds(10) }, counting),
-          (backend) => DistributedLock.make(backend)
-        )
+        const { attempts, service: readers } = yield* countingNode(name, Duration.seconds(2))
         const writer = yield* node({ ttl: Duration.seconds(2), pollInterval: Duration.seconds(10) })
         const heard = yield* published
         const letGoHolder = yield* holdFor(holder, name)
