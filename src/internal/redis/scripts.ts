@@ -300,7 +300,9 @@ if freed then
   if held and #heads > 0 and allFresh then
     -- Handed over: each head's place holds a lease from now on, as a grant of its own would: the
     -- exclusive head the lease, or every shared head a shared lease (no shared lease is live: the
-    -- freed exclusive one's grant deleted them), tokens drawn one after another.
+    -- freed exclusive one's grant deleted them), tokens drawn one after another. The keys outlive
+    -- the handed leases by a place's time: a waiter that did not hear of its lease before it ran
+    -- out finds it at its next attempt (at most 1.5 s apart) and keeps its turn.
     local last = num(redis.call('HGET', leaseKey, 'last'))
     local bound = 0
     for _, head in ipairs(heads) do
@@ -316,14 +318,14 @@ if freed then
           application = p.application or '', host = p.host or '', pid = p.pid or 0 }))
         if expires > bound then bound = expires end
       end
-      keepUntil(leaseKey, expires)
+      keepUntil(leaseKey, expires + ${PLACE_TTL_MILLIS})
       dropPlace(id)
       redis.call('PUBLISH', channel, 'h' .. id .. ':' .. fmt(token) .. ':' .. fmt(expires))
       woken = woken + 1
     end
     if bound > 0 then
       redis.call('HSET', leaseKey, 'name', name, 'last', fmt(last), 'suntil', fmt(bound))
-      keepUntil(sharedKey, bound)
+      keepUntil(sharedKey, bound + ${PLACE_TTL_MILLIS})
     end
   else
     for _, head in ipairs(heads) do
