@@ -431,7 +431,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(row!.left).toBeGreaterThan(0)
     }))
 
-  it.scoped("a waiter is woken by the release notification within milliseconds", () =>
+  it.scoped("a waiter is woken by the release notification, not by its poll: one notification per handoff (times logged)", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
       const a = yield* processOn(env)
@@ -443,8 +443,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       for (let i = 0; i < 20; i++) times.push(yield* handoff(freshName("handoff")))
       const s = stats(times)
       console.log(`PgLease handoff with LISTEN/NOTIFY (release sent → waiter granted), ms: ${JSON.stringify(s)}`)
-      // The waiter polls only every 2.5-5 s here: these times can only come from notifications.
-      expect(s.max).toBeLessThan(200)
+      // The waiter polls only every 2.5-5 s here: these times can only come from notifications
+      // (a bound below the poll, not a speed: a CPU-starved host may take a second).
+      expect(s.max).toBeLessThan(2_000)
       // One notification per handoff: the release handed the lease to the waiter at the head. This
       // test's own listener is another connection: its copy of the last NOTIFY may lag.
       yield* waitFor("21 handovers", Effect.sync(() => released.length >= 21), Duration.seconds(2))
@@ -475,6 +476,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const acquiresBefore = counted.byOperation("acquire")
       yield* Scope.close(holderScope, Exit.void)
       const result = yield* Fiber.join(waiting)
+      const grantedAt = yield* monotonicMillis
       if (result._tag !== "Granted") return yield* Effect.dieMessage(`expected a grant, got ${result._tag}`)
       const grant = result.grant
       // Handed over: the waiter's place holds the row, and the waiter sent no statement for it.
@@ -487,8 +489,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(released.some((payload) => payload.startsWith(`h${grant.owner}:${grant.token}:`))).toBe(true)
       // What the waiter believes it has left never exceeds what the store left it.
       const believed = Option.getOrThrow(grant.validUntil) - readAt
-      expect(believed).toBeGreaterThan(2_000)
       expect(believed).toBeLessThanOrEqual(row.left!)
+      // And most of its 3 s when it was granted (the handover's own milliseconds aside).
+      expect(Option.getOrThrow(grant.validUntil) - grantedAt).toBeGreaterThan(2_000)
       // Its release frees it: the handed lease is the waiter's like any grant.
       yield* grant.release
       expect((yield* rowOf(name))!.owner).toBeNull()
@@ -1964,7 +1967,8 @@ describe("PgLease wake-ups", () => {
       yield* waitFor("the wake-up handled", Effect.map(subscription.mark, (now) => now !== mark), Duration.seconds(2))
       const started = Date.now()
       expect(yield* subscription.wait(mark, Duration.seconds(5))).toBe(true)
-      expect(Date.now() - started).toBeLessThan(100)
+      // At once, not at its 5 s delay (half of it: a bound, not a speed).
+      expect(Date.now() - started).toBeLessThan(2_500)
       // Nothing after the newest mark: the wait runs its delay out.
       expect(yield* subscription.wait(yield* subscription.mark, Duration.millis(50))).toBe(false)
     }).pipe(Effect.scoped), { timeout: 10_000 })
