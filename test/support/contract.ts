@@ -3,7 +3,6 @@
  * backend under TestClock, the PostgreSQL ones with short real durations.
  */
 import { describe, expect, it } from "@effect/vitest"
-import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
