@@ -279,7 +279,7 @@ export const stall = (millis: number): Effect.Effect<number> =>
  * How soon after a lease's safety deadline its holder is told, at most, beyond a plain timer set
  * for that deadline: the renewal loop's wake-up, marking it lost and the holder's fiber resuming.
  */
-const TOLD_WITHIN_MS = 200
+export const TOLD_WITHIN_MS = 200
 
 const STALL_MS = 1_500
 

@@ -31,11 +31,14 @@ import {
   PLACE_CASE,
   placeLeftAtWrites,
   TIGHT_YIELD_BUDGET,
+  TOLD_WITHIN_MS,
   UNINTERRUPTIBLE_INTERRUPT_CASE,
   waitUntil,
   withYieldBudget
 } from "./contract.js"
 import { yieldTimes } from "./faults.js"
+import { monotonicMillis, sleepMillis } from "effect-lock/internal/core/clock"
+import { safetyDeadlineOf } from "effect-lock/internal/core/registry"
 import { occupancy } from "./occupancy.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
 
@@ -96,9 +99,11 @@ interface Faults {
   renewCalls: number
   /** Runs after each of the store's waits ends, before it looks again (a slow wake-up). */
   afterWait: Effect.Effect<void>
+  /** The latest grant's `validUntil` (monotonic ms), as the store answered it. */
+  validUntil: number | undefined
 }
 
-const makeFaults = (): Faults => ({ failRenew: false, hangRenew: false, renewCalls: 0, afterWait: Effect.void })
+const makeFaults = (): Faults => ({ failRenew: false, hangRenew: false, renewCalls: 0, afterWait: Effect.void, validUntil: undefined })
 
 /** Every token the stores granted, by semaphore name, in the order the grants came back. */
 const granted = new Map<string, Array<bigint>>()
@@ -114,6 +119,7 @@ const withFaults = (backend: SemaphoreBackend<any>, faults: Faults): SemaphoreBa
     }), (result) =>
       Effect.sync(() => {
         if (result._tag !== "Granted") return
+        faults.validUntil = Option.getOrUndefined(result.grant.validUntil)
         let tokens = granted.get(request.name)
         if (tokens === undefined) granted.set(request.name, tokens = [])
         tokens.push(...result.grant.tokens)
@@ -662,17 +668,25 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         expect(yield* Effect.scoped(b.tryAcquire(name, { limit: 2 }))).toEqual(Option.none())
       }))
 
-    leaseSpec("a holder whose renewals fail is told (renewal-failed) before the store could let anyone else in", () =>
+    leaseSpec("a holder whose renewals fail is told (renewal-failed) before the store could let anyone else in: its deadline is before the store's expiry, and it is told at that deadline as soon as the process runs", () =>
       Effect.gen(function*() {
         const faults = makeFaults()
         const a = yield* node(faults)
         const name = freshName("margin")
+        // The store counts the permit's ttl from its grant, which comes after this.
+        const askedAt = yield* monotonicMillis
         const held = yield* a.acquire(name, { limit: 1, ttl: target.ttl })
         faults.failRenew = true
-        const heldWhenTold = yield* Effect.fork(Effect.zipRight(failureOf(held.lost), Effect.map(target.state(name), (s) => s.held)))
+        // The moment the library gives the permit up on this process's monotonic clock.
+        const deadline = safetyDeadlineOf(faults.validUntil, ttlMillis)
+        expect(deadline).toBeLessThan(askedAt + ttlMillis)
+        const toldAt = yield* Effect.fork(Effect.zipRight(failureOf(held.lost), monotonicMillis))
+        // A plain timer for the same moment: when this process could run then (see the lock contract's case).
+        const ranAt = yield* Effect.fork(Effect.zipRight(Effect.flatMap(monotonicMillis, (now) => sleepMillis(deadline - now)), monotonicMillis))
         yield* target.advance(Duration.millis(ttlMillis * 0.9))
-        // When the holder learned of the loss the store still held its permit: it was told first.
-        expect(yield* Fiber.join(heldWhenTold)).toBe(1)
+        const [told, ran] = [yield* Fiber.join(toldAt), yield* Fiber.join(ranAt)]
+        expect(told, `deadline ${deadline.toFixed(0)}, told ${told.toFixed(0)}, a timer for the deadline ran at ${ran.toFixed(0)}`)
+          .toBeLessThanOrEqual(Math.max(ran, deadline) + TOLD_WITHIN_MS)
         expect(yield* failureOf(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
       }))
 
