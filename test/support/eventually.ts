@@ -28,3 +28,11 @@ export const eventually = <A, E, R>(
 /** Until `check` holds, within `bound`; a failure of `check` is a defect. */
 export const waitFor = (what: string, check: Effect.Effect<boolean, unknown>, bound: Duration.DurationInput): Effect.Effect<void> =>
   Effect.asVoid(eventually(what, Effect.orDie(check), (holds) => holds, Duration.toMillis(Duration.decode(bound))))
+
+/**
+ * A plain timer for the wall-clock moment `at` (ms since the epoch): the wall-clock time it ran.
+ * How late it ran is how late this process could run then (a CPU-starved host), which delays a
+ * timer of the library's for the same moment as much. Real time, whatever Clock the test has.
+ */
+export const untilWallClock = (at: number): Effect.Effect<number> =>
+  Effect.promise(() => new Promise<number>((resolve) => setTimeout(() => resolve(Date.now()), Math.max(0, at - Date.now()))))
