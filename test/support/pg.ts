@@ -182,11 +182,18 @@ export const countSessions = (url: string, applicationName: string): Promise<num
     return result.rows[0]?.n ?? 0
   })
 
-/** Terminates every session of the database at `url` with this application_name; returns how many. */
+/**
+ * Terminates every session of the database at `url` with this application_name; returns how many.
+ * On PostgreSQL 14 and later it returns once they have exited (up to 5 s each): the one-argument
+ * form only signals, and a backend can stay in pg_stat_activity for a moment after (a fresh-clone
+ * run counted the terminated session right after its client had seen the connection end).
+ */
 export const terminateBackends = (url: string, applicationName: string): Promise<number> =>
   withClient(url, async (client) => {
+    const version = await client.query<{ v: number }>(`select current_setting('server_version_num')::int as v`)
+    const terminate = (version.rows[0]?.v ?? 0) >= 140000 ? "pg_terminate_backend(pid, 5000)" : "pg_terminate_backend(pid)"
     const result = await client.query<{ n: number }>(
-      `select count(*) filter (where pg_terminate_backend(pid))::int as n from pg_stat_activity
+      `select count(*) filter (where ${terminate})::int as n from pg_stat_activity
        where datname = current_database() and application_name = $1 and pid <> pg_backend_pid()`,
       [applicationName]
     )
