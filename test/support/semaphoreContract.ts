@@ -24,6 +24,7 @@ import { LockBackendError } from "effect-lock/LockError"
 import { timeoutOption } from "effect-lock/internal/runtime/stallSafe"
 import {
   expectPlaceWrittenEarly,
+  expectToldAtDeadline,
   failureOf,
   freshName,
   INTERRUPT_BOUND,
@@ -31,13 +32,12 @@ import {
   PLACE_CASE,
   placeLeftAtWrites,
   TIGHT_YIELD_BUDGET,
-  TOLD_WITHIN_MS,
   UNINTERRUPTIBLE_INTERRUPT_CASE,
   waitUntil,
   withYieldBudget
 } from "./contract.js"
 import { yieldTimes } from "./faults.js"
-import { monotonicMillis, sleepMillis } from "effect-lock/internal/core/clock"
+import { monotonicMillis } from "effect-lock/internal/core/clock"
 import { safetyDeadlineOf } from "effect-lock/internal/core/registry"
 import { occupancy } from "./occupancy.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
@@ -680,13 +680,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         // The moment the library gives the permit up on this process's monotonic clock.
         const deadline = safetyDeadlineOf(faults.validUntil, ttlMillis)
         expect(deadline).toBeLessThan(askedAt + ttlMillis)
-        const toldAt = yield* Effect.fork(Effect.zipRight(failureOf(held.lost), monotonicMillis))
-        // A plain timer for the same moment: when this process could run then (see the lock contract's case).
-        const ranAt = yield* Effect.fork(Effect.zipRight(Effect.flatMap(monotonicMillis, (now) => sleepMillis(deadline - now)), monotonicMillis))
-        yield* target.advance(Duration.millis(ttlMillis * 0.9))
-        const [told, ran] = [yield* Fiber.join(toldAt), yield* Fiber.join(ranAt)]
-        expect(told, `deadline ${deadline.toFixed(0)}, told ${told.toFixed(0)}, a timer for the deadline ran at ${ran.toFixed(0)}`)
-          .toBeLessThanOrEqual(Math.max(ran, deadline) + TOLD_WITHIN_MS)
+        yield* expectToldAtDeadline(deadline, failureOf(held.lost), target.advance(Duration.millis(ttlMillis * 0.9)))
         expect(yield* failureOf(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
       }))
 
