@@ -38,6 +38,9 @@ contractSuite("PgLease", {
       ),
       (rows) => rows.map((row) => row.left)
     ),
+  // The live lease's expiry by the server's clock, from the operator's listing (its own pool).
+  leaseExpiresAt: (name) =>
+    Effect.scoped(Effect.flatMap(poolOn(() => db.url), (env) => Effect.provide(Effect.map(PgLease.holders({ name }), (held) => held[0]!.expiresAt), env))),
   settle: probe.settle,
   maxNameBytes: PgLease.defaults.maxNameBytes,
   minTtl: PgLease.defaults.minTtl

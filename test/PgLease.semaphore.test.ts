@@ -116,6 +116,8 @@ semaphoreContractSuite("PgLease", {
   makeBackend: Effect.flatMap(poolOn(() => db.url), (env) => Effect.map(backendOn(env, {}, counted), (backend) => backend.semaphore)),
   state: (name) => stateOf(name),
   placesLeft: (name) => placesLeftOf(name),
+  // The earliest live permits' expiry by the server's clock, from the operator's listing.
+  permitsExpireAt: (name) => Effect.provide(Effect.map(PgLease.semaphores({ name }), (found) => Math.min(...found[0]!.holders.map((h) => h.expiresAt))), PgTest.layer(db)),
   revoke: (name) => Effect.asVoid(Effect.provide(PgLease.revokePermits(name), PgTest.layer(db))),
   advance: (duration) => Effect.sleep(duration),
   rounds: 6,

@@ -55,6 +55,8 @@ describeWithRedis("RedisLease contract", () => {
     makeBackend: Effect.suspend(() => RedisLease.makeBackend({ url: redis.url(), ttl: LIVE_CONTRACT_TTL })),
     // Live holders counted from Redis itself, not from a process.
     storeHolders: (name) => Effect.suspend(() => Effect.map(RedisLease.holders(inspector(), name), (held) => held.length)),
+    // The live lease's expiry by the server's clock.
+    leaseExpiresAt: (name) => Effect.suspend(() => Effect.map(RedisLease.holders(inspector(), name), (held) => held[0]!.expiresAt)),
     advance: (duration) => Effect.sleep(duration),
     // The operator's revoke, on a client of its own.
     revoke: (name) => Effect.suspend(() => Effect.asVoid(RedisLease.revoke(inspector(), name))),
@@ -86,6 +88,8 @@ describeWithRedis("RedisLease semaphore contract", () => {
     ),
     state: stateOf,
     placesLeft: (name) => placesLeft(Keys.semKey(Keys.DEFAULT_PREFIX, name), "waiters"),
+    // The earliest live permits' expiry by the server's clock.
+    permitsExpireAt: (name) => Effect.suspend(() => Effect.map(RedisLease.semaphores(inspector(), name), (found) => Math.min(...found[0]!.holders.map((h) => h.expiresAt)))),
     // The operator's revoke, on a client of its own.
     revoke: (name) => Effect.suspend(() => Effect.asVoid(RedisLease.revokePermits(inspector(), name))),
     advance: (duration) => Effect.sleep(duration),

@@ -63,6 +63,9 @@ semaphoreContractSuite("SqliteLease", {
   ),
   state: (name) => Effect.sync(() => stateOf(name)),
   placesLeft: (name) => Effect.sync(() => file.permitPlacesLeft(name)),
+  // The earliest live permits' expiry by the database's clock, from the operator's listing.
+  permitsExpireAt: (name) =>
+    Effect.provide(Effect.map(SqliteLease.semaphores({ name }), (found) => Math.min(...found[0]!.holders.map((h) => h.expiresAt))), SqliteClient.layer({ filename: file.path })),
   revoke: (name) => Effect.asVoid(SqliteLease.revokePermits(name).pipe(Effect.provide(SqliteClient.layer({ filename: file.path })))),
   advance: (duration) => Effect.sleep(duration),
   rounds: 6,

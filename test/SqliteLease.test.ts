@@ -82,6 +82,9 @@ contractSuite("SqliteLease", {
   waiting: (name) => Effect.sync(() => file.livePlaces(name) > 0),
   waitingCount: (name) => Effect.sync(() => file.livePlaces(name)),
   placesLeft: (name) => Effect.sync(() => file.placesLeft(name)),
+  // The live lease's expiry by the database's clock, from the operator's listing.
+  leaseExpiresAt: (name) =>
+    Effect.provide(Effect.map(SqliteLease.holders({ name }), (held) => held[0]!.expiresAt), SqliteClient.layer({ filename: file.path })),
   advance: (duration) => Effect.sleep(duration),
   revoke: (name) => Effect.provide(SqliteLease.revoke(name), SqliteClient.layer({ filename: file.path })),
   maxNameBytes: SqliteLease.defaults.maxNameBytes,

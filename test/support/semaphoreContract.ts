@@ -24,7 +24,9 @@ import { LockBackendError } from "effect-lock/LockError"
 import { timeoutOption } from "effect-lock/internal/runtime/stallSafe"
 import {
   expectPlaceWrittenEarly,
+  expectDeadlineBeforeExpiry,
   expectToldAtDeadline,
+  storeExpiryOn,
   failureOf,
   freshName,
   INTERRUPT_BOUND,
@@ -90,6 +92,12 @@ export interface SemaphoreTarget {
    * waits do not queue in places of the store: the case about keeping a place is skipped.
    */
   readonly placesLeft?: ((name: string) => Effect.Effect<ReadonlyArray<number>, unknown>) | undefined
+  /**
+   * When the store lets the earliest live permits of `name` go unless renewed: the store's time in
+   * ms since the epoch (this host's wall clock). Absent (TestClock): the moment before the acquire
+   * plus its ttl.
+   */
+  readonly permitsExpireAt?: ((name: string) => Effect.Effect<number, unknown>) | undefined
 }
 
 /** What a test can make a wrapped store do, and what it saw. */
@@ -679,7 +687,8 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         faults.failRenew = true
         // The moment the library gives the permit up on this process's monotonic clock.
         const deadline = safetyDeadlineOf(faults.validUntil, ttlMillis)
-        expect(deadline).toBeLessThan(askedAt + ttlMillis)
+        const permitsExpireAt = target.permitsExpireAt
+        expectDeadlineBeforeExpiry(deadline, yield* storeExpiryOn(permitsExpireAt && permitsExpireAt(name), askedAt + ttlMillis))
         yield* expectToldAtDeadline(deadline, failureOf(held.lost), target.advance(Duration.millis(ttlMillis * 0.9)))
         expect(yield* failureOf(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
       }))
