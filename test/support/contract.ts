@@ -1110,11 +1110,13 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         )
         const run = yield* Effect.fork(DistributedLock.withLock(body, name, { ttl }).pipe(provide(a)))
         yield* Deferred.await(started)
-        // Renewals fail from the close until past the safety deadline (ttl − ttl/5), then work again.
-        aFaults.failRenew = true
+        // Renewals fail from the close until past the safety deadline (ttl − ttl/5), then work
+        // again: until `failUntil` of the ttl counted back from the lease's validUntil, judged by
+        // the fault wrapper at each call, so a test fiber that runs late does not eat the window.
+        const validUntil = Option.getOrThrow((yield* a.inspect).find((held) => held.name === name)!.validUntil)
+        aFaults.failRenewUntil = validUntil - ttlMs * (1 - failUntil)
         const closing = yield* Effect.fork(Scope.close(scope, Exit.void))
-        yield* target.advance(Duration.millis(Math.round(ttlMs * failUntil)))
-        aFaults.failRenew = false
+        yield* Effect.flatMap(monotonicMillis, (now) => target.advance(Duration.millis(Math.max(0, Math.round(aFaults.failRenewUntil! - now)))))
         let granted = false
         const tries = Math.ceil((bodyMs + 3_000) / 50)
         for (let i = 0; i < tries && !(granted && order.includes("body ended")); i++) {

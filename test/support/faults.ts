@@ -1,11 +1,17 @@
 import * as Effect from "effect/Effect"
 import type { AcquireResult, Grant, LockBackend } from "effect-lock/LockBackend"
 import { LockBackendError } from "effect-lock/LockError"
+import { monotonicMillis } from "effect-lock/internal/core/clock"
 
 /** What a test can make the wrapped backend do, and what it saw. */
 export interface Faults {
   /** When set, every renew call fails (the store is "unreachable"). */
   failRenew: boolean
+  /**
+   * When set, every renew call fails until this moment (monotonic ms, `monotonicMillis`), judged
+   * when the call is made: the window ends on time however late the test's own fiber runs.
+   */
+  failRenewUntil: number | undefined
   /** When set, every renew call hangs until interrupted. */
   hangRenew: boolean
   /** Extra time a renew call takes before it reaches the store. */
@@ -31,6 +37,7 @@ export interface Faults {
 
 export const makeFaults = (): Faults => ({
   failRenew: false,
+  failRenewUntil: undefined,
   hangRenew: false,
   renewDelay: Effect.void,
   renewHook: () => Effect.void,
@@ -104,7 +111,7 @@ export const withFaults = <G extends Grant>(backend: LockBackend<G>, faults: Fau
       yield* faults.renewDelay
       yield* faults.renewHook(names)
       if (faults.hangRenew) yield* Effect.never
-      if (faults.failRenew) {
+      if (faults.failRenew || (faults.failRenewUntil !== undefined && (yield* monotonicMillis) < faults.failRenewUntil)) {
         return yield* new LockBackendError({ operation: "renew", cause: new Error("injected: store unreachable") })
       }
       return yield* backend.renew(grants)
