@@ -16,9 +16,10 @@
  * - Every grant is a script execution, and two scripts never run within the same microsecond on
  *   one server (each takes microseconds): so a token is at most its grant's `serverMicros` (plus
  *   the grants crowded into one microsecond, in practice none).
- * - The lease hash holding `last` lives at least the lease's ttl (≥ 1 s, the floor) past the
- *   latest grant or renewal: by the time it is gone, `serverMicros` has moved ≥ 1,000,000 past
- *   every token ever granted for the name.
+ * - The lease hash holding `last` lives until the server's clock is past `last` in µs: the
+ *   lease's expiry while it is held (at least its ttl, ≥ 1 s, past the latest grant or renewal);
+ *   once a release leaves the name with no holder and no waiter, `last / 1000 + 2` ms (`release`).
+ *   By the time it is gone, `serverMicros` is past every token ever granted for the name.
  * - A restart without persistence loses `last` too, but not the clock: the same argument holds.
  * What breaks it is the server's clock stepping back by more than the time since the last grant
  * (an NTP step; a failover to a replica whose clock is behind): a replica promoted with a clock
@@ -332,6 +333,21 @@ if freed then
       redis.call('PUBLISH', channel, 'w' .. head.id)
       woken = woken + 1
     end
+  end
+end
+-- No key outlives its use: when the name is left with no holder and no waiter, its lease hash
+-- (the last token) is kept only until the server's µs clock is past that token, as a semaphore's
+-- hash is (permitScripts): the name's next grant then draws a larger token without it. Before,
+-- the hash lived until the released lease's own expiry, a ttl after its grant (30 s by default).
+if released == 1 and not redis.call('HGET', leaseKey, 'owner') and liveShared() == 0 and redis.call('ZCARD', queueKey) == 0 then
+  local untilMs = math.floor(num(redis.call('HGET', leaseKey, 'last')) / 1000) + 2
+  if untilMs <= nowMs then
+    redis.call('DEL', leaseKey, sharedKey)
+  else
+    local left = redis.call('PTTL', leaseKey)
+    -- Only ever shortened.
+    if left == -1 or nowMs + left > untilMs then redis.call('PEXPIREAT', leaseKey, fmt(untilMs)) end
+    redis.call('DEL', sharedKey)
   end
 end
 return { released, woken }
