@@ -160,7 +160,7 @@ export const fromSettings = (
     case "redis":
       // RedisLease loads ioredis only when the layer is built: nothing to load here.
       return Layer.unwrapEffect(Effect.map(redisUrlOf(read), (url) =>
-        RedisLease.layer({ url: Redacted.value(url), ttl: defined(read.ttl), prefix: defined(read.redisPrefix), applicationName })))
+        RedisLease.layer({ url, ttl: defined(read.ttl), prefix: defined(read.redisPrefix), applicationName })))
   }
 }
 

@@ -66,7 +66,9 @@
  *
  * @since 0.1.0
  */
-import type * as Effect from "effect/Effect"
+import * as Config from "effect/Config"
+import type * as ConfigError from "effect/ConfigError"
+import * as Effect from "effect/Effect"
 import type * as Layer from "effect/Layer"
 import type * as Scope from "effect/Scope"
 import type { Cluster, Redis } from "ioredis"
@@ -85,8 +87,8 @@ import * as Operator from "./internal/redis/operator.js"
 /**
  * Options of the Redis lease backend.
  *
- * - `url`: the server, e.g. `redis://localhost:6379` (ioredis's URL forms); default ioredis's
- *   (localhost:6379), or what `redis` says.
+ * - `url`: the server, e.g. `redis://localhost:6379` (ioredis's URL forms), as a string or a
+ *   `Redacted` (`Config.redacted`); default ioredis's (localhost:6379), or what `redis` says.
  * - `redis`: ioredis options for the layer's own connections (host, port, password, tls, …);
  *   the layer sets its own `lazyConnect`, offline-queue, retry and resend settings over them.
  *   `keyPrefix` is refused: use `prefix`.
@@ -183,6 +185,18 @@ export type Services = DistributedLock.DistributedLock | DistributedSemaphore.Di
  */
 export const layer = (options?: Options): Layer.Layer<Services, LockBackendError> =>
   DistributedSemaphore.layerBackend(Make.makeBackend(options))
+
+/**
+ * `layer` with its options read from configuration, e.g.
+ * `RedisLease.layerConfig({ url: Config.redacted("REDIS_URL"), ttl: Config.duration("LOCK_TTL") })`.
+ *
+ * @since 0.1.0
+ * @category layers
+ */
+export const layerConfig = (
+  config: Config.Config.Wrap<Options>
+): Layer.Layer<Services, LockBackendError | ConfigError.ConfigError> =>
+  DistributedSemaphore.layerBackend(Effect.flatMap(Config.unwrap(config), Make.makeBackend))
 
 /**
  * A live lease as stored in Redis (times are the server's, in ms since the epoch).

@@ -18,12 +18,13 @@ const fromEnv = (env: Record<string, string>) =>
   LockConfig.layer.pipe(Layer.provide(Layer.setConfigProvider(ConfigProvider.fromMap(new Map(Object.entries(env))))))
 
 /** Builds the layer from `env`, takes and releases one lock, and says which backend served it. */
-const lockWith = (env: Record<string, string>) =>
+const lockWith = (env: Record<string, string>, whileHeld: Effect.Effect<unknown> = Effect.void) =>
   Effect.scoped(
     Effect.gen(function*() {
       const lease = yield* DistributedLock.acquire("config-chosen", { timeout: "5 seconds" })
       const service = yield* DistributedLock.DistributedLock
-      return { backend: service.backend, token: lease.token }
+      const seen = yield* whileHeld
+      return { backend: service.backend, token: lease.token, seen }
     })
   ).pipe(Effect.provide(fromEnv(env)))
 
@@ -125,18 +126,20 @@ describeWithRedis("LockConfig.layer on Redis", () => {
 
   it.live("EFFECT_LOCK_BACKEND=redis builds RedisLease on EFFECT_LOCK_REDIS_URL, which wins over REDIS_URL, with EFFECT_LOCK_REDIS_PREFIX", () =>
     Effect.gen(function*() {
+      // The lease's keys carry the configured prefix: read while it is held (an idle name keeps no key).
+      const prefixed = Effect.promise(() => {
+        const client = new Redis(redis.url())
+        return client.keys("config-test:*").finally(() => client.quit())
+      })
       const used = yield* lockWith({
         EFFECT_LOCK_BACKEND: "redis",
         EFFECT_LOCK_REDIS_URL: redis.url(),
         REDIS_URL: "redis://127.0.0.1:1",
         EFFECT_LOCK_REDIS_PREFIX: "config-test:"
-      })
+      }, prefixed)
       expect(used.backend).toBe("redis-lease")
       expect(used.token > 0n).toBe(true)
-      // The lease's keys carry the configured prefix (its hash outlives the release by a ttl: the token's home).
-      const client = new Redis(redis.url())
-      const keys = yield* Effect.promise(() => client.keys("config-test:*").finally(() => client.quit()))
-      expect(keys.length).toBeGreaterThan(0)
+      expect((used.seen as ReadonlyArray<string>).length).toBeGreaterThan(0)
     }))
 
   it.live("EFFECT_LOCK_BACKEND=redis without a URL is a ConfigError naming EFFECT_LOCK_REDIS_URL", () =>

@@ -6,7 +6,7 @@
  * Semaphores: RedisLease.semaphore.test.ts. Without a server the file skips and says why.
  */
 import { describe, expect, it } from "@effect/vitest"
-import { Deferred, Duration, Effect, Fiber, Option, Queue, Schedule } from "effect"
+import { Config, ConfigProvider, Context, Deferred, Duration, Effect, Fiber, Layer, Option, Queue, Redacted, Schedule } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import type * as FencingToken from "effect-lock/FencingToken"
 import { LockBackendError } from "effect-lock/LockError"
@@ -636,6 +636,31 @@ describeWithRedis("RedisLease", () => {
           Effect.map(roles, (names) => names.includes(`${application}:renewals`)),
           Duration.seconds(3)
         )
+      }))
+
+    it.scopedLive("layerConfig reads its options from configuration, the url as a Redacted; a missing key is a ConfigError", () =>
+      Effect.gen(function*() {
+        const fromConfig = (entries: ReadonlyArray<readonly [string, string]>) =>
+          Layer.build(RedisLease.layerConfig({ url: Config.redacted("LOCK_REDIS_URL"), ttl: Config.duration("LOCK_TTL") })).pipe(
+            Effect.withConfigProvider(ConfigProvider.fromMap(new Map(entries)))
+          )
+        const configured = Context.get(
+          yield* fromConfig([["LOCK_REDIS_URL", redis.url()], ["LOCK_TTL", "2 seconds"]]),
+          DistributedLock.DistributedLock
+        )
+        const name = freshName("redis-configured")
+        const lease = yield* configured.acquire(name)
+        expect(lease.token > 0n).toBe(true)
+        // The configured ttl reached the server: the lease runs out 2 s after its grant.
+        const left = yield* command<number>("PTTL", Keys.lockKeys(Keys.DEFAULT_PREFIX, name).lease)
+        expect(left).toBeGreaterThan(0)
+        expect(left).toBeLessThanOrEqual(2_000)
+        const missing = yield* Effect.flip(fromConfig([["LOCK_TTL", "2 seconds"]]))
+        expect(missing._tag).toBe("ConfigError")
+        expect(String(missing)).toContain("LOCK_REDIS_URL")
+        // A Redacted url is accepted by layer too.
+        const direct = Context.get(yield* Layer.build(RedisLease.layer({ url: Redacted.make(redis.url()), ttl: TTL })), DistributedLock.DistributedLock)
+        expect((yield* Effect.scoped(direct.acquire(freshName("redis-redacted")))).token > 0n).toBe(true)
       }))
 
     it.scopedLive("a prefix with a brace is refused", () =>

@@ -8,6 +8,7 @@
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { identity } from "effect/Function"
+import * as Redacted from "effect/Redacted"
 import type * as Scope from "effect/Scope"
 import type { Cluster, Redis, RedisOptions } from "ioredis"
 import * as Os from "node:os"
@@ -27,7 +28,7 @@ import * as Wake from "./wake.js"
 
 /** The options of `RedisLease.layer`; documented there. */
 export interface Options {
-  readonly url?: string | undefined
+  readonly url?: string | Redacted.Redacted<string> | undefined
   readonly redis?: RedisOptions | undefined
   readonly client?: Redis | Cluster | undefined
   readonly ttl?: Duration.DurationInput | undefined
@@ -67,8 +68,10 @@ export const makeBackend = (
     const prefix = input?.prefix ?? Keys.DEFAULT_PREFIX
     const badPrefix = Keys.prefixProblem(prefix)
     if (badPrefix !== undefined) return yield* options.configError(badPrefix)
-    if (input?.url !== undefined && (typeof input.url !== "string" || input.url.length === 0)) {
-      return yield* options.configError("url must be a non-empty string")
+    // A Redacted url (Config.redacted) is opened here only, never logged.
+    const url = input?.url !== undefined && Redacted.isRedacted(input.url) ? Redacted.value(input.url) : input?.url
+    if (url !== undefined && (typeof url !== "string" || url.length === 0)) {
+      return yield* options.configError("url must be a non-empty string (or a Redacted one)")
     }
     if (input?.client !== undefined && (input.url !== undefined || input.redis !== undefined)) {
       return yield* options.configError("give either client or url/redis options: the layer's own connections copy the client's settings")
@@ -91,7 +94,7 @@ export const makeBackend = (
     // Before the lane: the layer's own fibers are stopped only after everything else has closed.
     const owner = yield* Owner.make
     const redisLane = yield* Lane.open(Ctor, {
-      url: input?.url,
+      url,
       redis: input?.redis,
       client: input?.client,
       replicas,
