@@ -11,8 +11,11 @@
  * Cluster requires. The lease hash holds the exclusive holder (owner, token, expiry, who), the
  * name's last token and its readable name; the queue (a sorted set by arrival) and the places
  * hash hold the waiting requests; the shared hash holds each shared holder's lease. No key
- * outlives its use: every write extends the key's expiry to cover what it holds, so a name
- * nobody holds or waits for leaves no key behind within a ttl (there is nothing to sweep).
+ * outlives its use: every write extends the key's expiry to cover what it holds, and a release
+ * that leaves a name with no holder and no waiter keeps its lease hash only until the server's
+ * clock is past the name's last token (2 ms), so a name nobody holds or waits for leaves no key
+ * behind (there is nothing to sweep). Run the server with `maxmemory-policy noeviction` (or no
+ * `maxmemory`): every key here carries an expiry, and an evicted lease lets a second holder in.
  *
  * **Scripts.** Every operation is ONE Lua script (an acquire attempt, a release, the renewal of
  * one lease, a revoke), sent as EVALSHA and again as EVAL when the server answers NOSCRIPT (after
@@ -26,8 +29,8 @@
  *
  * **Fencing tokens.** A token is `max(last + 1, server time in µs)`: it strictly increases per
  * name while the name's keys exist, and also after they expired while idle or were lost in a
- * restart without persistence, because the keys live at least a ttl (≥ 1 s) past the last grant
- * and the server's clock has moved past every token by then. A failover to a replica whose
+ * restart without persistence, because the keys live until the server's clock is past the
+ * name's last token in µs. A failover to a replica whose
  * clock is behind by D (or a step back of the server's clock by D) can repeat a token granted
  * within the last D if the replica had not received the name's last grant: keep the servers'
  * clocks synchronised.
