@@ -199,9 +199,9 @@ describeWithRedis("RedisLease", () => {
     const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
     const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
     /** One acquire script by hand: 10 s lease, 5 s place. */
-    const attempt = (name: string, owner: string, waiter: string, ttlMs = 10_000, mode: "exclusive" | "shared" = "exclusive") =>
+    const attempt = (name: string, owner: string, waiter: string, ttlMs = 10_000, mode: "exclusive" | "shared" = "exclusive", placeMs = 5_000) =>
       command<[string | null, number | null, number | null, number | null, number]>(
-        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, mode, ttlMs, 5_000, "test", "test", 1, "1"
+        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, mode, ttlMs, placeMs, "test", "test", 1, "1"
       )
     /** The shared holders' entries of a name, by owner id. */
     const sharedEntries = (name: string) =>
@@ -567,6 +567,45 @@ describeWithRedis("RedisLease", () => {
         expect(granted.token > BigInt(token)).toBe(true)
         expect(yield* command<number>("ZCARD", keys.queue)).toBe(0)
       }), { timeout: 30_000 })
+  })
+
+  describe("a release wakes whom it can serve", () => {
+    const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
+    const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
+    const attempt = (name: string, owner: string, waiter: string, mode: "exclusive" | "shared" = "exclusive", placeMs = 5_000) =>
+      command<[string | null, number | null]>(
+        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, mode, 10_000, placeMs, "test", "test", 1, "1"
+      )
+    const release = (name: string, owner: string, waiter: string) =>
+      command<[number, number]>("eval", Scripts.release, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, channel)
+    const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
+
+    it.scopedLive("past any number of dead places at the front: 64 places that ran out since the live waiter's last retry do not hide it from the release, which hands it the lease", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-dead-front")
+        expect((yield* attempt(name, "A", "wA"))[0]).not.toBeNull()
+        // A crashed process's 64 waiters, with places of 300 ms; then a live waiter behind them.
+        for (let i = 0; i < 64; i++) yield* attempt(name, `D${i}`, `wD${i}`, "exclusive", 300)
+        const deadBy = (yield* serverNow) + 300
+        expect((yield* attempt(name, "L", "wL"))[0]).toBeNull()
+        yield* waitFor("the 64 places ran out on the server's clock", Effect.map(serverNow, (now) => now > deadBy), Duration.seconds(5))
+        // L's place, written under a second ago, is fresh: the release hands it the lease.
+        expect(yield* release(name, "A", "")).toEqual([1, 1])
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBe("wL")
+      }))
+
+    it.scopedLive("a waiter leaving while a shared lease is live wakes no exclusive head: it could not fit", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-leave-shared")
+        expect((yield* attempt(name, "S1", "wS1", "shared"))[0]).not.toBeNull()
+        expect((yield* attempt(name, "X1", "wX1"))[0]).toBeNull()
+        expect((yield* attempt(name, "X2", "wX2"))[0]).toBeNull()
+        // X1 leaves: X2 is now at the head, but S1 still holds its shared lease.
+        expect(yield* release(name, "", "wX1")).toEqual([0, 0])
+        // S1 lets go: now X2 fits, and is woken (a shared release wakes; it hands nothing over).
+        expect(yield* release(name, "S1", "")).toEqual([1, 1])
+        expect((yield* attempt(name, "X2", "wX2"))[0]).not.toBeNull()
+      }))
   })
 
   describe("bounds", () => {

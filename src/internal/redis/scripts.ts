@@ -97,6 +97,10 @@ const HEAD_CANDIDATES = 16
  * be a crashed waiter's, which would keep a handed lease for a whole ttl: it is woken instead.
  */
 const FRESH_MS = PLACE_TTL_MILLIS / 2
+/** Places a release reads at a time from the front of the queue. */
+const HEAD_SCAN = HEAD_CANDIDATES * 4
+/** Dead places one release drops at most while looking for a live head (the rest, the next one). */
+const MAX_DEAD_SCAN = 1_024
 
 /**
  * One grant attempt.
@@ -286,18 +290,27 @@ local woken = 0
 if freed then
   -- The live places at the head: the oldest, and the shared ones right behind it until the first
   -- exclusive. Each surely waits when its place was written in the last FRESH_MS with its ttl.
-  local heads, allFresh = {}, true
-  for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, ${HEAD_CANDIDATES * 4 - 1})) do
-    local p = placeOf(id)
-    if not p or p.expires <= nowMs then
-      dropPlace(id)
-    else
-      if #heads > 0 and p.mode == 'exclusive' then break end
-      table.insert(heads, { id = id, p = p })
-      if not (p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS}) then allFresh = false end
-      if p.mode == 'exclusive' or #heads >= ${HEAD_CANDIDATES} then break end
+  -- Live shared holders (a waiter's leave frees nothing of theirs): an exclusive head does not fit.
+  local sharedLive = 0
+  if not held then sharedLive = liveShared() end
+  local heads, allFresh, dropped, done = {}, true, 0, false
+  -- Past every dead place at the front, however many ran out since the live head's last retry
+  -- (a crashed process's waiters): the scan goes on while it finds none alive, bounded.
+  repeat
+    local ids = redis.call('ZRANGE', queueKey, 0, ${HEAD_SCAN - 1})
+    for _, id in ipairs(ids) do
+      local p = placeOf(id)
+      if not p or p.expires <= nowMs then
+        dropPlace(id)
+        dropped = dropped + 1
+      else
+        if p.mode == 'exclusive' and (#heads > 0 or sharedLive > 0) then done = true break end
+        table.insert(heads, { id = id, p = p })
+        if not (p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS}) then allFresh = false end
+        if p.mode == 'exclusive' or #heads >= ${HEAD_CANDIDATES} then done = true break end
+      end
     end
-  end
+  until done or #heads > 0 or #ids < ${HEAD_SCAN} or dropped >= ${MAX_DEAD_SCAN}
   if held and #heads > 0 and allFresh then
     -- Handed over: each head's place holds a lease from now on, as a grant of its own would: the
     -- exclusive head the lease, or every shared head a shared lease (no shared lease is live: the
