@@ -6,7 +6,7 @@
  * Semaphores: RedisLease.semaphore.test.ts. Without a server the file skips and says why.
  */
 import { describe, expect, it } from "@effect/vitest"
-import { Config, ConfigProvider, Context, Deferred, Duration, Effect, Fiber, Layer, Option, Queue, Redacted, Schedule } from "effect"
+import { Config, ConfigProvider, Context, Deferred, Duration, Effect, Fiber, Layer, Logger, Option, Queue, Redacted, Schedule } from "effect"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import type * as FencingToken from "effect-lock/FencingToken"
 import { LockBackendError } from "effect-lock/LockError"
@@ -700,6 +700,40 @@ describeWithRedis("RedisLease", () => {
         // A Redacted url is accepted by layer too.
         const direct = Context.get(yield* Layer.build(RedisLease.layer({ url: Redacted.make(redis.url()), ttl: TTL })), DistributedLock.DistributedLock)
         expect((yield* Effect.scoped(direct.acquire(freshName("redis-redacted")))).token > 0n).toBe(true)
+      }))
+
+    it.scopedLive("a server that may evict keys (maxmemory with a policy other than noeviction) is named in a warning after the first grant; one that does not, in none", () =>
+      Effect.gen(function*() {
+        const logs: Array<string> = []
+        const captured = Logger.replace(Logger.defaultLogger, Logger.make(({ message }) => logs.push(String(message))))
+        const grantOn = (label: string) =>
+          Effect.gen(function*() {
+            const service = yield* Effect.flatMap(Effect.suspend(() => RedisLease.makeBackend({ url: redis.url(), ttl: TTL })), DistributedLock.make)
+            yield* Effect.scoped(service.acquire(freshName(`redis-evict-${label}`)))
+          }).pipe(Effect.provide(captured))
+        const evictionWarning = () => logs.find((line) => line.includes("maxmemory-policy"))
+        // The test server as started: no maxmemory, nothing to say (the check's answer came back: a grant's renewal connection is up).
+        yield* Effect.scoped(Effect.gen(function*() {
+          yield* grantOn("none")
+          yield* waitFor("the layer's renewal connection", Effect.map(command<string>("client", "list"), (list) => list.includes(":renewals")), Duration.seconds(3))
+          yield* command("ping")
+        }))
+        expect(evictionWarning()).toBeUndefined()
+        // Large enough that nothing is evicted meanwhile; the policy is what a cache server has.
+        const [[, policy], [, maxmemory]] = [
+          yield* command<[string, string]>("config", "get", "maxmemory-policy"),
+          yield* command<[string, string]>("config", "get", "maxmemory")
+        ]
+        yield* Effect.acquireRelease(
+          Effect.zipRight(command("config", "set", "maxmemory", "4gb"), command("config", "set", "maxmemory-policy", "volatile-lru")),
+          () => Effect.zipRight(command("config", "set", "maxmemory-policy", policy), command("config", "set", "maxmemory", maxmemory))
+        )
+        yield* Effect.scoped(Effect.gen(function*() {
+          yield* grantOn("lru")
+          yield* waitFor("the eviction warning", Effect.sync(() => evictionWarning() !== undefined), Duration.seconds(3))
+        }))
+        expect(evictionWarning()).toContain("volatile-lru")
+        expect(evictionWarning()).toContain("noeviction")
       }))
 
     it.scopedLive("a prefix with a brace is refused", () =>

@@ -313,6 +313,33 @@ export interface ConnectOptions {
   readonly channel: string
   readonly connectTimeout: Duration.Duration
   readonly connectionName: string
+  /**
+   * Told once, after the first grant, when the server may evict keys (a `maxmemory` with a policy
+   * other than `noeviction`): every lock key carries an expiry, so an eviction can drop a live lease.
+   */
+  readonly onEvictingServer?: ((policy: string, maxmemory: string) => void) | undefined
+}
+
+/**
+ * The server's eviction settings, read once on `client` (bounded; a server that refuses CONFIG, as
+ * managed ones may, or a Cluster, says nothing): `told` when it evicts.
+ */
+const checkEviction = (client: Client, bound: number, told: (policy: string, maxmemory: string) => void): void => {
+  if (isCluster(client)) return
+  const read = (key: string) =>
+    (client.call("config", ["get", key]) as Promise<Array<string>>).then((pair) => (Array.isArray(pair) ? String(pair[1] ?? "") : ""))
+  let settled = false
+  const cancel = stallSafeTimer(bound, () => (settled = true))
+  Promise.all([read("maxmemory-policy"), read("maxmemory")]).then(([policy, maxmemory]) => {
+    if (settled) return
+    settled = true
+    cancel()
+    if (policy !== "" && policy !== "noeviction" && maxmemory !== "" && maxmemory !== "0") told(policy, maxmemory)
+  }, () => {
+    // CONFIG refused or the connection failed: nothing known, nothing said.
+    settled = true
+    cancel()
+  })
 }
 
 /** The options the backend's own connections always get, over the application's. */
@@ -466,7 +493,12 @@ export const open = (Ctor: RedisConstructor, options: ConnectOptions): Effect.Ef
       listen,
       // The renewal connection is made at the first grant, before the first renewal needs it.
       prepareRenewals: () => {
-        if (renewals.client.status === "wait") renewals.client.connect().catch(() => {})
+        if (renewals.client.status !== "wait") return
+        renewals.client.connect().catch(() => {})
+        // Once, on the renewal connection (never queued behind lock commands): does the server evict?
+        if (options.onEvictingServer !== undefined) {
+          checkEviction(renewals.client, Duration.toMillis(options.connectTimeout), options.onEvictingServer)
+        }
       },
       ensureSubscribed,
       isSubscribed: () => subscribed

@@ -100,7 +100,12 @@ export const makeBackend = (
       replicas,
       channel,
       connectTimeout: statementTimeout,
-      connectionName: connectionName(application)
+      connectionName: connectionName(application),
+      onEvictingServer: (policy, maxmemory) =>
+        owner.unsafeFork(Effect.logWarning(
+          `RedisLease: the server evicts keys (maxmemory ${maxmemory}, maxmemory-policy ${policy}): under memory pressure it may ` +
+            "drop a live lease and let a second holder in. Set maxmemory-policy noeviction for the server that holds the locks."
+        ))
     })
     const lane = wrapLane(redisLane)
     const hub = yield* Wake.make({
