@@ -1641,6 +1641,67 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       })
     ))
 
+  it.effect("a release finds the live head past any number of dead places at the front: 64 places that ran out (a crashed process's waiters) do not hide the live waiter behind them, which is handed the lease", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const name = freshName("dead-front")
+        const { acquire, release } = await lockStatementsOn(client, "effect_lock_test_dead_front", name)
+        const holder = Crypto.randomUUID()
+        expect(await acquire(holder, Crypto.randomUUID())).not.toBeNull()
+        // 64 places (4x the release's 16 candidates) that ran out a second ago, ahead of a live one.
+        await client.query(
+          `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
+           select gen_random_uuid(), $1, 'exclusive', now() - interval '1 second', now() - interval '6 seconds', 10000
+           from generate_series(1, 64)`,
+          [name]
+        )
+        const live = Crypto.randomUUID()
+        expect(await acquire(Crypto.randomUUID(), live)).toBeNull()
+        // Its place was written just now: the release hands it the lease (one notification).
+        expect(await release(holder, null)).toEqual({ released: 1, woken: 1 })
+        const row = (await client.query<{ owner: string }>(`select owner from ${PgLease.DEFAULT_TABLE} where name = $1`, [name])).rows[0]!
+        expect(row.owner).toBe(live)
+        await release(live, null)
+        await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+      })
+    ))
+
+  it.effect("a waiter leaving while a shared lease is live wakes no exclusive head (it could not fit), only the shared requests now at the head; the last shared holder's release wakes the exclusive head", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const channel = "effect_lock_test_leave_shared"
+        const name = freshName("leave-shared")
+        const listener = await listenOn(channel)
+        try {
+          const { acquire, release } = await lockStatementsOn(client, channel, name)
+          const [s, t] = [Crypto.randomUUID(), Crypto.randomUUID()]
+          const [a, b, c, d] = [Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID(), Crypto.randomUUID()]
+          expect(await acquire(s, Crypto.randomUUID(), "shared")).not.toBeNull()
+          expect(await acquire(Crypto.randomUUID(), a)).toBeNull()
+          expect(await acquire(Crypto.randomUUID(), b)).toBeNull()
+          // a leaves: b, exclusive, is now at the head, but s still holds its shared lease.
+          expect(await release(null, a)).toEqual({ released: 0, woken: 0 })
+          // c (shared) waits behind b, d (exclusive) behind c; b leaves: c now fits, d does not.
+          expect(await acquire(t, c, "shared")).toBeNull()
+          expect(await acquire(Crypto.randomUUID(), d)).toBeNull()
+          expect(await release(null, b)).toEqual({ released: 0, woken: 1 })
+          expect(await acquire(t, c, "shared")).not.toBeNull()
+          // s lets go (t still holds): nothing freed. t lets go: d fits, and is woken.
+          expect(await release(s, null)).toEqual({ released: 1, woken: 0 })
+          expect(await release(t, null)).toEqual({ released: 1, woken: 1 })
+          await listener.heard(`w${d}`)
+          // In commit order: nothing for b (a's leave) nor for d before the shared lease was let go.
+          expect(listener.payloads).toEqual([`w${c}`, `w${d}`])
+          const owner = Crypto.randomUUID()
+          expect(await acquire(owner, d)).not.toBeNull()
+          await release(owner, null)
+        } finally {
+          await listener.end()
+          await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+        }
+      })
+    ))
+
   it.scoped("a lease handed to the place of a request that ended (its leave failed) is given back by its process at once, not held for its ttl", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
@@ -2281,6 +2342,52 @@ const statementsOn = async (client: pg.Client, channel: string, name: string, tt
     })
   const release = (owner: string | null, waiter: string | null) => run(dialect.locks.release, { name, owner, waiter })
   return { tables, acquire, release }
+}
+
+/**
+ * PgLease's lock statements on the default tables, run one by one on `client`: `acquire` asks for
+ * a lease of `name` (10 s) with a place (5 s) in either mode and answers its token; `release`
+ * answers what it gave back and how many notifications it sent (wake-ups and handovers alike).
+ */
+const lockStatementsOn = async (client: pg.Client, channel: string, name: string) => {
+  const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+  if (typeof tables === "string") throw new Error(tables)
+  await client.query(LeaseSql.createTable(tables))
+  const { locks } = LeaseDialect.dialect(tables, channel)
+  const acquire = async (owner: string, waiter: string, mode: "exclusive" | "shared" = "exclusive") =>
+    locks.acquire.decode((await client.query(locks.acquire.text, [...locks.acquire.encode({
+      name, owner, waiter, ttlMillis: 10_000, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true, mode
+    })])).rows).token
+  const release = async (owner: string | null, waiter: string | null) => {
+    const row = (await client.query<{ released: string; woken: string }>(locks.release.text, [...locks.release.encode({ name, owner, waiter })])).rows[0]!
+    return { released: Number(row.released), woken: Number(row.woken) }
+  }
+  return { acquire, release }
+}
+
+/** A LISTEN session on `channel`: every payload it heard, in order, and a wait for one (5 s at most). */
+const listenOn = async (channel: string) => {
+  const client = new pg.Client({ connectionString: db.url })
+  client.on("error", () => {})
+  await client.connect()
+  const payloads: Array<string> = []
+  const awaited = new Map<string, () => void>()
+  client.on("notification", (message) => {
+    if (message.payload === undefined) return
+    payloads.push(message.payload)
+    awaited.get(message.payload)?.()
+  })
+  await client.query(`listen ${channel}`)
+  const heard = (payload: string) =>
+    new Promise<void>((resolve, reject) => {
+      if (payloads.includes(payload)) return resolve()
+      const bound = setTimeout(() => reject(new Error(`no notification ${payload} within 5 s: ${JSON.stringify(payloads)}`)), 5_000)
+      awaited.set(payload, () => {
+        clearTimeout(bound)
+        resolve()
+      })
+    })
+  return { payloads, heard, end: () => client.end().catch(() => {}) }
 }
 
 /** A handover notification a gate's LISTEN heard and held: `h<place>:<token>:<expiry>`, heard at `at` (`performance.now()`). */

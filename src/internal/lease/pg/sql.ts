@@ -393,7 +393,8 @@ const handable = (p: string): string =>
  * exclusive place) and each surely waits, freeing a live exclusive lease hands each of them a
  * shared lease alike: its place becomes its holding row (a token each, its own ttl), the lease row
  * counts them as a new group of shared holders, and each is notified `h…`. Otherwise, when this frees the lock, or a place is left while no
- * exclusive lease is live, the waiters now at the head are notified (`w<place>`), in the same
+ * exclusive lease is live, the waiters now at the head that fit are notified (`w<place>`; an exclusive
+ * head only when no shared lease is live either), in the same
  * statement (sent on commit): only they retry. Queue rows expired for over a minute (crashed
  * waiters and shared holders) are removed in passing.
  *
@@ -410,7 +411,7 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   -- Locked first, as a granting acquire locks it, and read as it is NOW, not as in this
   -- statement's snapshot: a lease a release handed to $3 after this statement began is $3's too
   -- (a leave racing its handover frees it). So matched by name only, and by owner after the lock.
-  select l.owner, l.token, l.expires_at from ${leases.sql} l where l.name = $1::text
+  select l.owner, l.token, l.expires_at, l.shared_until from ${leases.sql} l where l.name = $1::text
   for no key update
 ), held as materialized (
   select expires_at from lease_row where owner in ($2::uuid, $3::uuid)
@@ -443,10 +444,17 @@ const releaseSql = ({ leases, queue }: Tables): string => {
     and owner is distinct from $2::uuid and owner is distinct from $3::uuid
   order by seq limit ${HEAD_CANDIDATES}
   for update
+), shared_live as (
+  -- A shared lease still live after this statement (a waiter's leave frees none of it; this
+  -- release's own count-out is read from counted, lease_row being the row before it).
+  select 1 from lease_row where shared_until > now() and not exists (select 1 from counted where shared_count = 0)
 ), heads as (
   select owner from waiting
-  where seq = (select min(seq) from waiting)
-    or (mode = 'shared' and seq < coalesce((select min(seq) from waiting where mode = 'exclusive'), 9223372036854775807))
+  where (seq = (select min(seq) from waiting)
+      or (mode = 'shared' and seq < coalesce((select min(seq) from waiting where mode = 'exclusive'), 9223372036854775807)))
+    -- No exclusive head beside a live shared lease: it cannot be granted (an acquire refuses it
+    -- while shared_until > now()), so waking it is wasted; the last shared release wakes it.
+    and not (mode = 'exclusive' and exists (select 1 from shared_live))
 ), handing as materialized (
   select w.owner, w.ttl_ms, w.holder_application, w.holder_host, w.holder_pid from waiting w
   where exists (select 1 from held) and w.seq = (select min(seq) from waiting) and w.mode = 'exclusive'
