@@ -1567,19 +1567,9 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
     Effect.promise(() =>
       withClient(db.url, async (client) => {
         const channel = "pg_handover_mixed"
-        const payloads: Array<string> = []
-        const listener = new pg.Client({ connectionString: db.url })
-        listener.on("error", () => {})
-        await listener.connect()
+        const listener = await listenOn(channel)
+        const { payloads, heard } = listener
         try {
-          // Each awaited payload resolves from the listener's own event, as it arrives.
-          const awaited = new Map<string, () => void>()
-          listener.on("notification", (message) => {
-            if (message.payload === undefined) return
-            payloads.push(message.payload)
-            awaited.get(message.payload)?.()
-          })
-          await listener.query(`listen ${channel}`)
           // The tables as that version made them, then this version's first use (which adds ttl_ms).
           await client.query(Previous.createTable)
           const tables = LeaseSql.parseTables("pg_handover_leases")
@@ -1603,16 +1593,6 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
             release: (owner: string | null, waiter: string | null) =>
               client.query(locks.release.text, [...locks.release.encode({ name, owner, waiter })])
           }
-          // The listener's copy of a notification, within a bound (the timer is the bound only).
-          const heard = (payload: string) =>
-            new Promise<void>((resolve, reject) => {
-              if (payloads.includes(payload)) return resolve()
-              const bound = setTimeout(() => reject(new Error(`no notification ${payload} within 5 s: ${JSON.stringify(payloads)}`)), 5_000)
-              awaited.set(payload, () => {
-                clearTimeout(bound)
-                resolve()
-              })
-            })
           const ownerOf = async () => (await client.query<{ owner: string | null }>("select owner from pg_handover_leases where name = $1", [name])).rows[0]!.owner
 
           // An old holder, a new waiter: the old release frees and wakes; the waiter's attempt takes it.
@@ -1636,7 +1616,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           expect(payloads.some((payload) => payload.startsWith("h"))).toBe(false)
           await old.release(oldOwner, null)
         } finally {
-          await listener.end().catch(() => {})
+          await listener.end()
         }
       })
     ))
