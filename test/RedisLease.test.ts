@@ -102,6 +102,18 @@ describeWithRedis("RedisLease", () => {
         yield* waitFor("every key of the released name gone", Effect.map(keysOf(name), (keys) => keys.length === 0), Duration.seconds(1))
         const second = yield* Effect.scoped(Effect.map(a.acquire(name, { ttl }), (lease) => lease.token))
         expect(second > first).toBe(true)
+        // The last waiter's leave after a release that only woke it (a place a release never hands
+        // the lease to): the name is idle then, and its keys go as after a release.
+        const keys = Keys.keyList(Keys.lockKeys(Keys.DEFAULT_PREFIX, name))
+        const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
+        const attempt = (owner: string, waiter: string, handable: "1" | "0") =>
+          command<[string | null]>("eval", Scripts.acquire, 4, ...keys, name, owner, waiter, "exclusive", 30_000, 5_000, "test", "test", 1, "1", handable)
+        expect((yield* attempt("A", "wA", "1"))[0]).not.toBeNull()
+        expect((yield* attempt("W", "wW", "0"))[0]).toBeNull()
+        expect(yield* command("eval", Scripts.release, 4, ...keys, name, "A", "", channel)).toEqual([1, 1])
+        expect((yield* keysOf(name)).length).toBeGreaterThan(0)
+        expect(yield* command("eval", Scripts.release, 4, ...keys, name, "", "wW", channel)).toEqual([0, 0])
+        yield* waitFor("every key of the name its last waiter left gone", Effect.map(keysOf(name), (found) => found.length === 0), Duration.seconds(1))
       }))
 
     it.scopedLive("keep increasing across a restart of redis-server without persistence", () =>

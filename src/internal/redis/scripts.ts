@@ -352,7 +352,8 @@ end
 -- (the last token) is kept only until the server's µs clock is past that token, as a semaphore's
 -- hash is (permitScripts): the name's next grant then draws a larger token without it. Before,
 -- the hash lived until the released lease's own expiry, a ttl after its grant (30 s by default).
-if released == 1 and not redis.call('HGET', leaseKey, 'owner') and liveShared() == 0 and redis.call('ZCARD', queueKey) == 0 then
+-- (A release, or the leave of the last waiter after a release that only woke it.)
+if not redis.call('HGET', leaseKey, 'owner') and liveShared() == 0 and redis.call('ZCARD', queueKey) == 0 then
   local untilMs = math.floor(num(redis.call('HGET', leaseKey, 'last')) / 1000) + 2
   if untilMs <= nowMs then
     redis.call('DEL', leaseKey, sharedKey)
