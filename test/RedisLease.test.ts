@@ -620,6 +620,36 @@ describeWithRedis("RedisLease", () => {
       }))
   })
 
+  describe("long queues", () => {
+    const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
+    const attempt = (name: string, owner: string, waiter: string, placeMs = 5_000, ttlMs = 10_000) =>
+      command<[string | null, number | null]>(
+        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, "exclusive", ttlMs, placeMs, "test", "test", 1, "1"
+      )
+    const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
+
+    it.scopedLive("an attempt reads the queue in chunks and still finds a live place far behind 150 dead ones: a newcomer never overtakes it, and the dead places are dropped", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-long-queue")
+        // A holder whose lease runs out unreleased (a crash), 150 places of a crashed process, then
+        // 3 live ones: more than one chunk (128) of dead places ahead of them, all run out together.
+        expect((yield* attempt(name, "A", "wA", 5_000, 300))[0]).not.toBeNull()
+        for (let i = 0; i < 150; i++) yield* attempt(name, `D${i}`, `wD${i}`, 300)
+        const deadBy = (yield* serverNow) + 300
+        for (const live of ["L1", "L2", "L3"]) expect((yield* attempt(name, live, `w${live}`))[0]).toBeNull()
+        yield* waitFor("the lease and the 150 places ran out on the server's clock", Effect.map(serverNow, (now) => now > deadBy), Duration.seconds(5))
+        // Nothing released them: the newcomer's own attempt walks past the 150 and finds L1.
+        const [token, wait] = yield* attempt(name, "N", "wN")
+        expect(token).toBeNull()
+        expect(wait).not.toBeNull()
+        // Dropped on the way: the three live places and the newcomer's are left.
+        expect(yield* command<number>("ZCARD", keysFor(name).queue)).toBe(4)
+        // The live waiters take it in their order.
+        expect((yield* attempt(name, "L3", "wL3"))[0]).toBeNull()
+        expect((yield* attempt(name, "L1", "wL1"))[0]).not.toBeNull()
+      }))
+  })
+
   describe("bounds", () => {
     it.scopedLive("a frozen server (SIGSTOP) fails a command within its bound; the lane recovers once it runs again", () =>
       Effect.gen(function*() {
