@@ -282,14 +282,18 @@ if holder and ((owner ~= '' and holder == owner) or (waiter ~= '' and holder == 
   if holder == owner and redis.call('ZREM', queueKey, owner) == 1 then redis.call('HDEL', placesKey, owner) end
 end
 -- The shared lease of the owner, or of the place (handed to it, the leave racing the handover).
+local sharedGone = false
 for _, id in ipairs({ owner, waiter }) do
-  if id ~= '' and redis.call('HDEL', sharedKey, id) == 1 then
-    released = 1
-    local n = liveShared()
-    if n == 0 then
-      redis.call('HDEL', leaseKey, 'suntil')
-      freed = true
-    end
+  if id ~= '' and redis.call('HDEL', sharedKey, id) == 1 then sharedGone = true end
+end
+-- The shared holders left live, read once: whether this frees the lock, whom a wake-up may serve,
+-- whether the name is idle.
+local sharedLive = liveShared()
+if sharedGone then
+  released = 1
+  if sharedLive == 0 then
+    redis.call('HDEL', leaseKey, 'suntil')
+    freed = true
   end
 end
 if waiter ~= '' and redis.call('ZREM', queueKey, waiter) == 1 then
@@ -299,13 +303,11 @@ if waiter ~= '' and redis.call('ZREM', queueKey, waiter) == 1 then
 elseif waiter ~= '' then
   redis.call('HDEL', placesKey, waiter)
 end
-local woken = 0
+local woken, handed = 0, false
 if freed then
   -- The live places at the head: the oldest, and the shared ones right behind it until the first
   -- exclusive. Each surely waits when its place was written in the last FRESH_MS with its ttl.
-  -- Live shared holders (a waiter's leave frees nothing of theirs): an exclusive head does not fit.
-  local sharedLive = 0
-  if not held then sharedLive = liveShared() end
+  -- Beside live shared holders (a waiter's leave frees nothing of theirs) an exclusive head does not fit.
   local heads, allFresh, dropped, done = {}, true, 0, false
   -- Past every dead place at the front, however many ran out since the live head's last retry
   -- (a crashed process's waiters): the scan goes on while it finds none alive, bounded.
@@ -330,6 +332,7 @@ if freed then
     -- freed exclusive one's grant deleted them), tokens drawn one after another. The keys outlive
     -- the handed leases by a place's time: a waiter that did not hear of its lease before it ran
     -- out finds it at its next attempt (at most 1.5 s apart) and keeps its turn.
+    handed = true
     local last = num(redis.call('HGET', leaseKey, 'last'))
     local bound = 0
     for _, head in ipairs(heads) do
@@ -361,12 +364,11 @@ if freed then
     end
   end
 end
--- No key outlives its use: when the name is left with no holder and no waiter, its lease hash
--- (the last token) is kept only until the server's µs clock is past that token, as a semaphore's
--- hash is (permitScripts): the name's next grant then draws a larger token without it. Before,
--- the hash lived until the released lease's own expiry, a ttl after its grant (30 s by default).
--- (A release, or the leave of the last waiter after a release that only woke it.)
-if not redis.call('HGET', leaseKey, 'owner') and liveShared() == 0 and redis.call('ZCARD', queueKey) == 0 then
+-- No key outlives its use: when a release (or the last waiter's leave) leaves the name with no
+-- holder and no waiter, its lease hash (the last token) is kept only until the server's µs clock
+-- is past that token, as a semaphore's hash is (permitScripts): the name's next grant then draws
+-- a larger token without it.
+if not handed and sharedLive == 0 and not redis.call('HGET', leaseKey, 'owner') and redis.call('ZCARD', queueKey) == 0 then
   local untilMs = math.floor(num(redis.call('HGET', leaseKey, 'last')) / 1000) + 2
   if untilMs <= nowMs then
     redis.call('DEL', leaseKey, sharedKey)
