@@ -45,6 +45,32 @@ const command = <A = unknown>(name: string, ...args: Array<string | number>): Ef
 const tokenOf = (service: DistributedLock.Service, name: string) =>
   Effect.scoped(Effect.map(service.acquire(name, { ttl: TTL, timeout: Duration.seconds(5) }), (lease) => lease.token))
 
+/** The lock keys of `name` under the default prefix, and the wake channel. */
+const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
+const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
+
+/**
+ * One acquire script by hand: exclusive, a 10 s lease and a 5 s place unless told otherwise;
+ * `handable: "0"` is a place a release never hands the lease to (it only wakes it).
+ */
+const scriptAttempt = (
+  name: string,
+  owner: string,
+  waiter: string,
+  options: { readonly mode?: "exclusive" | "shared"; readonly ttlMs?: number; readonly placeMs?: number; readonly handable?: "1" | "0" } = {}
+) =>
+  command<[string | null, number | null, number | null, number | null, number]>(
+    "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, options.mode ?? "exclusive",
+    options.ttlMs ?? 10_000, options.placeMs ?? 5_000, "test", "test", 1, "1", options.handable ?? "1"
+  )
+
+/** One release script by hand: [released, woken]. */
+const scriptRelease = (name: string, owner: string, waiter: string) =>
+  command<[number, number]>("eval", Scripts.release, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, channel)
+
+/** The server's clock, ms since the epoch. */
+const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
+
 /**
  * A lock service on its own backend whose acquire scripts for `name` are timed as they are sent
  * (`attempts`), polling only every 10 s: within a test's window only a wake-up brings it back.
@@ -104,15 +130,11 @@ describeWithRedis("RedisLease", () => {
         expect(second > first).toBe(true)
         // The last waiter's leave after a release that only woke it (a place a release never hands
         // the lease to): the name is idle then, and its keys go as after a release.
-        const keys = Keys.keyList(Keys.lockKeys(Keys.DEFAULT_PREFIX, name))
-        const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
-        const attempt = (owner: string, waiter: string, handable: "1" | "0") =>
-          command<[string | null]>("eval", Scripts.acquire, 4, ...keys, name, owner, waiter, "exclusive", 30_000, 5_000, "test", "test", 1, "1", handable)
-        expect((yield* attempt("A", "wA", "1"))[0]).not.toBeNull()
-        expect((yield* attempt("W", "wW", "0"))[0]).toBeNull()
-        expect(yield* command("eval", Scripts.release, 4, ...keys, name, "A", "", channel)).toEqual([1, 1])
+        expect((yield* scriptAttempt(name, "A", "wA", { ttlMs: 30_000 }))[0]).not.toBeNull()
+        expect((yield* scriptAttempt(name, "W", "wW", { ttlMs: 30_000, handable: "0" }))[0]).toBeNull()
+        expect(yield* scriptRelease(name, "A", "")).toEqual([1, 1])
         expect((yield* keysOf(name)).length).toBeGreaterThan(0)
-        expect(yield* command("eval", Scripts.release, 4, ...keys, name, "", "wW", channel)).toEqual([0, 0])
+        expect(yield* scriptRelease(name, "", "wW")).toEqual([0, 0])
         yield* waitFor("every key of the name its last waiter left gone", Effect.map(keysOf(name), (found) => found.length === 0), Duration.seconds(1))
       }))
 
@@ -160,12 +182,8 @@ describeWithRedis("RedisLease", () => {
       Effect.gen(function*() {
         const a = yield* node()
         const name = freshName("redis-place")
-        const keys = Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
-        const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
-        const attempt = (owner: string, waiter: string, ttlMs: number, placeMs: number) =>
-          command<[string | null, number | null]>(
-            "eval", Scripts.acquire, 4, ...Keys.keyList(keys), name, owner, waiter, "exclusive", ttlMs, placeMs, "test", "test", 1, "1"
-          )
+        const keys = keysFor(name)
+        const attempt = (owner: string, waiter: string, ttlMs: number, placeMs: number) => scriptAttempt(name, owner, waiter, { ttlMs, placeMs })
         // A process that then died: it held the name (2 s lease), and a waiter of it queued behind (2 s place).
         const holder = Crypto.randomUUID()
         const granted = yield* attempt(holder, Crypto.randomUUID(), 2000, 2000)
@@ -208,13 +226,8 @@ describeWithRedis("RedisLease", () => {
   })
 
   describe("handover", () => {
-    const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
-    const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
-    /** One acquire script by hand: 10 s lease, 5 s place. */
     const attempt = (name: string, owner: string, waiter: string, ttlMs = 10_000, mode: "exclusive" | "shared" = "exclusive", placeMs = 5_000) =>
-      command<[string | null, number | null, number | null, number | null, number]>(
-        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, mode, ttlMs, placeMs, "test", "test", 1, "1"
-      )
+      scriptAttempt(name, owner, waiter, { ttlMs, mode, placeMs })
     /** The shared holders' entries of a name, by owner id. */
     const sharedEntries = (name: string) =>
       Effect.map(command<Array<string>>("HGETALL", keysFor(name).shared), (flat) => {
@@ -222,10 +235,7 @@ describeWithRedis("RedisLease", () => {
         for (let i = 0; i < flat.length; i += 2) entries[flat[i]!] = JSON.parse(flat[i + 1]!) as { token: string; expires: number }
         return entries
       })
-    /** The server's clock, ms since the epoch. */
-    const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
-    const release = (name: string, owner: string, waiter: string) =>
-      command<[number, number]>("eval", Scripts.release, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, channel)
+    const release = scriptRelease
     /** What the wake channel carries, heard on a subscriber of the test's own. */
     const published = Effect.gen(function*() {
       const heard: Array<string> = []
@@ -522,7 +532,6 @@ describeWithRedis("RedisLease", () => {
         const DEAD_TTL_MS = 2_000
         const name = freshName("redis-handover-dead")
         const keys = keysFor(name)
-        const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
         // A holder far from running out: only its release frees the name.
         const holder = yield* node({ ttl: Duration.seconds(30) })
         const letGo = yield* holdFor(holder, name)
@@ -582,15 +591,9 @@ describeWithRedis("RedisLease", () => {
   })
 
   describe("a release wakes whom it can serve", () => {
-    const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
-    const channel = Keys.channelOf(Keys.DEFAULT_PREFIX)
     const attempt = (name: string, owner: string, waiter: string, mode: "exclusive" | "shared" = "exclusive", placeMs = 5_000) =>
-      command<[string | null, number | null]>(
-        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, mode, 10_000, placeMs, "test", "test", 1, "1"
-      )
-    const release = (name: string, owner: string, waiter: string) =>
-      command<[number, number]>("eval", Scripts.release, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, channel)
-    const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
+      scriptAttempt(name, owner, waiter, { mode, placeMs })
+    const release = scriptRelease
 
     it.scopedLive("past any number of dead places at the front: 64 places that ran out since the live waiter's last retry do not hide it from the release, which hands it the lease", () =>
       Effect.gen(function*() {
@@ -621,12 +624,8 @@ describeWithRedis("RedisLease", () => {
   })
 
   describe("long queues", () => {
-    const keysFor = (name: string) => Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
     const attempt = (name: string, owner: string, waiter: string, placeMs = 5_000, ttlMs = 10_000) =>
-      command<[string | null, number | null]>(
-        "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, "exclusive", ttlMs, placeMs, "test", "test", 1, "1"
-      )
-    const serverNow = Effect.map(command<[string, string]>("TIME"), ([seconds, micros]) => Number(seconds) * 1000 + Math.floor(Number(micros) / 1000))
+      scriptAttempt(name, owner, waiter, { placeMs, ttlMs })
 
     it.scopedLive("an attempt reads the queue in chunks and still finds a live place far behind 150 dead ones: a newcomer never overtakes it, and the dead places are dropped", () =>
       Effect.gen(function*() {

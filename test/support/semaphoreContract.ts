@@ -26,6 +26,7 @@ import {
   expectPlaceWrittenEarly,
   expectDeadlineBeforeExpiry,
   expectToldAtDeadline,
+  passOn,
   storeExpiryOn,
   failureOf,
   freshName,
@@ -689,7 +690,7 @@ export const semaphoreContractSuite = (label: string, target: SemaphoreTarget) =
         const deadline = safetyDeadlineOf(faults.validUntil, ttlMillis)
         const permitsExpireAt = target.permitsExpireAt
         expectDeadlineBeforeExpiry(deadline, yield* storeExpiryOn(permitsExpireAt && permitsExpireAt(name), askedAt + ttlMillis))
-        yield* expectToldAtDeadline(deadline, failureOf(held.lost), target.advance(Duration.millis(ttlMillis * 0.9)))
+        yield* expectToldAtDeadline(deadline, failureOf(held.lost), passOn(target, ttlMillis * 0.9))
         expect(yield* failureOf(held.lost)).toMatchObject({ _tag: "LockLost", reason: "renewal-failed" })
       }))
 
