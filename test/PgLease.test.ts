@@ -45,7 +45,9 @@ const TTL = Duration.seconds(1)
 
 // --- helpers ------------------------------------------------------------------------------------
 
-const { waitFor, poolOn, sqlOnly, probe, backendOn, processOn, query } = pgLeaseHelpers(db, TTL)
+// No sweep unless a test asks for one: tests read a released name's row, which a sweep (any
+// layer's, every 5 s by default) may delete in between. The sweep's own tests are in PgTokens.test.ts.
+const { waitFor, poolOn, sqlOnly, probe, backendOn, processOn, query } = pgLeaseHelpers(db, TTL, { sweepInterval: 0 })
 
 interface Row {
   readonly owner: string | null
@@ -174,9 +176,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
       const sql = yield* SqlClient.SqlClient
-      // No sweep: the released row is read after each release (a sweep may delete an idle name's row).
-      const service = yield* processOn(env, { sweepInterval: 0 })
-      const other = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { sweepInterval: 0 }))
+      const service = yield* processOn(env)
+      const other = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own))
       const name = freshName("in-tx")
       const first = yield* Effect.scoped(Effect.map(service.acquire(name), (lease) => lease.token))
       yield* query("create table if not exists lease_tx_marker (name text primary key)")
@@ -213,7 +214,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
 
       // A waiter inside a transaction (its process's first wait starts the listener there too)
       // takes its place in the queue, is woken by the release notification, and commits its grant on its own.
-      const waiter = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { pollInterval: Duration.seconds(5), sweepInterval: 0 }))
+      const waiter = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { pollInterval: Duration.seconds(5) }))
       const holderScope = yield* Scope.make()
       const holding = yield* Scope.extend(other.acquire(name), holderScope)
       const granted = yield* Deferred.make<FencingToken.FencingToken>()

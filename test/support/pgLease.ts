@@ -101,8 +101,11 @@ const makeProbe = () => {
   }
 }
 
-/** The helpers of one test file, over its database `db`; backends default to a lease of `ttl`. */
-export const pgLeaseHelpers = (db: UsedTestDatabase, ttl: Duration.Duration) => {
+/**
+ * The helpers of one test file, over its database `db`; backends default to a lease of `ttl` and
+ * to `defaults` (a test's own options win).
+ */
+export const pgLeaseHelpers = (db: UsedTestDatabase, ttl: Duration.Duration, defaults?: PgLease.Options) => {
   const probe = makeProbe()
 
   /** A pool of its own, like a separate process would have; closed with the enclosing scope. */
@@ -115,7 +118,7 @@ export const pgLeaseHelpers = (db: UsedTestDatabase, ttl: Duration.Duration) => 
 
   /** A backend that sees exactly `env` (plus the caller's Scope), not the test's own context. */
   const backendOn = (env: Context.Context<SqlClient.SqlClient>, options?: PgLease.Options, wrapLane?: (lane: Lane.Lane) => Lane.Lane) =>
-    Make.makeBackend({ ttl, pollInterval: Duration.millis(100), ...options }, (lane) => probe.wrapLane(wrapLane === undefined ? lane : wrapLane(lane))).pipe(
+    Make.makeBackend({ ttl, pollInterval: Duration.millis(100), ...defaults, ...options }, (lane) => probe.wrapLane(wrapLane === undefined ? lane : wrapLane(lane))).pipe(
       Effect.map(probe.wrapBackend),
       Effect.mapInputContext((outer: Context.Context<Scope.Scope>) => Context.add(env, Scope.Scope, Context.get(outer, Scope.Scope)))
     )
