@@ -647,6 +647,35 @@ describeWithRedis("RedisLease", () => {
         expect((yield* attempt(name, "L3", "wL3"))[0]).toBeNull()
         expect((yield* attempt(name, "L1", "wL1"))[0]).not.toBeNull()
       }))
+    it.scopedLive("an attempt reads the queue only up to the first live place it must not overtake, and not at all behind a live exclusive lease: N waiters behind a holder retry in O(1) each", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-first-ahead")
+        const queue = keysFor(name).queue
+        // A holder, a live waiter, a place that runs out (a crashed waiter's), a live waiter behind it.
+        expect((yield* scriptAttempt(name, "A", "wA", { ttlMs: 30_000 }))[0]).not.toBeNull()
+        expect((yield* scriptAttempt(name, "L1", "wL1"))[0]).toBeNull()
+        expect((yield* scriptAttempt(name, "D", "wD", { placeMs: 300 }))[0]).toBeNull()
+        const deadBy = (yield* serverNow) + 300
+        expect((yield* scriptAttempt(name, "L2", "wL2"))[0]).toBeNull()
+        yield* waitFor("the dead place ran out on the server's clock", Effect.map(serverNow, (now) => now > deadBy), Duration.seconds(5))
+        // Behind the live holder the newcomer reads no place: the dead one is still there, and its
+        // wait is the holder's lease (about 30 s), not the dead place's run-out.
+        const [none, wait] = yield* scriptAttempt(name, "N", "wN")
+        expect(none).toBeNull()
+        expect(wait).toBeGreaterThan(20_000)
+        expect(yield* command<number | null>("ZSCORE", queue, "wD")).not.toBeNull()
+        // The holder's lease gone (its owner crashed: the hash loses its owner), an attempt reads up
+        // to L1, the first live place ahead, and stops: the dead place behind L1 is still not read.
+        yield* command("HDEL", keysFor(name).lease, "owner", "expires")
+        const [token, untilL1] = yield* scriptAttempt(name, "N", "wN")
+        expect(token).toBeNull()
+        expect(untilL1).toBeGreaterThan(3_000)
+        expect(yield* command<number | null>("ZSCORE", queue, "wD")).not.toBeNull()
+        // L1 leaves: its release walks past the dead place to wake L2 (dropping it), and L2 takes the lock.
+        yield* scriptRelease(name, "", "wL1")
+        expect((yield* scriptAttempt(name, "L2", "wL2"))[0]).not.toBeNull()
+        expect(yield* command<number | null>("ZSCORE", queue, "wD")).toBeNull()
+      }))
   })
 
   describe("bounds", () => {

@@ -87,8 +87,6 @@ local function dropPlace(id)
 end
 `
 
-/** How many live places ahead an attempt looks at for the earliest that runs out. */
-const AHEAD_SCAN = 100
 /** Places an attempt reads from the queue at a time. */
 const AHEAD_CHUNK = 128
 /** How many live places at the head a release looks at to find whom to wake. */
@@ -160,39 +158,40 @@ else
   mine = nil
 end
 
--- Live places ahead that this request must not overtake: any for an exclusive request, the
--- exclusive ones for a shared request. Places that ran out are dropped on the way.
+-- The first live place ahead that this request must not overtake: any for an exclusive request,
+-- an exclusive one for a shared request. Only it matters: while it lives this request waits, and
+-- a place behind it running out changes nothing. Places that ran out are dropped on the way.
+-- While an exclusive lease is live nothing ahead matters either: this request cannot be granted,
+-- and learns of the release by a wake-up or by the lease's expiry (its wait), so the queue is
+-- not read (N waiters behind a holder retrying would read O(N) places each).
 local aheadUntil = nil
--- Read in chunks, so that an exclusive request behind a long queue reads only as far as it
--- looks (AHEAD_SCAN live places), not every place ahead of it; a shared one still reads on past
--- shared places for an exclusive one. \`offset\` counts the places kept before the next unread one
--- (a dropped place shifts those after it down by one).
-local seen, offset, done = 0, 0, false
-repeat
-  local members
-  if myScore then
-    members = redis.call('ZRANGEBYSCORE', queueKey, '-inf', '(' .. fmt(myScore), 'LIMIT', offset, ${AHEAD_CHUNK})
-  else
-    members = redis.call('ZRANGE', queueKey, offset, offset + ${AHEAD_CHUNK - 1})
-  end
-  for _, id in ipairs(members) do
-    offset = offset + 1
-    if id ~= waiter then
-      local p = placeOf(id)
-      if not p or p.expires <= nowMs then
-        dropPlace(id)
-        offset = offset - 1
-      elseif mode == 'exclusive' or p.mode == 'exclusive' then
-        if not aheadUntil or p.expires < aheadUntil then aheadUntil = p.expires end
-        seen = seen + 1
-        if seen >= ${AHEAD_SCAN} then
-          done = true
+if not exclusiveLive then
+  -- Read in chunks: a shared request reads on past shared places for an exclusive one, up to
+  -- the first. \`offset\` counts the places kept before the next unread one (a dropped place
+  -- shifts those after it down by one).
+  local offset = 0
+  repeat
+    local members
+    if myScore then
+      members = redis.call('ZRANGEBYSCORE', queueKey, '-inf', '(' .. fmt(myScore), 'LIMIT', offset, ${AHEAD_CHUNK})
+    else
+      members = redis.call('ZRANGE', queueKey, offset, offset + ${AHEAD_CHUNK - 1})
+    end
+    for _, id in ipairs(members) do
+      offset = offset + 1
+      if id ~= waiter then
+        local p = placeOf(id)
+        if not p or p.expires <= nowMs then
+          dropPlace(id)
+          offset = offset - 1
+        elseif mode == 'exclusive' or p.mode == 'exclusive' then
+          aheadUntil = p.expires
           break
         end
       end
     end
-  end
-until done or #members < ${AHEAD_CHUNK}
+  until aheadUntil or #members < ${AHEAD_CHUNK}
+end
 
 local sharedCount, sharedUntil = 0, 0
 if mode == 'exclusive' and not exclusiveLive then sharedCount, sharedUntil = liveShared() end
