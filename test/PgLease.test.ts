@@ -867,6 +867,39 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       for (const t of recovered) expect(t).toBeLessThan(200)
     }))
 
+  it.scoped("an attempt's wait runs until the first live place ahead of it runs out: a place behind that one, running out sooner, changes nothing", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      // The tables and the token sequence, as any first use creates them.
+      yield* Effect.scoped((yield* processOn(env)).tryAcquire(freshName("first-ahead-setup")))
+      const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+      if (typeof tables === "string") throw new Error(tables)
+      const name = freshName("first-ahead")
+      const ids: Array<string> = []
+      // One acquire statement by hand: an owner and a place of its own, exclusive, a 10 s lease unless told.
+      const attempt = (placeMs: number, ttlMs = 10_000) => {
+        const id = Crypto.randomUUID()
+        ids.push(id)
+        return Effect.map(
+          query<{ token: string | null; wait: number | null }>(LeaseSql.acquire(tables), [name, id, id, "exclusive", ttlMs, placeMs, "test", "test", 1, true]),
+          (rows) => rows[0]!
+        )
+      }
+      // Every lease and place of the test given back, so that the file ends with nothing held.
+      yield* Effect.addFinalizer(() =>
+        Effect.forEach(ids, (id) => query(LeaseSql.release(tables), [name, id, id, "first_ahead_nobody_listens"]), { discard: true })
+      )
+      expect((yield* attempt(5_000, 30_000)).token).not.toBeNull()
+      // L1 waits with a 5 s place; L2 behind it with a 1 s place.
+      expect((yield* attempt(5_000)).token).toBeNull()
+      expect((yield* attempt(1_000)).token).toBeNull()
+      const { token, wait } = yield* attempt(5_000)
+      expect(token).toBeNull()
+      // Until L1's place runs out (about 5 s; the holder's lease, 30 s): not L2's 1 s.
+      expect(wait).toBeGreaterThan(3_000)
+      expect(wait).toBeLessThanOrEqual(5_000)
+    }))
+
   it.scoped("interrupting waiters at any point leaves no lease behind", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()

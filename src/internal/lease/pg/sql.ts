@@ -197,8 +197,8 @@ const HEAD_CANDIDATES = 16
  * granted waiter leaves the queue in the same statement. Otherwise a waiting request takes its
  * place at the back of the queue, or keeps it (written again once at most 4/5 of its time is
  * left, `lease/place`), and learns how long until something could change without a
- * notification: the holder's lease or the place of a waiter ahead running out (a crashed one
- * sends nothing), and whether a live place was ahead of its own (`behind`: then it need not look
+ * notification: the holder's lease or the first live place ahead running out (a crashed waiter
+ * sends nothing; a place behind that one running out changes nothing), and whether a live place was ahead of its own (`behind`: then it need not look
  * again after taking its place, `lease/engine`). Nothing is locked or written when the snapshot
  * already shows the lock taken.
  *
@@ -221,10 +221,15 @@ const acquireSql = ({ leases, queue }: Tables): string => {
   select q.token, q.expires_at from ${queue.sql} q
   where q.owner = $3::uuid and q.name = $1::text and q.token is not null and q.expires_at > now()
 ), ahead as (
-  select min(w.expires_at) as until from ${queue.sql} w
+  -- The first live place ahead that this request must not overtake: only it matters (while it
+  -- lives this request waits; a place behind it running out changes nothing). Read in queue order
+  -- on (name, seq) and stopped there: N waiters retrying do not each read the N places ahead.
+  select w.expires_at as until from ${queue.sql} w
   where w.name = $1::text and w.token is null and w.expires_at > now() and w.owner <> $3::uuid
     and (not exists (select 1 from me) or w.seq < (select seq from me))
     and ($4::text = 'exclusive' or w.mode = 'exclusive')
+  order by w.seq
+  limit 1
 ), free as (
   -- Nobody ahead; or this request's place was handed the lease and it ran out before the waiter
   -- heard (a lost notification, a short ttl): its turn still, with a new token.
