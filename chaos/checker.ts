@@ -21,6 +21,21 @@
  * the driver measures the offset (server − local) and it is subtracted from the server's times. A
  * server time is floored to the millisecond before it is compared with `Date.now()` (which is
  * floored too).
+ *
+ * Readers. A reader (a `shared` acquisition) reads the write log twice, a gap apart, and writes
+ * nothing; each read's snapshot says exactly which writes it saw (by their transactions' `xid`).
+ * A write that read 2 saw and read 1 did not committed while the reader held — if the reader still
+ * held at read 2, i.e. it printed read 2 before any `lost` of its own (`shared-overlap`). Such a
+ * write is a violation when its token is above the reader's (an exclusive grant made after the
+ * reader's, while the reader held and had not been told), or when its holder ended with a normal
+ * release (it held the lock at a moment after the reader's grant). A write whose holder had
+ * reported its loss, or died, and whose token is below the reader's is an in-flight write of a
+ * stale holder: allowed, as readers do not fence. The other rules are about writes and read
+ * readers as follows: rounds, token order, writes after a loss and missing writes see only rows
+ * and `wrote` events, which readers never make; a reader's grant counts as an acquisition, and a
+ * loss a no-loss fault costs a reader is as needless as a writer's; recovery still waits for a
+ * write (its bound allows a reader's round first, faults.ts); a grant is a takeover only over an
+ * earlier holder it excludes (two readers hold side by side); leftovers count shared leases too.
  */
 import { FAULT_KINDS, type FaultKind, type FaultRecord } from "./faults.js"
 import type { WorkerExit } from "./fleet.js"
@@ -41,6 +56,8 @@ export interface WriteRow {
   readonly beganAt?: number | undefined
   /** The writing worker's `writing` event's `n`: its place in that process's event order. */
   readonly beganN?: number | undefined
+  /** The writing transaction's id: which readers' snapshots saw this row (absent in old logs). */
+  readonly xid?: bigint | undefined
 }
 
 export interface CheckInput {
@@ -63,6 +80,7 @@ export const VIOLATION_KINDS = [
   "round-duplicate",
   "round-skipped",
   "write-after-loss",
+  "shared-overlap",
   "needless-loss",
   "write-missing",
   "no-recovery",
@@ -99,6 +117,10 @@ export interface CheckResult {
   /** Accepted writes (rows of the write log). */
   readonly rounds: number
   readonly acquisitions: number
+  /** Acquisitions in `shared` mode: readers' rounds. */
+  readonly readerRounds: number
+  /** Readers whose two reads were compared (both printed, the second before any loss report). */
+  readonly readsJudged: number
   /** Grants made while the previous grant (by token) had not been released: after a loss or a death. */
   readonly takeovers: number
   /** Writes the fence refused (a newer token had written). */
@@ -201,6 +223,93 @@ const checkWritesAfterLoss = (input: CheckInput): Array<Violation> => {
   return violations
 }
 
+/** A `pg_current_snapshot()`: transactions below `xmin` are done, from `xmax` on not yet begun, `xip` in progress. */
+interface Snapshot {
+  readonly text: string
+  readonly xmin: bigint
+  readonly xmax: bigint
+  readonly xip: ReadonlySet<bigint>
+}
+
+/** `xmin:xmax:xip,…` as PostgreSQL prints it; undefined for anything else. */
+export const parseSnapshot = (text: string): Snapshot | undefined => {
+  const match = /^(\d+):(\d+):([\d,]*)$/.exec(text)
+  if (match === null) return undefined
+  const xip = match[3] === "" ? [] : match[3]!.split(",").map(BigInt)
+  return { text, xmin: BigInt(match[1]!), xmax: BigInt(match[2]!), xip: new Set(xip) }
+}
+
+/** Whether a statement with `snapshot` saw the (committed) row written by transaction `xid`. */
+export const saw = (snapshot: Snapshot, xid: bigint): boolean =>
+  xid < snapshot.xmin || (xid < snapshot.xmax && !snapshot.xip.has(xid))
+
+type ReadEvent = Stamped & { readonly e: "read" }
+
+/** A reader's two reads, as printed (the first of each per acquisition). */
+interface ReaderReads {
+  readonly first: ReadEvent
+  readonly second: ReadEvent
+}
+
+const readersOf = (events: ReadonlyArray<Stamped>): Array<ReaderReads> => {
+  const reads = new Map<string, { first?: ReadEvent; second?: ReadEvent }>()
+  for (const event of events) {
+    if (event.e !== "read") continue
+    const pair = reads.get(event.acq) ?? {}
+    if (event.which === 1) pair.first ??= event
+    else pair.second ??= event
+    reads.set(event.acq, pair)
+  }
+  return [...reads.values()].flatMap((pair) => (pair.first !== undefined && pair.second !== undefined ? [{ first: pair.first, second: pair.second }] : []))
+}
+
+const firstLossByAcq = (events: ReadonlyArray<Stamped>): Map<string, Stamped & { readonly e: "lost" }> => {
+  const lost = new Map<string, Stamped & { readonly e: "lost" }>()
+  for (const event of events) if (event.e === "lost" && !lost.has(event.acq)) lost.set(event.acq, event)
+  return lost
+}
+
+/**
+ * Readers and writers never hold at once. For each reader whose second read counts (printed
+ * before its own `lost`, by `n`: the same process), every write that read saw and the first did
+ * not committed while the reader held. It is a violation if its token is above the reader's (a
+ * grant made after the reader's: tokens strictly increase per name), or if its holder released
+ * normally (no loss, no death: it still held after the reader's grant). A lower token whose holder
+ * reported its loss, or died without a release, is a stale holder's write in flight: allowed.
+ */
+const checkSharedOverlaps = (input: CheckInput): { readonly judged: number; readonly violations: Array<Violation> } => {
+  const lost = firstLossByAcq(input.events)
+  const released = new Set(input.events.flatMap((e) => (e.e === "released" ? [e.acq] : [])))
+  const writes = input.writes.filter((row): row is WriteRow & { readonly xid: bigint } => row.xid !== undefined)
+  let judged = 0
+  const violations: Array<Violation> = []
+  for (const { first, second } of readersOf(input.events)) {
+    const loss = lost.get(second.acq)
+    if (loss !== undefined && second.n > loss.n) continue
+    const before = parseSnapshot(first.snapshot)
+    const after = parseSnapshot(second.snapshot)
+    if (before === undefined || after === undefined) continue
+    judged++
+    const token = BigInt(second.token)
+    for (const row of writes) {
+      if (!saw(after, row.xid) || saw(before, row.xid)) continue
+      const newer = row.token > token
+      const heldOn = !lost.has(row.acquisition) && released.has(row.acquisition)
+      if (!newer && !heldOn) continue
+      const why = newer
+        ? `its token is above the reader's: granted after the reader, while the reader held and had not been told`
+        : `its holder never reported a loss and released normally: it held the lock after the reader's grant`
+      violations.push({
+        kind: "shared-overlap",
+        detail: `reader ${second.acq} (token ${token}) saw ${describeRow(row)} commit between its read 1 (snapshot ${before.text}, event ${first.n} at ${
+          iso(first.t)
+        }) and read 2 (snapshot ${after.text}, event ${second.n} at ${iso(second.t)})${loss === undefined ? "" : `, before its loss report (event ${loss.n})`}: ${why}`
+      })
+    }
+  }
+  return { judged, violations }
+}
+
 /** Every write a worker reported as committed must be in the log (a restart must not lose it). */
 const checkReportedWrites = (input: CheckInput): Array<Violation> => {
   const seqs = new Set(input.writes.map((row) => String(row.seq)))
@@ -251,14 +360,43 @@ const recoveryOf = (input: CheckInput, commits: ReadonlyArray<number>, fault: Fa
   return { fault, recoveredAfterMs, status, holderToldAfterMs }
 }
 
+type Grant = Stamped & { readonly e: "acquired" }
+
+/**
+ * Grants (in token order) made while the grant(s) they follow had not logged their release: after
+ * a loss, a death, or a handover. Without readers a grant follows the previous one. A reader
+ * follows the last writer, and only the first reader of a group counts (the others join it); a
+ * writer follows the readers granted since the last writer (released in any order), if any, else
+ * that writer.
+ */
+const countTakeovers = (acquired: ReadonlyArray<Grant>, releasedAt: ReadonlyMap<string, number>): number => {
+  let takeovers = 0
+  let writer: Grant | undefined
+  let readers: Array<Grant> = []
+  for (const grant of acquired) {
+    const shared = grant.mode === "shared"
+    const follows = shared ? (readers.length > 0 ? [] : [writer]) : readers.length > 0 ? readers : [writer]
+    if (follows.some((earlier) => earlier !== undefined && (releasedAt.get(earlier.acq) ?? Infinity) > grant.t)) takeovers++
+    if (shared) {
+      readers.push(grant)
+    } else {
+      writer = grant
+      readers = []
+    }
+  }
+  return takeovers
+}
+
 export const check = (input: CheckInput): CheckResult => {
   const commits = input.writes.map((row) => localMillis(commitOf(row), input.serverOffsetMs)).sort((a, b) => a - b)
   const faultOutcomes = input.faults.map((fault) => recoveryOf(input, commits, fault))
+  const shared = checkSharedOverlaps(input)
 
   const violations: Array<Violation> = [
     ...checkTokenOrder(input.writes),
     ...checkRounds(input.writes),
     ...checkWritesAfterLoss(input),
+    ...shared.violations,
     ...checkNeedlessLosses(input),
     ...checkReportedWrites(input),
     ...faultOutcomes.flatMap((o): Array<Violation> =>
@@ -315,11 +453,7 @@ export const check = (input: CheckInput): CheckResult => {
   }
   for (const exit of input.exits) count(exitsByCause, exit.cause)
   acquired.sort((a, b) => (BigInt(a.token) < BigInt(b.token) ? -1 : 1))
-  let takeovers = 0
-  for (let i = 1; i < acquired.length; i++) {
-    const released = releasedAt.get(acquired[i - 1]!.acq)
-    if (released === undefined || released > acquired[i]!.t) takeovers++
-  }
+  const takeovers = countTakeovers(acquired, releasedAt)
 
   const faultsByKind = Object.fromEntries(FAULT_KINDS.map((kind) => {
     const outcomes = faultOutcomes.filter((o) => o.fault.kind === kind)
@@ -342,6 +476,8 @@ export const check = (input: CheckInput): CheckResult => {
   return {
     rounds: input.writes.length,
     acquisitions: acquired.length,
+    readerRounds: acquired.filter((a) => a.mode === "shared").length,
+    readsJudged: shared.judged,
     takeovers,
     refusals,
     lossesByReason,

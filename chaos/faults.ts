@@ -37,10 +37,13 @@ export const RECOVERY_SLACK_MS = 3_000
  * A Redis lease (RedisLease) is a lease as PgLease's: taken over at most one ttl after. A killed
  * process that was waiting on a lease store leaves its place in the queue, which those behind it
  * may not overtake until it runs out: at most `PLACE_TTL_MILLIS` (5 s) after its last retry.
+ * With `readers` one more longest round: whoever takes the lock first may be a reader, whose round
+ * writes nothing, and the writer waiting behind it (shared requests queue behind a waiting
+ * exclusive one) writes at the end of its own.
  */
-export const recoveryBoundMs = (kind: FaultKind, backend: Backend, ttlMs: number): number =>
+export const recoveryBoundMs = (kind: FaultKind, backend: Backend, ttlMs: number, readers = false): number =>
   Math.max(backend === "pg-advisory" ? 0 : ttlMs, kind === "worker-kill" && backend !== "pg-advisory" ? PLACE_TTL_MILLIS : 0) +
-  longestRoundMs(ttlMs) + RECOVERY_SLACK_MS
+  longestRoundMs(ttlMs) * (readers ? 2 : 1) + RECOVERY_SLACK_MS
 
 /**
  * What each fault does, for the report. On `redis` the lock's server is Redis: `session-terminate`,
@@ -131,6 +134,8 @@ export interface FaultContext {
   readonly query: <R>(text: string, values?: ReadonlyArray<unknown>) => Promise<Array<R>>
   /** Server processes stopped right now: the driver resumes them on every way out. */
   readonly frozenPids: Set<number>
+  /** Some rounds are readers' (`sharedChance` > 0): the recovery bound allows one reader's round first. */
+  readonly readers: boolean
   /** Alternates the stall between below and above the lease's safe time. */
   stallAbove: boolean
 }
@@ -144,7 +149,9 @@ const AIM_DELAY_MAX_MS = 350
 
 /**
  * The worker to hit: 4 times in 5 the next worker granted the lock, a random 0–350 ms into its
- * round (a round reads, waits its gap and writes in about that time), else any worker.
+ * round (a round reads, waits its gap and writes in about that time), else any worker. The next
+ * grant may be a reader's (a shared holder, maybe one of several): a fault must not cost it its
+ * lock any more than a writer's, so it is aimed at as any holder.
  */
 const pickTarget = async (ctx: FaultContext): Promise<{ readonly target: number; readonly holder: Holder | undefined }> => {
   // Every draw is made every time, so the PRNG stream does not depend on who holds the lock.
@@ -402,7 +409,7 @@ const injectors: Readonly<Record<FaultKind, (ctx: FaultContext) => Promise<Injec
 /** Injects one fault and returns once it stopped acting. */
 export const inject = async (kind: FaultKind, ctx: FaultContext): Promise<FaultRecord> => {
   const { stall, ...injected } = await injectors[kind](ctx)
-  return { kind, boundMs: recoveryBoundMs(kind, ctx.backend, ctx.ttlMs), costsNoLock: costsNoLock(kind, ctx.backend, stall), ...injected }
+  return { kind, boundMs: recoveryBoundMs(kind, ctx.backend, ctx.ttlMs, ctx.readers), costsNoLock: costsNoLock(kind, ctx.backend, stall), ...injected }
 }
 
 /** The kinds in a seeded order where each appears once per deck, so a short run still has every kind. */

@@ -66,7 +66,12 @@ export interface Fleet {
   readonly send: (slot: number, command: Command) => void
   /** The next event (after this call) matching `predicate`, or undefined after `timeoutMs`. */
   readonly waitFor: (predicate: (event: Stamped) => boolean, timeoutMs: number) => Promise<Stamped | undefined>
-  /** The live acquisition with the highest token, as the events tell it. */
+  /**
+   * The live acquisition with the highest token, as the events tell it: the latest grant, reader or
+   * writer. Readers may hold side by side; the others are not returned, so a fault that hits a
+   * worker at random names a holder only when it hit the latest one (an older holder may be one
+   * whose lease is gone unnoticed, which a no-loss fault must not be blamed for).
+   */
   readonly holder: () => Holder | undefined
   /** Asks every worker to stop, SIGKILLs those still running after `timeoutMs`; returns their slots. */
   readonly stop: (timeoutMs: number) => Promise<ReadonlyArray<number>>

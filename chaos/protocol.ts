@@ -23,6 +23,8 @@ export const FENCE_RESOURCE = "chaos_rounds"
  * The write log: one row per accepted write. No unique constraint on `round`: a double holder must
  * be able to show. `began_at` and `began_n` are the stamp (`t`, `n`) of the worker's `writing`
  * event for this write: when the write began, on the worker's own clock and in its own order.
+ * `xid` is the writing transaction's id: with a reader's snapshot (`read` events) it says exactly
+ * whether that read saw the row (seq is drawn at insert, and commits may land out of seq order).
  */
 export const ROUNDS_TABLE = "chaos_rounds"
 
@@ -34,7 +36,8 @@ export const roundsTableSql = `create table if not exists ${ROUNDS_TABLE} (
   acquisition text not null,
   began_at bigint not null,
   began_n bigint not null,
-  written_at timestamptz not null
+  written_at timestamptz not null,
+  xid bigint not null default (pg_current_xact_id()::text::bigint)
 )`
 
 /** A round's work before its read: short (ms) three times in four… */
@@ -58,8 +61,8 @@ export const DRIVER_APPLICATION = "chaos-driver"
 
 export type WorkerEvent =
   | { readonly e: "ready" }
-  /** Granted: `acq` identifies this acquisition in the write log. */
-  | { readonly e: "acquired"; readonly acq: string; readonly token: string }
+  /** Granted: `acq` identifies this acquisition in the write log. `mode` absent: exclusive. */
+  | { readonly e: "acquired"; readonly acq: string; readonly token: string; readonly mode?: "shared" }
   /** The moment this process learned the lease is gone (its `lost` failed). */
   | { readonly e: "lost"; readonly acq: string; readonly token: string; readonly reason: string }
   /** The lock was released (the scope closed) without a loss. */
@@ -69,6 +72,12 @@ export type WorkerEvent =
    * the insert is handed to the driver. Its `t` and `n` are stored in the row it writes.
    */
   | { readonly e: "writing"; readonly acq: string; readonly token: string; readonly round: number }
+  /**
+   * A reader's look at the write log (its read `which` of two), printed in the body's fiber right
+   * after the statement returned: `snapshot` is that statement's `pg_current_snapshot()`
+   * (`xmin:xmax:xip,…`), which says exactly which rows it saw; `last` the highest round among them.
+   */
+  | { readonly e: "read"; readonly acq: string; readonly token: string; readonly which: 1 | 2; readonly snapshot: string; readonly last: number }
   /** The fenced write committed. */
   | { readonly e: "wrote"; readonly acq: string; readonly token: string; readonly round: number; readonly seq: string }
   /** The fence refused the write: a newer token has written. */
@@ -116,12 +125,25 @@ export interface WorkerConfig {
    * A deliberately broken worker, to show that the checker catches what it must (never in a real
    * run): `write-after-loss` makes every worker block its own event loop past the lease's safe time
    * in its first round (so that it loses its lease), and, once it has reported a loss, write on a
-   * daemon fiber outside the guard, as a program that ignores `LockLost` would.
+   * daemon fiber outside the guard, as a program that ignores `LockLost` would; `shared-overlap`
+   * (see `BROKEN_WORKERS`) reads without the lock.
    */
   readonly broken?: BrokenWorker | undefined
+  /**
+   * The chance (0 ≤ p < 1) that a round is a reader's: a `shared` acquisition that reads the write
+   * log twice, a gap apart, and writes nothing. Drawn only when above 0, so that runs without
+   * readers keep their PRNG streams (and their seeds' replays).
+   */
+  readonly sharedChance?: number | undefined
 }
 
-export type BrokenWorker = "write-after-loss"
+/**
+ * `shared-overlap` makes worker 1's second round a reader that never acquires: it reports a shared
+ * grant with a token above any real one, reads, waits until another worker's write has committed,
+ * and reads again — the overlap the checker's `shared-overlap` rule must catch.
+ */
+export const BROKEN_WORKERS = ["write-after-loss", "shared-overlap"] as const
+export type BrokenWorker = typeof BROKEN_WORKERS[number]
 
 export const WORKER_ENV = "CHAOS_WORKER_CONFIG"
 

@@ -42,6 +42,7 @@ const VIOLATION_MEANING: Readonly<Record<ViolationKind, string>> = {
   "round-duplicate": "a round written more than once (two holders read the same last round)",
   "round-skipped": "a round with no row below the highest one",
   "write-after-loss": "a write begun after its holder reported the loss (one begun before may commit after: in flight, still fenced)",
+  "shared-overlap": "a write committed between a reader's two reads (the second before its loss report) by a later grant, or by a holder that released normally: a reader and a writer held at once",
   "needless-loss": "a holder lost its lock to a fault that must cost none (pool saturation, a short stall, …)",
   "write-missing": "a write a worker saw commit that is not in the log",
   "no-recovery": "a fault not followed by an accepted write within its bound",
@@ -66,12 +67,16 @@ export const gitRevision = (): string => {
   }
 }
 
+/** Whether some rounds were readers' (`--shared`). */
+const readersOn = (run: ChaosRun): boolean => (run.options.sharedChance ?? 0) > 0
+
 const command = (run: ChaosRun): string => {
   const backend = run.options.backends.length > 1 ? "all" : run.options.backends[0]
   const extra = run.options.extraSeeds ?? []
   const then = extra.length === 0 ? "" : ` (this run then drew one deck of faults from each of the seeds ${extra.join(", ")}: replay one with its own --seed)`
   const broken = run.options.broken === undefined ? "" : ` --broken ${run.options.broken}`
-  return `\`npm run chaos -- --backend ${backend} --minutes ${run.options.durationMs / 60_000} --seed ${run.seed} --workers ${run.options.workers} --ttl-ms ${run.options.ttlMs}${broken}\`${then}`
+  const shared = readersOn(run) ? ` --shared ${run.options.sharedChance}` : ""
+  return `\`npm run chaos -- --backend ${backend} --minutes ${run.options.durationMs / 60_000} --seed ${run.seed} --workers ${run.options.workers} --ttl-ms ${run.options.ttlMs}${shared}${broken}\`${then}`
 }
 
 const resultRows = (runs: ReadonlyArray<BackendRun>): Array<Array<string>> => {
@@ -80,6 +85,8 @@ const resultRows = (runs: ReadonlyArray<BackendRun>): Array<Array<string>> => {
     row("faults injected", (c) => String(FAULT_KINDS.reduce((n, kind) => n + c.faultsByKind[kind].injected, 0))),
     row("rounds (accepted writes)", (c) => String(c.rounds)),
     row("acquisitions", (c) => String(c.acquisitions)),
+    row("reader rounds (shared acquisitions)", (c) => String(c.readerRounds)),
+    row("reads judged (a reader's two reads compared, the second before any loss report)", (c) => String(c.readsJudged)),
     row("takeovers (grant logged before the previous holder logged its release: after a lost lease, or a handover, which grants inside the release)", (c) => String(c.takeovers)),
     row("writes refused by the fence", (c) => String(c.refusals)),
     row("losses reported, by reason", (c) => tally(c.lossesByReason)),
@@ -167,6 +174,7 @@ export const renderMarkdown = (run: ChaosRun): string => {
       ["backends", run.options.backends.join(", ")],
       ["fault injection per backend", `${minutes} min, and at least one fault of each kind (the last fault's recovery may run past it)`],
       ["workers (OS processes) per backend", String(run.options.workers)],
+      ...(readersOn(run) ? [["reader rounds (`shared`, two reads, no write)", `${run.options.sharedChance} of rounds, drawn per round`]] : []),
       ["lease ttl (PgLease, RedisLease)", `${run.options.ttlMs} ms`],
       ["worker pool (`PgClient` maxConnections)", String(run.options.poolSize)],
       ["server", `PostgreSQL ${run.server.version}, ${run.server.embedded ? "embedded (started by the run; restarts injected)" : "DATABASE_URL (restarts skipped)"}`],
@@ -211,6 +219,15 @@ export const renderMarkdown = (run: ChaosRun): string => {
     "every kind once, so a short run still has them all. Four faults in five are aimed at the next worker granted",
     "the lock, a random 0–350 ms into its round (before, inside or after its read-to-write gap); the fifth hits any",
     "worker.",
+    ...(readersOn(run)
+      ? [
+        "",
+        `Readers: a round is a reader's with chance ${run.options.sharedChance}. It takes the lock \`shared\`, works as a writer`,
+        "does, reads the write log (one statement returning its snapshot, `pg_current_snapshot()`), waits the same",
+        "gap, reads again and writes nothing. Each row carries its transaction's id, so the checker knows exactly",
+        "which writes each read saw."
+      ]
+      : []),
     "",
     table(["fault", "what it does"], FAULT_KINDS.map((kind) => [`\`${kind}\``, FAULT_DESCRIPTIONS[kind]])),
     "",
@@ -225,6 +242,15 @@ export const renderMarkdown = (run: ChaosRun): string => {
     "  report and committed after it is not: it was in flight, its outcome unknown to the holder as with any database",
     "  client (a statement sent to a server that then froze may still commit when it resumes), and it is still",
     "  fenced — the token-order check holds it to that. Rows without a begin stamp (old logs) are judged by their commit.",
+    ...(readersOn(run)
+      ? [
+        "- **No reader beside a writer**: a write that a reader's second read saw and its first did not (the second",
+        "  printed before any loss report of its own) committed while the reader held. It is a violation if its token",
+        "  is above the reader's (granted after the reader, while the reader held and had not been told) or if its",
+        "  holder released normally (it held after the reader's grant). A lower token of a holder that had reported",
+        "  its loss, or died, is a stale holder's write in flight: allowed (readers do not fence)."
+      ]
+      : []),
     "- **Nothing lost**: every write a worker saw commit is in the log (restarts included).",
     "- **No needless loss**: a holder hit by a fault the library promises costs nothing reports no `LockLost`",
     "  during it or within 2 s after it (DESIGN.md non-negotiables, issue 10): pool saturation (renewals never queue",
@@ -232,14 +258,16 @@ export const renderMarkdown = (run: ChaosRun): string => {
     "  (its live session's answers are read late, not lost; \"Not a lease\"), terminated pool sessions under PgLease",
     "  (the lease lives in a row).",
     `- **Recovery**: after each fault ends, a write is accepted within its bound: what the library promises (below),`,
-    `  plus the longest round of whoever takes the lock first (1.5 × ttl + ${longestRoundMs(0)} ms: it writes at the end),`,
+    `  plus the longest round of whoever takes the lock first (1.5 × ttl + ${longestRoundMs(0)} ms: it writes at the end${
+      readersOn(run) ? "; twice with readers, as a reader taking it first writes nothing" : ""
+    }),`,
     `  plus ${RECOVERY_SLACK_MS} ms for a worker's error backoff, reconnecting after a restart and a loaded 2-core machine.`,
     "",
     table(
       ["fault", ...run.options.backends.map((b) => `${b}: bound from the fault's end (ms)`), "why"],
       FAULT_KINDS.map((kind) => [
         `\`${kind}\``,
-        ...run.options.backends.map((b) => `${recoveryBoundMs(kind, b, run.options.ttlMs)}${noLossNote(kind, b)}`),
+        ...run.options.backends.map((b) => `${recoveryBoundMs(kind, b, run.options.ttlMs, readersOn(run))}${noLossNote(kind, b)}`),
         run.options.backends.map((b) => `${b}: ${RECOVERY_REASONS[kind][b]}`).join("; ")
       ])
     ),

@@ -17,7 +17,7 @@ import { type RedisServer, startRedis } from "../tools/redisServer.js"
 import { check, type CheckResult, type WriteRow } from "./checker.js"
 import { gitRevision } from "./report.js"
 import { FAULT_KINDS, type FaultContext, type FaultKind, type FaultRecord, inject, makeDeck } from "./faults.js"
-import { makeFleet } from "./fleet.js"
+import { type Fleet, makeFleet } from "./fleet.js"
 import { deriveSeed, makePrng } from "./prng.js"
 import { type Backend, type BrokenWorker, DRIVER_APPLICATION, LOCK_NAME, ROUNDS_TABLE, roundsTableSql, type Stamped } from "./protocol.js"
 
@@ -54,6 +54,8 @@ export interface ChaosOptions {
   readonly kinds?: ReadonlyArray<FaultKind> | undefined
   /** Deliberately broken workers (protocol.ts `WorkerConfig.broken`): only to show the checker catches them. */
   readonly broken?: BrokenWorker | undefined
+  /** The chance that a worker's round is a reader's (protocol.ts `WorkerConfig.sharedChance`); 0 or absent: none. */
+  readonly sharedChance?: number | undefined
 }
 
 export interface ClockAlignment {
@@ -155,8 +157,9 @@ const readWrites = async (url: string, commitTimestamps: boolean): Promise<Array
     committed: string | null
     began_at: string
     began_n: string
+    xid: string
   }>(
-    `select seq::int as seq, round, worker, token::text as token, acquisition, began_at::text, began_n::text,
+    `select seq::int as seq, round, worker, token::text as token, acquisition, began_at::text, began_n::text, xid::text,
        (extract(epoch from written_at) * 1000)::text as written,
        ${commitTimestamps ? "(extract(epoch from pg_xact_commit_timestamp(xmin)) * 1000)::text" : "null"} as committed
      from ${ROUNDS_TABLE} order by seq`
@@ -170,7 +173,8 @@ const readWrites = async (url: string, commitTimestamps: boolean): Promise<Array
     writtenAt: Number(row.written),
     committedAt: row.committed === null ? undefined : Number(row.committed),
     beganAt: Number(row.began_at),
-    beganN: Number(row.began_n)
+    beganN: Number(row.began_n),
+    xid: BigInt(row.xid)
   }))
 }
 
@@ -196,8 +200,12 @@ const leftovers = async (url: string, redis?: { readonly client: Redis; readonly
        and database = (select oid from pg_database where datname = current_database())`
     )
     const [table] = await query<{ present: boolean }>("select to_regclass($1) is not null as present", [PgLease.DEFAULT_TABLE])
+    // A shared holder's lease is its row in the queue table (token set), not the lease row.
     const [leases] = table?.present === true
-      ? await query<{ n: number }>(`select count(*)::int as n from ${PgLease.DEFAULT_TABLE} where owner is not null and expires_at > now()`)
+      ? await query<{ n: number }>(
+        `select (select count(*) from ${PgLease.DEFAULT_TABLE} where owner is not null and expires_at > now())::int
+           + (select count(*) from ${PgLease.DEFAULT_TABLE}_queue where mode = 'shared' and token is not null and expires_at > now())::int as n`
+      )
       : [{ n: 0 }]
     return { advisoryLocks: advisory?.n ?? 0, liveLeases: (leases?.n ?? 0) + await redisLeases() }
   }
@@ -216,6 +224,12 @@ const writeTrace = (file: string, events: ReadonlyArray<Stamped>, faults: Readon
     ...writes.map((write) => ({ at: write.committedAt ?? write.writtenAt, write }))
   ].sort((a, b) => a.at - b.at)
   Fs.writeFileSync(file, lines.map((line) => JSON.stringify(line, (_, v) => (typeof v === "bigint" ? v.toString() : v))).join("\n") + "\n")
+}
+
+/** The second read of `broken: "shared-overlap"`'s lockless reader (worker 1), if not in yet. */
+const waitForLocklessRead = async (fleet: Fleet): Promise<void> => {
+  const secondRead = (event: Stamped) => event.e === "read" && event.which === 2 && event.w === 1
+  if (!fleet.events.some(secondRead)) await fleet.waitFor(secondRead, FIRST_WRITE_TIMEOUT_MS)
 }
 
 /** Runs started by this process: names each run's database and log. */
@@ -256,7 +270,8 @@ const runBackend = async (
       ttlMs: options.ttlMs,
       poolSize: options.poolSize,
       seed: options.seed,
-      broken: options.broken
+      broken: options.broken,
+      sharedChance: options.sharedChance
     }
   })
   const faults: Array<FaultRecord> = []
@@ -268,6 +283,8 @@ const runBackend = async (
     await fleet.startAll(READY_TIMEOUT_MS)
     const first = fleet.events.some((e) => e.e === "wrote") || (await fleet.waitFor((e) => e.e === "wrote", FIRST_WRITE_TIMEOUT_MS)) !== undefined
     if (!first) log(`${backend}: no write within ${FIRST_WRITE_TIMEOUT_MS} ms of the start; injecting faults anyway`)
+    // A lockless reader's overlap shows only once its second read is in.
+    if (options.broken === "shared-overlap") await waitForLocklessRead(fleet)
     startedAt = Date.now()
     const stamp = () => `+${((Date.now() - startedAt) / 1000).toFixed(1).padStart(5)}s`
     const phases = [{ seed: options.seed, durationMs: options.durationMs }, ...(options.extraSeeds ?? []).map((seed) => ({ seed, durationMs: 0 }))]
@@ -283,6 +300,7 @@ const runBackend = async (
         query,
         redis,
         frozenPids,
+        readers: (options.sharedChance ?? 0) > 0,
         stallAbove: prng.chance(0.5)
       }
       const kinds = options.kinds ?? FAULT_KINDS

@@ -2,7 +2,9 @@
  * One chaos worker process: loops on one lock forever. Each round, holding the lock, it reads the
  * last round of the write log, waits a deliberate gap (a second holder would read the same round
  * in it), then in one transaction checks the lease's fencing token with `Fence.check` and writes
- * round + 1. It reports on stdout (JSON lines, see `protocol.ts`) and obeys the driver's stdin
+ * round + 1. With `sharedChance` a round may be a reader's instead: it holds the lock `shared`,
+ * reads the write log twice a gap apart (a writer holding meanwhile would show between the two
+ * reads) and writes nothing. It reports on stdout (JSON lines, see `protocol.ts`) and obeys the driver's stdin
  * commands: an event-loop stall, its own pool saturated, stop.
  *
  * It is an ordinary user of the library's public API (`withLock`-style guard, interruptible
@@ -58,6 +60,10 @@ const ERROR_BACKOFF = Duration.millis(200)
 const POOL_CONNECT_TIMEOUT = Duration.seconds(5)
 /** A broken worker's stall in its first round, in ttls: past the lease's safe time. */
 const BROKEN_STALL_TTLS = 1.5
+/** A lockless reader (`broken: "shared-overlap"`) claims this token: above any real grant's. */
+const BROKEN_READER_TOKEN = String(Number.MAX_SAFE_INTEGER)
+/** How often, and how long at most, a lockless reader looks for a write committed after its first read. */
+const BROKEN_POLL = { every: Duration.millis(50), times: 200 } as const
 
 const config = JSON.parse(process.env[WORKER_ENV] ?? "null") as WorkerConfig | null
 if (config === null) {
@@ -127,6 +133,52 @@ const nextRound = Effect.gen(function*() {
   return (last?.last ?? 0) + 1
 })
 
+/**
+ * A reader's look at the write log, in one statement: the statement's snapshot says exactly which
+ * rows it saw (a row is seen iff its `xid` is below `xmin`, or below `xmax` and not in the list of
+ * those in progress). `read` is printed in the body's fiber right after the statement returned, as
+ * `writing` is in the fiber that writes: the checker compares it with this acquisition's `lost`.
+ */
+const readLog = (acq: string, token: string, which: 1 | 2) =>
+  Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    const [row] = yield* sql<{ snapshot: string; last: number }>`
+      select pg_current_snapshot()::text as snapshot, coalesce(max(round), 0)::int as last from ${sql(ROUNDS_TABLE)}`
+    const last = row?.last ?? 0
+    yield* emit({ e: "read", acq, token, which, snapshot: row?.snapshot ?? "", last })
+    return last
+  })
+
+/**
+ * A reader's round under a shared lease: the same work, a first read, the gap, a second read, no
+ * write. A writer holding at once would have its write land between the two reads.
+ */
+const readTwice = (lease: Lease, acq: string) =>
+  Effect.gen(function*() {
+    const token = lease.token.toString()
+    yield* Effect.sleep(Duration.millis(workMillis()))
+    yield* readLog(acq, token, 1)
+    yield* Effect.sleep(Duration.millis(prng.int(GAP_MS.min, GAP_MS.max)))
+    yield* readLog(acq, token, 2)
+  })
+
+/**
+ * Broken on purpose (`broken: "shared-overlap"`): a reader that never acquires. It reports a shared
+ * grant with a token above any real one, reads, waits until the log holds a round above the last
+ * it saw (another worker wrote meanwhile: it holds the lock the reader claims), and reads again.
+ */
+const readWithoutLock = (acq: string) =>
+  Effect.gen(function*() {
+    yield* emit({ e: "acquired", acq, token: BROKEN_READER_TOKEN, mode: "shared" })
+    const seen = yield* readLog(acq, BROKEN_READER_TOKEN, 1)
+    // Polled, not timed: the second read must come after a write that the first did not see.
+    yield* nextRound.pipe(
+      Effect.repeat({ until: (next) => next > seen + 1, schedule: Schedule.spaced(BROKEN_POLL.every), times: BROKEN_POLL.times })
+    )
+    yield* readLog(acq, BROKEN_READER_TOKEN, 2)
+    yield* emit({ e: "released", acq, token: BROKEN_READER_TOKEN })
+  }).pipe(Effect.catchAll((error) => emit({ e: "error", acq, tag: error._tag, message: error.message })))
+
 /** The round's work: read, gap, fenced write. Interruptible throughout, like any `withLock` body. */
 const work = (lease: Lease, acq: string, first: boolean) =>
   Effect.gen(function*() {
@@ -157,10 +209,16 @@ const writeAfterLoss = (token: FencingToken, acq: string) =>
     Effect.asVoid
   )
 
-/** One acquisition: acquire, watch for loss, run the work under `guard`, release. */
+/** Whether this round is a reader's: drawn only with readers on, so that other runs keep their PRNG streams. */
+const drawShared = (): boolean => (config.sharedChance ?? 0) > 0 && prng.chance(config.sharedChance ?? 0)
+
+/** One acquisition: acquire, watch for loss, run the work (or a reader's reads) under `guard`, release. */
 const round = (n: number) =>
   Effect.gen(function*() {
     const acq = `${slot}.${incarnation}.${n}`
+    // Broken on purpose: after a round of its own (so the log has a row), worker 1 reads without the lock.
+    if (config.broken === "shared-overlap" && slot === 1 && n === 2) return yield* readWithoutLock(acq)
+    const shared = drawShared()
     const state: { token?: string; lost: boolean } = { lost: false }
     const reportLoss = (error: LockLost) =>
       Effect.suspend(() => {
@@ -171,12 +229,13 @@ const round = (n: number) =>
         return config.broken === "write-after-loss" ? Effect.zipRight(report, writeAfterLoss(error.token, acq)) : report
       })
     const held = Effect.gen(function*() {
-      const lease = yield* DistributedLock.acquire(LOCK_NAME, { ttl, timeout: ACQUIRE_TIMEOUT })
+      const lease = yield* DistributedLock.acquire(LOCK_NAME, { ttl, timeout: ACQUIRE_TIMEOUT, mode: shared ? "shared" : "exclusive" })
       state.token = lease.token.toString()
-      yield* emit({ e: "acquired", acq, token: state.token })
+      yield* emit(shared ? { e: "acquired", acq, token: state.token, mode: "shared" } : { e: "acquired", acq, token: state.token })
       // Reports the moment this process learns of the loss, not when the body has stopped.
       yield* Effect.forkScoped(Effect.catchAll(lease.lost, reportLoss))
-      const outcome = yield* Effect.either(DistributedLock.guard(lease, work(lease, acq, n === 1)))
+      const body = shared ? readTwice(lease, acq) : work(lease, acq, n === 1)
+      const outcome = yield* Effect.either(DistributedLock.guard(lease, body))
       if (outcome._tag === "Right") return
       const error = outcome.left
       switch (error._tag) {

@@ -2,11 +2,11 @@ import { describe, expect, it } from "@effect/vitest"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
-import { check, type CheckInput, type ViolationKind, type WriteRow } from "../chaos/checker.js"
+import { check, type CheckInput, type CheckResult, type ViolationKind, type WriteRow } from "../chaos/checker.js"
 import { FAULT_KINDS, type FaultRecord } from "../chaos/faults.js"
 import type { WorkerExit } from "../chaos/fleet.js"
 import { randomSeed } from "../chaos/prng.js"
-import type { Backend, Stamped, WorkerEvent } from "../chaos/protocol.js"
+import type { Backend, BrokenWorker, Stamped, WorkerEvent } from "../chaos/protocol.js"
 import { renderMarkdown } from "../chaos/report.js"
 import { DEFAULTS, runChaos } from "../chaos/run.js"
 
@@ -221,6 +221,121 @@ describe("chaos checker", () => {
     const inTime = [...events, event(1_399, 2, { e: "released", acq: "2.0.1", token: "2" })]
     expect(check({ ...log, events: inTime }).takeovers).toBe(0)
   })
+
+  // Readers (shared acquisitions) read the log twice; a write committed between the two reads
+  // committed while the reader held. Rows carry their transaction's id, reads their snapshot.
+  describe("readers and writers", () => {
+    /** A reader's round: granted `shared` at `at`, its reads' snapshots, released unless `released` is false. */
+    const reader = (w: number, n: number, token: number, at: number, snapshots: readonly [string, string], released = true) => {
+      const acq = `${w}.0.${n}`
+      return [
+        event(at, w, { e: "acquired", acq, token: String(token), mode: "shared" }),
+        event(at + 20, w, { e: "read", acq, token: String(token), which: 1, snapshot: snapshots[0], last: 0 }),
+        event(at + 70, w, { e: "read", acq, token: String(token), which: 2, snapshot: snapshots[1], last: 0 }),
+        ...(released ? [event(at + 80, w, { e: "released", acq, token: String(token) })] : [])
+      ]
+    }
+    /** A writer's round as `round` makes it, its row written by transaction `xid`. */
+    const writer = (w: number, n: number, token: number, at: number, seq: number, roundNo: number, xid: number) => {
+      const r = round(w, n, token, at, seq, roundNo)
+      return { row: { ...r.row, xid: BigInt(xid) }, events: r.events }
+    }
+    const input = (writes: ReadonlyArray<WriteRow>, events: ReadonlyArray<Stamped>): CheckInput => ({
+      ...cleanLog(),
+      writes,
+      events,
+      faults: []
+    })
+
+    /**
+     * Reader w2 (token 3) granted at 200 and w4's write (round 2) at issue; `w4` says how w4's
+     * round (acquired 230, writing 275, committed 280, transaction 102) ended and with which token.
+     * w2's read 1 (220) saw only round 1 (transaction 101), its read 2 (290) saw round 2 too.
+     */
+    const overlap = (w4: { readonly token: number; readonly end: "released" | "lost" | "died" }) => {
+      const first = writer(1, 1, 1, 100, 1, 1, 101)
+      const acq = "4.0.1"
+      const token = String(w4.token)
+      const events = [
+        ...first.events,
+        event(200, 2, { e: "acquired", acq: "2.0.1", token: "3", mode: "shared" }),
+        event(220, 2, { e: "read", acq: "2.0.1", token: "3", which: 1, snapshot: "102:102:", last: 1 }),
+        event(230, 4, { e: "acquired", acq, token }),
+        event(275, 4, { e: "writing", acq, token, round: 2 }),
+        event(281, 4, { e: "wrote", acq, token, round: 2, seq: "2" }),
+        ...(w4.end === "released" ? [event(285, 4, { e: "released", acq, token })] : []),
+        ...(w4.end === "lost" ? [event(286, 4, { e: "lost", acq, token, reason: "expired" })] : []),
+        event(290, 2, { e: "read", acq: "2.0.1", token: "3", which: 2, snapshot: "103:103:", last: 2 }),
+        event(300, 2, { e: "released", acq: "2.0.1", token: "3" })
+      ]
+      return input([first.row, { ...row(2, 2, w4.token, acq, 280, 275), xid: 102n }], events)
+    }
+
+    it("finds nothing in a clean log of readers and writers, and counts reader rounds, reads judged and no takeover", () => {
+      const w1 = writer(1, 1, 1, 100, 1, 1, 101)
+      const w4 = writer(4, 1, 4, 400, 2, 2, 102)
+      const w3 = writer(3, 2, 7, 800, 3, 3, 104)
+      const events = [
+        ...w1.events,
+        // Two readers side by side after round 1: both saw transaction 101 only.
+        ...reader(2, 1, 2, 200, ["102:102:", "102:102:"]),
+        ...reader(3, 1, 3, 210, ["102:103:", "102:103:"]),
+        ...w4.events,
+        // After round 2; transaction 103 (not a round) in progress at read 1, done by read 2.
+        ...reader(1, 2, 5, 500, ["103:104:103", "104:104:"]),
+        ...reader(2, 2, 6, 510, ["103:104:103", "104:104:"]),
+        ...w3.events
+      ]
+      const result = check(input([w1.row, w4.row, w3.row], events))
+      expect(result.violations).toEqual([])
+      expect(result.readerRounds).toBe(4)
+      expect(result.readsJudged).toBe(4)
+      expect(result.takeovers).toBe(0)
+      expect(result.acquisitions).toBe(7)
+    })
+
+    it("flags a write between a reader's reads whose token is above the reader's: granted after it, while it held", () => {
+      // w4 reported a loss afterwards: only its token convicts it.
+      const result = check(overlap({ token: 4, end: "lost" }))
+      expect(result.violations.map((v) => v.kind)).toEqual(["shared-overlap"])
+      expect(result.violations[0]!.detail).toContain("reader 2.0.1 (token 3) saw seq 2 round 2 token 4 by 4.0.1 commit between its read 1 (snapshot 102:102:")
+      expect(result.violations[0]!.detail).toContain("read 2 (snapshot 103:103:")
+      expect(result.violations[0]!.detail).toContain("its token is above the reader's")
+      expect(result.readsJudged).toBe(1)
+    })
+
+    it("flags a write between a reader's reads by an older holder that released normally: both held at once", () => {
+      // w4's grant (token 2 here) came before the reader's (token 3); it never reported a loss.
+      const result = check(overlap({ token: 2, end: "released" }))
+      expect(result.violations.map((v) => v.kind)).toEqual(["shared-overlap"])
+      expect(result.violations[0]!.detail).toContain("its holder never reported a loss and released normally")
+      // Seen as in progress at read 1 (in xip, below xmax), committed by read 2.
+      const inProgress = overlap({ token: 2, end: "released" })
+      const events = inProgress.events.map((e) => (e.e === "read" && e.which === 1 ? { ...e, snapshot: "102:103:102" } : e))
+      expect(kinds({ ...inProgress, events })).toEqual(["shared-overlap"])
+    })
+
+    it("allows the in-flight write of a stale holder (lower token, loss reported or process dead) between a reader's reads", () => {
+      const lost = check(overlap({ token: 2, end: "lost" }))
+      expect(lost.violations).toEqual([])
+      expect(lost.readsJudged).toBe(1)
+      expect(kinds(overlap({ token: 2, end: "died" }))).toEqual([])
+    })
+
+    it("does not judge a read 2 the reader printed after its own loss report, by its event order", () => {
+      const lostAt = (n: number) => {
+        const log = overlap({ token: 4, end: "lost" })
+        // A reader that reported its loss prints no release.
+        const events = log.events.filter((e) => !(e.e === "released" && e.acq === "2.0.1"))
+        return { ...log, events: [...events, event(290, 2, { e: "lost", acq: "2.0.1", token: "3", reason: "expired" }, n)] }
+      }
+      // read 2 is w2's event 290: a report as event 289 (before it, same ms) voids it; as event 291 (after), it counts.
+      const voided = check(lostAt(289))
+      expect(voided.violations).toEqual([])
+      expect(voided.readsJudged).toBe(0)
+      expect(kinds(lostAt(291))).toEqual(["shared-overlap"])
+    })
+  })
 })
 
 // --- a shortened chaos run -------------------------------------------------------------------
@@ -238,6 +353,8 @@ const withLogDir = async (run: (logDir: string) => Promise<void>): Promise<void>
 /** No minimum time: the seed draws one deck (every kind once, about 20 s at a 1 s ttl). */
 const DURATION_MS = 0
 const TTL_MS = 1_000
+/** A share of rounds that are readers': shared mode under the same faults, at no extra run time. */
+const SHARED_CHANCE = 0.3
 
 /**
  * The deck's seed: CHAOS_TEST_SEED when set (to replay a failure), else a new random one, printed
@@ -252,7 +369,9 @@ const deckSeed = (): number => {
 /** One set of workers per backend, one deck of faults. */
 const shortRun = (backend: Backend) => withLogDir(async (logDir) => {
   const seed = deckSeed()
-  console.log(`chaos ${backend}: seed ${seed} (re-run with CHAOS_TEST_SEED=${seed}, or npm run chaos -- --backend ${backend} --minutes 0 --ttl-ms ${TTL_MS} --seed ${seed})`)
+  console.log(
+    `chaos ${backend}: seed ${seed} (re-run with CHAOS_TEST_SEED=${seed}, or npm run chaos -- --backend ${backend} --minutes 0 --ttl-ms ${TTL_MS} --shared ${SHARED_CHANCE} --seed ${seed})`
+  )
   const lines: Array<string> = []
   const run = await runChaos({
     backends: [backend],
@@ -261,6 +380,7 @@ const shortRun = (backend: Backend) => withLogDir(async (logDir) => {
     workers: DEFAULTS.workers,
     ttlMs: TTL_MS,
     poolSize: DEFAULTS.poolSize,
+    sharedChance: SHARED_CHANCE,
     logDir,
     log: (line) => lines.push(line)
   })
@@ -274,6 +394,9 @@ const shortRun = (backend: Backend) => withLogDir(async (logDir) => {
   const injected = new Set(result.faults.filter((f) => f.skipped === undefined).map((f) => f.kind))
   expect(FAULT_KINDS.filter((kind) => !injected.has(kind) && !allowedMissing.includes(kind)), context).toEqual([])
   expect(result.check.rounds, context).toBeGreaterThan(7)
+  // Readers ran and their reads were compared: the shared-overlap rule was not vacuous.
+  expect(result.check.readerRounds, context).toBeGreaterThan(0)
+  expect(result.check.readsJudged, context).toBeGreaterThan(0)
 })
 
 // --- the checker stays sharp on a real run ---------------------------------------------------
@@ -285,7 +408,7 @@ const shortRun = (backend: Backend) => withLogDir(async (logDir) => {
  * correct program from doing. No faults: the run stops after the first accepted write, which is
  * such a write. By hand: npm run chaos -- --backend pg-lease --minutes 0 --ttl-ms 1000 --broken write-after-loss --no-report
  */
-const brokenRun = () => withLogDir(async (logDir) => {
+const brokenRun = (broken: BrokenWorker, judge: (result: CheckResult, context: string) => void) => withLogDir(async (logDir) => {
   const seed = deckSeed()
   const lines: Array<string> = []
   const run = await runChaos({
@@ -297,16 +420,30 @@ const brokenRun = () => withLogDir(async (logDir) => {
     poolSize: DEFAULTS.poolSize,
     logDir,
     kinds: [],
-    broken: "write-after-loss",
+    broken,
     log: (line) => lines.push(line)
   })
-  const result = run.runs[0]!.check
-  const context = `broken chaos pg-lease seed ${seed}\n${lines.join("\n")}\n\n${renderMarkdown(run)}`
+  judge(run.runs[0]!.check, `broken (${broken}) chaos pg-lease seed ${seed}\n${lines.join("\n")}\n\n${renderMarkdown(run)}`)
+})
+
+const writesAfterLoss = (result: CheckResult, context: string) => {
   const afterLoss = result.violations.filter((v) => v.kind === "write-after-loss")
   expect(afterLoss.length, context).toBeGreaterThan(0)
   // Judged by the stamp the worker put in the row, not by the commit time.
   for (const v of afterLoss) expect(v.detail, context).toMatch(/ began at .* after w\d reported the loss/)
-})
+}
+
+/**
+ * `broken: "shared-overlap"`: worker 1's second round reads without the lock (a claimed shared
+ * grant, token above any real one), and reads again once worker 2 has written meanwhile. The run
+ * stops after that second read. By hand: npm run chaos -- --backend pg-lease --minutes 0 --ttl-ms 1000 --broken shared-overlap --no-report
+ */
+const readsBesideWriter = (result: CheckResult, context: string) => {
+  const overlaps = result.violations.filter((v) => v.kind === "shared-overlap")
+  expect(overlaps.length, context).toBeGreaterThan(0)
+  // Worker 2's write released normally with a lower token: the holder who held beside the reader.
+  for (const v of overlaps) expect(v.detail, context).toMatch(/^reader 1\.0\.2 .* its holder never reported a loss and released normally/)
+}
 
 // The backends run side by side (each its own server and workers): the file takes one deck's time.
 describe.concurrent("npm run chaos, shortened", () => {
@@ -320,5 +457,6 @@ describe.concurrent("npm run chaos, shortened", () => {
     )
   }
   // Beside the decks (its own server and workers): the file takes one deck's time, not a deck's and this run's.
-  it("pg-lease with a worker that writes after its loss: the checker reports write-after-loss", { timeout: 120_000 }, () => brokenRun())
+  it("pg-lease with a worker that writes after its loss: the checker reports write-after-loss", { timeout: 120_000 }, () => brokenRun("write-after-loss", writesAfterLoss))
+  it("pg-lease with a reader that reads without the lock: the checker reports shared-overlap", { timeout: 120_000 }, () => brokenRun("shared-overlap", readsBesideWriter))
 })
