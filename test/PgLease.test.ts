@@ -900,6 +900,37 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       expect(wait).toBeLessThanOrEqual(5_000)
     }))
 
+  it.scoped("a release that wakes a head not written lately (maybe a crashed waiter's) wakes those behind it too, up to the first surely waiting, who learns when that place runs out", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      yield* Effect.scoped((yield* processOn(env)).tryAcquire(freshName("stale-head-setup")))
+      const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+      if (typeof tables === "string") throw new Error(tables)
+      const name = freshName("stale-head")
+      const [holder, dead, behind, last] = [0, 1, 2, 3].map(() => Crypto.randomUUID())
+      const attempt = (id: string, placeMs: number, ttlMs = 10_000) =>
+        Effect.map(
+          query<{ token: string | null; wait: number | null }>(LeaseSql.acquire(tables), [name, id, id, "exclusive", ttlMs, placeMs, "test", "test", 1, true]),
+          (rows) => rows[0]!
+        )
+      const release = (id: string) =>
+        Effect.map(
+          query<{ released: string; woken: string }>(LeaseSql.release(tables), [name, id, id, "stale_head_nobody_listens"]),
+          (rows) => ({ released: Number(rows[0]!.released), woken: Number(rows[0]!.woken) })
+        )
+      yield* Effect.addFinalizer(() => Effect.forEach([holder, dead, behind, last], release, { discard: true }))
+      expect((yield* attempt(holder, 5_000, 30_000)).token).not.toBeNull()
+      // The dead waiter's place has under 2.5 s left: not written lately, so it is woken, not handed the lease.
+      expect((yield* attempt(dead, 2_000)).token).toBeNull()
+      expect((yield* attempt(behind, 5_000)).token).toBeNull()
+      expect((yield* attempt(last, 5_000)).token).toBeNull()
+      // The dead head and the waiter behind it are woken; the last, behind one who surely waits, is not.
+      expect(yield* release(holder)).toMatchObject({ released: 1, woken: 2 })
+      const { token, wait } = yield* attempt(behind, 5_000)
+      expect(token).toBeNull()
+      expect(wait).toBeLessThanOrEqual(2_000)
+    }))
+
   it.scoped("interrupting waiters at any point leaves no lease behind", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()

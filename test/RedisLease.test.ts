@@ -64,6 +64,21 @@ const scriptAttempt = (
     options.ttlMs ?? 10_000, options.placeMs ?? 5_000, "test", "test", 1, "1", options.handable ?? "1"
   )
 
+/**
+ * `count` places of `name` that ran out long ago (a crashed process's waiters), at the front of its
+ * queue, written in one script: no attempt of the setup drops some of them on the way.
+ */
+const deadPlaces = (name: string, count: number) =>
+  command(
+    "eval",
+    "for i = 1, tonumber(ARGV[1]) do redis.call('ZADD', KEYS[1], i, 'dead' .. i); " +
+      "redis.call('HSET', KEYS[2], 'dead' .. i, cjson.encode({ mode = 'exclusive', expires = 1, since = 1, ttl = 1000 })) end",
+    2,
+    keysFor(name).queue,
+    keysFor(name).places,
+    count
+  )
+
 /** One release script by hand: [released, woken]. */
 const scriptRelease = (name: string, owner: string, waiter: string) =>
   command<[number, number]>("eval", Scripts.release, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, channel)
@@ -609,6 +624,23 @@ describeWithRedis("RedisLease", () => {
         expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBe("wL")
       }))
 
+    it.scopedLive("a release that wakes a head not written lately (maybe a crashed waiter's) wakes those behind it too, up to the first surely waiting, who learns when that place runs out", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-stale-head")
+        expect((yield* attempt(name, "A", "wA"))[0]).not.toBeNull()
+        // D's place has under 2.5 s left: not written lately, so a release wakes it rather than handing it the lease.
+        expect((yield* attempt(name, "D", "wD", "exclusive", 2_000))[0]).toBeNull()
+        expect((yield* attempt(name, "W", "wW"))[0]).toBeNull()
+        expect((yield* attempt(name, "X", "wX"))[0]).toBeNull()
+        // D and W are woken; X, behind W (who surely waits), is not.
+        expect(yield* release(name, "A", "")).toEqual([1, 2])
+        expect(yield* command<string | null>("HGET", keysFor(name).lease, "owner")).toBeNull()
+        // W's attempt is told D's place's end, not the lease's or its own retry's.
+        const [token, wait] = yield* attempt(name, "W", "wW")
+        expect(token).toBeNull()
+        expect(wait).toBeLessThanOrEqual(2_000)
+      }))
+
     it.scopedLive("a waiter leaving while a shared lease is live wakes no exclusive head: it could not fit", () =>
       Effect.gen(function*() {
         const name = freshName("redis-leave-shared")
@@ -675,6 +707,33 @@ describeWithRedis("RedisLease", () => {
         yield* scriptRelease(name, "", "wL1")
         expect((yield* scriptAttempt(name, "L2", "wL2"))[0]).not.toBeNull()
         expect(yield* command<number | null>("ZSCORE", queue, "wD")).toBeNull()
+      }))
+    it.scopedLive("behind a live holder an attempt drops the dead places at the front (at most 64 at a time), so none pile up during a long hold", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-dead-pile")
+        const queue = keysFor(name).queue
+        expect((yield* scriptAttempt(name, "A", "wA", { ttlMs: 30_000 }))[0]).not.toBeNull()
+        // 100 places of a crashed process's waiters, run out, ahead of a live waiter.
+        yield* deadPlaces(name, 100)
+        expect((yield* scriptAttempt(name, "L", "wL"))[0]).toBeNull()
+        // L's attempt dropped 64 of them; its retry, the other 36.
+        expect(yield* command<number>("ZCARD", queue)).toBe(100 - 64 + 1)
+        yield* scriptAttempt(name, "L", "wL")
+        expect(yield* command<number>("ZCARD", queue)).toBe(1)
+      }))
+
+    it.scopedLive("an attempt drops at most 1,024 dead places: past them it cannot know what is ahead, is refused and told to try again at once; the next attempt goes on", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-dead-cap")
+        const queue = keysFor(name).queue
+        yield* deadPlaces(name, 1_100)
+        const [none, wait] = yield* scriptAttempt(name, "L", "wL")
+        expect(none).toBeNull()
+        expect(wait).toBe(0)
+        expect(yield* command<number>("ZCARD", queue)).toBe(1_100 - 1_024 + 1)
+        // The next attempt drops the other 76, finds nobody ahead, and takes the lock.
+        expect((yield* scriptAttempt(name, "L", "wL"))[0]).not.toBeNull()
+        expect(yield* command<number>("ZCARD", queue)).toBe(0)
       }))
   })
 

@@ -99,8 +99,12 @@ const HEAD_CANDIDATES = 16
 const FRESH_MS = PLACE_TTL_MILLIS / 2
 /** Places a release reads at a time from the front of the queue. */
 const HEAD_SCAN = HEAD_CANDIDATES * 4
-/** Dead places one release drops at most while looking for a live head (the rest, the next one). */
+/** Dead places one release (or attempt) drops at most while looking for a live place (the rest, the next one). */
 const MAX_DEAD_SCAN = 1_024
+/** Dead places at the front an attempt behind a live exclusive lease drops at most. */
+const DEAD_FRONT_DROP = 64
+/** How many waiters behind a head that may be dead a release wakes at most (up to the first surely waiting). */
+const BEHIND_STALE = HEAD_CANDIDATES
 
 /**
  * One grant attempt.
@@ -160,16 +164,27 @@ end
 
 -- The first live place ahead that this request must not overtake: any for an exclusive request,
 -- an exclusive one for a shared request. Only it matters: while it lives this request waits, and
--- a place behind it running out changes nothing. Places that ran out are dropped on the way.
+-- a place behind it running out changes nothing (a release that wakes a head which may be dead
+-- wakes those behind it too, \`release\`). Places that ran out are dropped on the way, at most
+-- MAX_DEAD_SCAN per attempt: past that the request cannot know what is ahead, and tries again at
+-- once (each attempt bounded, the backlog shrinking).
 -- While an exclusive lease is live nothing ahead matters either: this request cannot be granted,
--- and learns of the release by a wake-up or by the lease's expiry (its wait), so the queue is
--- not read (N waiters behind a holder retrying would read O(N) places each).
+-- and learns of the release by a wake-up or by the lease's expiry (its wait). Only the dead
+-- places at the front go (at most DEAD_FRONT_DROP), so that none pile up during a long hold; the
+-- rest of the queue is not read (N waiters behind a holder retrying would read O(N) places each).
 local aheadUntil = nil
-if not exclusiveLive then
+if exclusiveLive then
+  local ids = redis.call('ZRANGE', queueKey, 0, ${DEAD_FRONT_DROP - 1})
+  for _, id in ipairs(ids) do
+    local p = placeOf(id)
+    if p and p.expires > nowMs then break end
+    dropPlace(id)
+  end
+else
   -- Read in chunks: a shared request reads on past shared places for an exclusive one, up to
   -- the first. \`offset\` counts the places kept before the next unread one (a dropped place
   -- shifts those after it down by one).
-  local offset = 0
+  local offset, dropped = 0, 0
   repeat
     local members
     if myScore then
@@ -184,6 +199,9 @@ if not exclusiveLive then
         if not p or p.expires <= nowMs then
           dropPlace(id)
           offset = offset - 1
+          dropped = dropped + 1
+          -- Not read to the end: something may be ahead; try again at once.
+          if dropped >= ${MAX_DEAD_SCAN} then aheadUntil = nowMs break end
         elseif mode == 'exclusive' or p.mode == 'exclusive' then
           aheadUntil = p.expires
           break
@@ -360,6 +378,20 @@ if freed then
     for _, head in ipairs(heads) do
       redis.call('PUBLISH', channel, 'w' .. head.id)
       woken = woken + 1
+    end
+    -- A head not written lately may be a crashed waiter's, which will never act: the waiters
+    -- behind it, up to the first that surely waits, are woken too, so that each learns when that
+    -- place runs out (its wait) instead of finding out at its next retry (up to 1.5 s later).
+    if not allFresh and #heads > 0 then
+      local ids = redis.call('ZRANGE', queueKey, #heads, #heads + ${BEHIND_STALE - 1})
+      for _, id in ipairs(ids) do
+        local p = placeOf(id)
+        if p and p.expires > nowMs then
+          redis.call('PUBLISH', channel, 'w' .. id)
+          woken = woken + 1
+          if p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS} then break end
+        end
+      end
     end
   end
 end

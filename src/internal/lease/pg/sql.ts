@@ -399,7 +399,8 @@ const handable = (p: string): string =>
  * shared lease alike: its place becomes its holding row (a token each, its own ttl), the lease row
  * counts them as a new group of shared holders, and each is notified `h…`. Otherwise, when this frees the lock, or a place is left while no
  * exclusive lease is live, the waiters now at the head that fit are notified (`w<place>`; an exclusive
- * head only when no shared lease is live either), in the same
+ * head only when no shared lease is live either; behind a head not written lately, which may be a
+ * crashed waiter's, the waiters up to the first surely waiting one too), in the same
  * statement (sent on commit): only they retry. Queue rows expired for over a minute (crashed
  * waiters and shared holders) are removed in passing.
  *
@@ -460,6 +461,14 @@ const releaseSql = ({ leases, queue }: Tables): string => {
     -- No exclusive head beside a live shared lease: it cannot be granted (an acquire refuses it
     -- while shared_until > now()), so waking it is wasted; the last shared release wakes it.
     and not (mode = 'exclusive' and exists (select 1 from shared_live))
+), stale_behind as (
+  -- A head not written lately may be a crashed waiter's, which will never act: the waiters behind
+  -- the heads, up to the first that surely waits, are woken too, so that each learns when that
+  -- place runs out (its attempt's wait: the first live place ahead) instead of at its next retry.
+  select w.owner from waiting w, (select max(x.seq) as last from waiting x where x.owner in (select owner from heads)) h
+  where exists (select 1 from waiting x where x.owner in (select owner from heads) and not ${handable("x")})
+    and w.seq > h.last
+    and w.seq <= coalesce((select min(f.seq) from waiting f where f.seq > h.last and ${handable("f")}), 9223372036854775807)
 ), handing as materialized (
   select w.owner, w.ttl_ms, w.holder_application, w.holder_host, w.holder_pid from waiting w
   where exists (select 1 from held) and w.seq = (select min(seq) from waiting) and w.mode = 'exclusive'
@@ -520,7 +529,7 @@ select (select count(*) from exclusive) + (select count(*) from shared) as relea
   ${commitsUnflushed("not exists (select 1 from all_handed)")},
   (select count(pg_notify($4::text, '${HANDED_PREFIX}' || owner::text || ':' || token::text || ':' ||
      (extract(epoch from expires_at) * 1000)::float8::text)) from all_handed)
-  + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from heads
+  + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from (select owner from heads union all select owner from stale_behind) woken
      where not exists (select 1 from all_handed)) as woken`
 }
 
