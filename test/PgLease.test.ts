@@ -929,6 +929,21 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const { token, wait } = yield* attempt(behind, 5_000)
       expect(token).toBeNull()
       expect(wait).toBeLessThanOrEqual(2_000)
+
+      // Places written just now by a version before the handover (no ttl): never handed the lease,
+      // and their head surely waits: nobody behind it is woken.
+      const plain = freshName("stale-head-no-ttl")
+      const ids = [0, 1, 2, 3].map(() => Crypto.randomUUID())
+      const onPlain = (id: string, ttlMs = 10_000) =>
+        query(LeaseSql.acquire(tables), [plain, id, id, "exclusive", ttlMs, 5_000, "test", "test", 1, true])
+      yield* Effect.addFinalizer(() =>
+        Effect.forEach(ids, (id) => query(LeaseSql.release(tables), [plain, id, id, "stale_head_nobody_listens"]), { discard: true })
+      )
+      yield* onPlain(ids[0]!, 30_000)
+      for (const id of ids.slice(1)) yield* onPlain(id)
+      yield* query(`update ${PgLease.DEFAULT_TABLE}_queue set ttl_ms = null where name = $1`, [plain])
+      const [freed] = yield* query<{ woken: string }>(LeaseSql.release(tables), [plain, ids[0], ids[0], "stale_head_nobody_listens"])
+      expect(Number(freed!.woken)).toBe(1)
     }))
 
   it.scoped("interrupting waiters at any point leaves no lease behind", () =>

@@ -57,26 +57,35 @@ const scriptAttempt = (
   name: string,
   owner: string,
   waiter: string,
-  options: { readonly mode?: "exclusive" | "shared"; readonly ttlMs?: number; readonly placeMs?: number; readonly handable?: "1" | "0" } = {}
+  options: {
+    readonly mode?: "exclusive" | "shared"
+    readonly ttlMs?: number
+    readonly placeMs?: number
+    readonly handable?: "1" | "0"
+    readonly takePlace?: "1" | "0"
+  } = {}
 ) =>
   command<[string | null, number | null, number | null, number | null, number]>(
     "eval", Scripts.acquire, 4, ...Keys.keyList(keysFor(name)), name, owner, waiter, options.mode ?? "exclusive",
-    options.ttlMs ?? 10_000, options.placeMs ?? 5_000, "test", "test", 1, "1", options.handable ?? "1"
+    options.ttlMs ?? 10_000, options.placeMs ?? 5_000, "test", "test", 1, options.takePlace ?? "1", options.handable ?? "1"
   )
 
 /**
- * `count` places of `name` that ran out long ago (a crashed process's waiters), at the front of its
- * queue, written in one script: no attempt of the setup drops some of them on the way.
+ * `count` places of `name` that ran out long ago (a crashed process's waiters), written in one
+ * script (no attempt of the setup drops some of them on the way): at the front of its queue, or
+ * right behind the place `after`.
  */
-const deadPlaces = (name: string, count: number) =>
+const deadPlaces = (name: string, count: number, after?: string) =>
   command(
     "eval",
-    "for i = 1, tonumber(ARGV[1]) do redis.call('ZADD', KEYS[1], i, 'dead' .. i); " +
+    "local base = 0; if ARGV[2] ~= '' then base = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2])) end; " +
+      "for i = 1, tonumber(ARGV[1]) do redis.call('ZADD', KEYS[1], string.format('%.0f', base + i), 'dead' .. i); " +
       "redis.call('HSET', KEYS[2], 'dead' .. i, cjson.encode({ mode = 'exclusive', expires = 1, since = 1, ttl = 1000 })) end",
     2,
     keysFor(name).queue,
     keysFor(name).places,
-    count
+    count,
+    after ?? ""
   )
 
 /** One release script by hand: [released, woken]. */
@@ -641,6 +650,23 @@ describeWithRedis("RedisLease", () => {
         expect(wait).toBeLessThanOrEqual(2_000)
       }))
 
+    it.scopedLive("behind a head not written lately, the waiters up to the first surely waiting are woken past any dead places in between; places written lately without a ttl (a layer that WAITs) wake no one behind the head", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-stale-dead-between")
+        expect((yield* attempt(name, "A", "wA"))[0]).not.toBeNull()
+        expect((yield* attempt(name, "D", "wD", "exclusive", 2_000))[0]).toBeNull()
+        // 20 dead places right behind D: they do not use up the 16 the release wakes behind it.
+        yield* deadPlaces(name, 20, "wD")
+        expect((yield* attempt(name, "W", "wW"))[0]).toBeNull()
+        expect(yield* release(name, "A", "")).toEqual([1, 2])
+
+        const plain = freshName("redis-stale-no-ttl")
+        expect((yield* scriptAttempt(plain, "A", "wA"))[0]).not.toBeNull()
+        for (const w of ["W1", "W2", "W3"]) expect((yield* scriptAttempt(plain, w, `w${w}`, { handable: "0" }))[0]).toBeNull()
+        // Written just now, with no ttl: never handed the lease, and the head surely waits.
+        expect(yield* release(plain, "A", "")).toEqual([1, 1])
+      }))
+
     it.scopedLive("a waiter leaving while a shared lease is live wakes no exclusive head: it could not fit", () =>
       Effect.gen(function*() {
         const name = freshName("redis-leave-shared")
@@ -734,6 +760,13 @@ describeWithRedis("RedisLease", () => {
         // The next attempt drops the other 76, finds nobody ahead, and takes the lock.
         expect((yield* scriptAttempt(name, "L", "wL"))[0]).not.toBeNull()
         expect(yield* command<number>("ZCARD", queue)).toBe(0)
+      }))
+    it.scopedLive("a try reads past any number of dead places: a free lock behind 1,100 of them is granted to it", () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-dead-try")
+        yield* deadPlaces(name, 1_100)
+        expect((yield* scriptAttempt(name, "T", "wT", { takePlace: "0" }))[0]).not.toBeNull()
+        expect(yield* command<number>("ZCARD", keysFor(name).queue)).toBe(0)
       }))
   })
 

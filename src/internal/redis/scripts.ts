@@ -58,6 +58,13 @@ end
 local function num(x) if x then return tonumber(x) or 0 end return 0 end
 `
 
+/**
+ * A place written within this many ms is a live waiter's (a waiter writes its place again at
+ * least every 1.5 s, `lease/place`): a release hands such a head the lease. An older place may
+ * be a crashed waiter's, which would keep a handed lease for a whole ttl: it is woken instead.
+ */
+const FRESH_MS = PLACE_TTL_MILLIS / 2
+
 /** Reading the shared holders and the queue of one name (KEYS: lease, queue, places, shared). */
 const lockHelpers = `
 local leaseKey, queueKey, placesKey, sharedKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -81,6 +88,8 @@ local function placeOf(id)
   if raw then return cjson.decode(raw) end
   return nil
 end
+-- Written in the last FRESH_MS: a live waiter's (it writes its place again at least every 1.5 s).
+local function recent(p) return p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS} end
 local function dropPlace(id)
   redis.call('ZREM', queueKey, id)
   redis.call('HDEL', placesKey, id)
@@ -91,12 +100,6 @@ end
 const AHEAD_CHUNK = 128
 /** How many live places at the head a release looks at to find whom to wake. */
 const HEAD_CANDIDATES = 16
-/**
- * A place written within this many ms is a live waiter's (a waiter writes its place again at
- * least every 1.5 s, `lease/place`): a release hands such a head the lease. An older place may
- * be a crashed waiter's, which would keep a handed lease for a whole ttl: it is woken instead.
- */
-const FRESH_MS = PLACE_TTL_MILLIS / 2
 /** Places a release reads at a time from the front of the queue. */
 const HEAD_SCAN = HEAD_CANDIDATES * 4
 /** Dead places one release (or attempt) drops at most while looking for a live place (the rest, the next one). */
@@ -166,19 +169,23 @@ end
 -- an exclusive one for a shared request. Only it matters: while it lives this request waits, and
 -- a place behind it running out changes nothing (a release that wakes a head which may be dead
 -- wakes those behind it too, \`release\`). Places that ran out are dropped on the way, at most
--- MAX_DEAD_SCAN per attempt: past that the request cannot know what is ahead, and tries again at
--- once (each attempt bounded, the backlog shrinking).
+-- MAX_DEAD_SCAN per attempt of a waiting request: past that it cannot know what is ahead, and
+-- tries again at once (each attempt bounded, the backlog shrinking).
 -- While an exclusive lease is live nothing ahead matters either: this request cannot be granted,
 -- and learns of the release by a wake-up or by the lease's expiry (its wait). Only the dead
 -- places at the front go (at most DEAD_FRONT_DROP), so that none pile up during a long hold; the
 -- rest of the queue is not read (N waiters behind a holder retrying would read O(N) places each).
 local aheadUntil = nil
 if exclusiveLive then
-  local ids = redis.call('ZRANGE', queueKey, 0, ${DEAD_FRONT_DROP - 1})
-  for _, id in ipairs(ids) do
-    local p = placeOf(id)
-    if p and p.expires > nowMs then break end
-    dropPlace(id)
+  -- The first place read alone: behind a holder it is almost always live.
+  local first = redis.call('ZRANGE', queueKey, 0, 0)[1]
+  local p = first and placeOf(first)
+  if first and not (p and p.expires > nowMs) then
+    for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, ${DEAD_FRONT_DROP - 1})) do
+      local q = placeOf(id)
+      if q and q.expires > nowMs then break end
+      dropPlace(id)
+    end
   end
 else
   -- Read in chunks: a shared request reads on past shared places for an exclusive one, up to
@@ -200,8 +207,9 @@ else
           dropPlace(id)
           offset = offset - 1
           dropped = dropped + 1
-          -- Not read to the end: something may be ahead; try again at once.
-          if dropped >= ${MAX_DEAD_SCAN} then aheadUntil = nowMs break end
+          -- Not read to the end: something may be ahead; a waiting request tries again at once. A
+          -- try has no next attempt: it reads on (a free lock is granted to a try).
+          if dropped >= ${MAX_DEAD_SCAN} and takePlace then aheadUntil = nowMs break end
         elseif mode == 'exclusive' or p.mode == 'exclusive' then
           aheadUntil = p.expires
           break
@@ -325,7 +333,7 @@ if freed then
   -- The live places at the head: the oldest, and the shared ones right behind it until the first
   -- exclusive. Each surely waits when its place was written in the last FRESH_MS with its ttl.
   -- Beside live shared holders (a waiter's leave frees nothing of theirs) an exclusive head does not fit.
-  local heads, allFresh, dropped, done = {}, true, 0, false
+  local heads, allFresh, anyStale, dropped, done = {}, true, false, 0, false
   -- Past every dead place at the front, however many ran out since the live head's last retry
   -- (a crashed process's waiters): the scan goes on while it finds none alive, bounded.
   repeat
@@ -338,7 +346,8 @@ if freed then
       else
         if p.mode == 'exclusive' and (#heads > 0 or sharedLive > 0) then done = true break end
         table.insert(heads, { id = id, p = p })
-        if not (p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS}) then allFresh = false end
+        if not (p.ttl and recent(p)) then allFresh = false end
+        if not recent(p) then anyStale = true end
         if p.mode == 'exclusive' or #heads >= ${HEAD_CANDIDATES} then done = true break end
       end
     end
@@ -382,14 +391,18 @@ if freed then
     -- A head not written lately may be a crashed waiter's, which will never act: the waiters
     -- behind it, up to the first that surely waits, are woken too, so that each learns when that
     -- place runs out (its wait) instead of finding out at its next retry (up to 1.5 s later).
-    if not allFresh and #heads > 0 then
-      local ids = redis.call('ZRANGE', queueKey, #heads, #heads + ${BEHIND_STALE - 1})
+    -- Judged by when each place was written, not by its ttl (a layer that WAITs writes none).
+    -- Dead places in between do not count against the bound.
+    if anyStale then
+      local ids = redis.call('ZRANGE', queueKey, #heads, #heads + ${HEAD_SCAN - 1})
+      local behind = 0
       for _, id in ipairs(ids) do
         local p = placeOf(id)
         if p and p.expires > nowMs then
           redis.call('PUBLISH', channel, 'w' .. id)
           woken = woken + 1
-          if p.ttl and p.expires > nowMs + ${PLACE_TTL_MILLIS - FRESH_MS} then break end
+          behind = behind + 1
+          if recent(p) or behind >= ${BEHIND_STALE} then break end
         end
       end
     end

@@ -379,8 +379,10 @@ order by i.idx`
 const FRESH_MS = PLACE_TTL_MILLIS / 2
 
 /** A waiting place (alias `p`) a release may hand a lease to: written in the last `FRESH_MS`, with its ttl. */
-const handable = (p: string): string =>
-  `(${p}.ttl_ms is not null and ${p}.expires_at > now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))})`
+const handable = (p: string): string => `(${p}.ttl_ms is not null and ${recent(p)})`
+
+/** The place `p` was written in the last FRESH_MS: a live waiter's (whatever its version). */
+const recent = (p: string): string => `${p}.expires_at > now() + ${ms(String(PLACE_TTL_MILLIS - FRESH_MS))}`
 
 /**
  * Gives back what one request holds of `name`: the exclusive lease of `owner` (or of `waiter`, a
@@ -466,9 +468,10 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   -- the heads, up to the first that surely waits, are woken too, so that each learns when that
   -- place runs out (its attempt's wait: the first live place ahead) instead of at its next retry.
   select w.owner from waiting w, (select max(x.seq) as last from waiting x where x.owner in (select owner from heads)) h
-  where exists (select 1 from waiting x where x.owner in (select owner from heads) and not ${handable("x")})
+  -- Judged by when each place was written, not by its ttl (a place of a version before the handover has none).
+  where exists (select 1 from waiting x where x.owner in (select owner from heads) and not ${recent("x")})
     and w.seq > h.last
-    and w.seq <= coalesce((select min(f.seq) from waiting f where f.seq > h.last and ${handable("f")}), 9223372036854775807)
+    and w.seq <= coalesce((select min(f.seq) from waiting f where f.seq > h.last and ${recent("f")}), 9223372036854775807)
 ), handing as materialized (
   select w.owner, w.ttl_ms, w.holder_application, w.holder_host, w.holder_pid from waiting w
   where exists (select 1 from held) and w.seq = (select min(seq) from waiting) and w.mode = 'exclusive'
