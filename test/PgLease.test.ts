@@ -81,6 +81,43 @@ const placesOf = (name: string) =>
     (rows) => rows[0]!.n
   )
 
+/**
+ * PgLease's acquire and release statements by hand on `name` (default table), as one request `id`
+ * (its owner and its place): an exclusive attempt with a place of `placeMs`, a release of both.
+ * The tables must exist (any first use creates them).
+ */
+const byHand = (name: string) => {
+  const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
+  if (typeof tables === "string") throw new Error(tables)
+  return {
+    attempt: (id: string, placeMs: number, ttlMs = 10_000) =>
+      Effect.map(
+        query<{ token: string | null; wait: number | null }>(LeaseSql.acquire(tables), [name, id, id, "exclusive", ttlMs, placeMs, "test", "test", 1, true]),
+        (rows) => rows[0]!
+      ),
+    release: (id: string) =>
+      Effect.map(
+        query<{ released: string; woken: string }>(LeaseSql.release(tables), [name, id, id, "by_hand_nobody_listens"]),
+        (rows) => ({ released: Number(rows[0]!.released), woken: Number(rows[0]!.woken) })
+      )
+  }
+}
+
+/**
+ * `count` requests by hand on a fresh name (the tables created first, as any first use creates
+ * them), each given back when the test's scope closes, so that the file ends with nothing held.
+ */
+const handRequests = (prefix: string, count: number) =>
+  Effect.gen(function*() {
+    const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+    yield* Effect.scoped((yield* processOn(env)).tryAcquire(freshName(`${prefix}-setup`)))
+    const name = freshName(prefix)
+    const statements = byHand(name)
+    const ids = Array.from({ length: count }, () => Crypto.randomUUID())
+    yield* Effect.addFinalizer(() => Effect.forEach(ids, statements.release, { discard: true }))
+    return { name, ids, ...statements }
+  })
+
 /** The shared holders' rows of `name`, with their remaining time in server ms. */
 const sharedRows = (name: string) =>
   query<{ token: string; left: number }>(
@@ -869,56 +906,21 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
 
   it.scoped("an attempt's wait runs until the first live place ahead of it runs out: a place behind that one, running out sooner, changes nothing", () =>
     Effect.gen(function*() {
-      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      // The tables and the token sequence, as any first use creates them.
-      yield* Effect.scoped((yield* processOn(env)).tryAcquire(freshName("first-ahead-setup")))
-      const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
-      if (typeof tables === "string") throw new Error(tables)
-      const name = freshName("first-ahead")
-      const ids: Array<string> = []
-      // One acquire statement by hand: an owner and a place of its own, exclusive, a 10 s lease unless told.
-      const attempt = (placeMs: number, ttlMs = 10_000) => {
-        const id = Crypto.randomUUID()
-        ids.push(id)
-        return Effect.map(
-          query<{ token: string | null; wait: number | null }>(LeaseSql.acquire(tables), [name, id, id, "exclusive", ttlMs, placeMs, "test", "test", 1, true]),
-          (rows) => rows[0]!
-        )
-      }
-      // Every lease and place of the test given back, so that the file ends with nothing held.
-      yield* Effect.addFinalizer(() =>
-        Effect.forEach(ids, (id) => query(LeaseSql.release(tables), [name, id, id, "first_ahead_nobody_listens"]), { discard: true })
-      )
-      expect((yield* attempt(5_000, 30_000)).token).not.toBeNull()
-      // L1 waits with a 5 s place; L2 behind it with a 1 s place.
-      expect((yield* attempt(5_000)).token).toBeNull()
-      expect((yield* attempt(1_000)).token).toBeNull()
-      const { token, wait } = yield* attempt(5_000)
+      const { attempt, ids: [holder, first, second, newcomer] } = yield* handRequests("first-ahead", 4)
+      expect((yield* attempt(holder, 5_000, 30_000)).token).not.toBeNull()
+      // The first waits with a 5 s place; the second behind it with a 1 s place.
+      expect((yield* attempt(first, 5_000)).token).toBeNull()
+      expect((yield* attempt(second, 1_000)).token).toBeNull()
+      const { token, wait } = yield* attempt(newcomer, 5_000)
       expect(token).toBeNull()
-      // Until L1's place runs out (about 5 s; the holder's lease, 30 s): not L2's 1 s.
+      // Until the first's place runs out (about 5 s; the holder's lease, 30 s): not the second's 1 s.
       expect(wait).toBeGreaterThan(3_000)
       expect(wait).toBeLessThanOrEqual(5_000)
     }))
 
   it.scoped("a release that wakes a head not written lately (maybe a crashed waiter's) wakes those behind it too, up to the first surely waiting, who learns when that place runs out", () =>
     Effect.gen(function*() {
-      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      yield* Effect.scoped((yield* processOn(env)).tryAcquire(freshName("stale-head-setup")))
-      const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
-      if (typeof tables === "string") throw new Error(tables)
-      const name = freshName("stale-head")
-      const [holder, dead, behind, last] = [0, 1, 2, 3].map(() => Crypto.randomUUID())
-      const attempt = (id: string, placeMs: number, ttlMs = 10_000) =>
-        Effect.map(
-          query<{ token: string | null; wait: number | null }>(LeaseSql.acquire(tables), [name, id, id, "exclusive", ttlMs, placeMs, "test", "test", 1, true]),
-          (rows) => rows[0]!
-        )
-      const release = (id: string) =>
-        Effect.map(
-          query<{ released: string; woken: string }>(LeaseSql.release(tables), [name, id, id, "stale_head_nobody_listens"]),
-          (rows) => ({ released: Number(rows[0]!.released), woken: Number(rows[0]!.woken) })
-        )
-      yield* Effect.addFinalizer(() => Effect.forEach([holder, dead, behind, last], release, { discard: true }))
+      const { attempt, release, ids: [holder, dead, behind, last] } = yield* handRequests("stale-head", 4)
       expect((yield* attempt(holder, 5_000, 30_000)).token).not.toBeNull()
       // The dead waiter's place has under 2.5 s left: not written lately, so it is woken, not handed the lease.
       expect((yield* attempt(dead, 2_000)).token).toBeNull()
@@ -932,18 +934,11 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
 
       // Places written just now by a version before the handover (no ttl): never handed the lease,
       // and their head surely waits: nobody behind it is woken.
-      const plain = freshName("stale-head-no-ttl")
-      const ids = [0, 1, 2, 3].map(() => Crypto.randomUUID())
-      const onPlain = (id: string, ttlMs = 10_000) =>
-        query(LeaseSql.acquire(tables), [plain, id, id, "exclusive", ttlMs, 5_000, "test", "test", 1, true])
-      yield* Effect.addFinalizer(() =>
-        Effect.forEach(ids, (id) => query(LeaseSql.release(tables), [plain, id, id, "stale_head_nobody_listens"]), { discard: true })
-      )
-      yield* onPlain(ids[0]!, 30_000)
-      for (const id of ids.slice(1)) yield* onPlain(id)
-      yield* query(`update ${PgLease.DEFAULT_TABLE}_queue set ttl_ms = null where name = $1`, [plain])
-      const [freed] = yield* query<{ woken: string }>(LeaseSql.release(tables), [plain, ids[0], ids[0], "stale_head_nobody_listens"])
-      expect(Number(freed!.woken)).toBe(1)
+      const plain = yield* handRequests("stale-head-no-ttl", 4)
+      yield* plain.attempt(plain.ids[0]!, 5_000, 30_000)
+      for (const id of plain.ids.slice(1)) yield* plain.attempt(id, 5_000)
+      yield* query(`update ${PgLease.DEFAULT_TABLE}_queue set ttl_ms = null where name = $1`, [plain.name])
+      expect(yield* plain.release(plain.ids[0]!)).toMatchObject({ released: 1, woken: 1 })
     }))
 
   it.scoped("interrupting waiters at any point leaves no lease behind", () =>
