@@ -1,4 +1,4 @@
-import { describe, expect, it } from "@effect/vitest"
+import { afterAll, describe, expect, it } from "@effect/vitest"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
@@ -8,7 +8,7 @@ import type { WorkerExit } from "../chaos/fleet.js"
 import { randomSeed } from "../chaos/prng.js"
 import type { Backend, BrokenWorker, Stamped, WorkerEvent } from "../chaos/protocol.js"
 import { renderMarkdown } from "../chaos/report.js"
-import { DEFAULTS, runChaos } from "../chaos/run.js"
+import { DEFAULTS, runChaos, startServer } from "../chaos/run.js"
 
 // --- the checker on hand-made logs ---------------------------------------------------------------
 
@@ -408,10 +408,22 @@ const shortRun = (backend: Backend) => withLogDir(async (logDir) => {
  * correct program from doing. No faults: the run stops after the first accepted write, which is
  * such a write. By hand: npm run chaos -- --backend pg-lease --minutes 0 --ttl-ms 1000 --broken write-after-loss --no-report
  */
+/**
+ * The broken runs' one server: they inject no fault, so they share it (a database each), and the
+ * file starts one server fewer (an embedded start and its restart for commit timestamps).
+ */
+let brokenServer: ReturnType<typeof startServer> | undefined
+afterAll(async () => {
+  // A server that failed to start failed its runs already.
+  if (brokenServer !== undefined) await brokenServer.then((server) => server.stop(), () => {})
+})
+
 const brokenRun = (broken: BrokenWorker, judge: (result: CheckResult, context: string) => void) => withLogDir(async (logDir) => {
   const seed = deckSeed()
   const lines: Array<string> = []
+  const server = await (brokenServer ??= startServer((line) => lines.push(line)))
   const run = await runChaos({
+    server,
     backends: ["pg-lease"],
     durationMs: 0,
     seed,
