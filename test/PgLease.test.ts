@@ -82,40 +82,21 @@ const placesOf = (name: string) =>
   )
 
 /**
- * PgLease's acquire and release statements by hand on `name` (default table), as one request `id`
- * (its owner and its place): an exclusive attempt with a place of `placeMs`, a release of both.
- * The tables must exist (any first use creates them).
- */
-const byHand = (name: string) => {
-  const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
-  if (typeof tables === "string") throw new Error(tables)
-  return {
-    attempt: (id: string, placeMs: number, ttlMs = 10_000) =>
-      Effect.map(
-        query<{ token: string | null; wait: number | null }>(LeaseSql.acquire(tables), [name, id, id, "exclusive", ttlMs, placeMs, "test", "test", 1, true]),
-        (rows) => rows[0]!
-      ),
-    release: (id: string) =>
-      Effect.map(
-        query<{ released: string; woken: string }>(LeaseSql.release(tables), [name, id, id, "by_hand_nobody_listens"]),
-        (rows) => ({ released: Number(rows[0]!.released), woken: Number(rows[0]!.woken) })
-      )
-  }
-}
-
-/**
- * `count` requests by hand on a fresh name (the tables created first, as any first use creates
- * them), each given back when the test's scope closes, so that the file ends with nothing held.
+ * `count` requests by hand on a fresh name (`lockStatementsOn`, on a connection of the test's),
+ * each one id as its owner and its place: `attempt` an exclusive one, `release` both. Each is
+ * given back when the test's scope closes, so that the file ends with nothing held.
  */
 const handRequests = (prefix: string, count: number) =>
   Effect.gen(function*() {
-    const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-    yield* Effect.scoped((yield* processOn(env)).tryAcquire(freshName(`${prefix}-setup`)))
+    const client = yield* scopedClient(db.url)
     const name = freshName(prefix)
-    const statements = byHand(name)
+    const statements = yield* Effect.promise(() => lockStatementsOn(client, "by_hand_nobody_listens", name))
     const ids = Array.from({ length: count }, () => Crypto.randomUUID())
-    yield* Effect.addFinalizer(() => Effect.forEach(ids, statements.release, { discard: true }))
-    return { name, ids, ...statements }
+    const release = (id: string) => Effect.promise(() => statements.release(id, id))
+    yield* Effect.addFinalizer(() => Effect.forEach(ids, release, { discard: true }))
+    const attempt = (id: string, placeMillis: number, ttlMillis = 10_000) =>
+      Effect.promise(() => statements.attempt(id, id, { placeMillis, ttlMillis }))
+    return { name, ids, attempt, release }
   })
 
 /** The shared holders' rows of `name`, with their remaining time in server ms. */
@@ -2410,15 +2391,22 @@ const lockStatementsOn = async (client: pg.Client, channel: string, name: string
   if (typeof tables === "string") throw new Error(tables)
   await client.query(LeaseSql.createTable(tables))
   const { locks } = LeaseDialect.dialect(tables, channel)
-  const acquire = async (owner: string, waiter: string, mode: "exclusive" | "shared" = "exclusive") =>
+  /** The whole answer of one attempt (a 10 s lease and a 5 s place unless told). */
+  const attempt = async (
+    owner: string,
+    waiter: string,
+    { mode = "exclusive", placeMillis = 5_000, ttlMillis = 10_000 }: { mode?: "exclusive" | "shared"; placeMillis?: number; ttlMillis?: number } = {}
+  ) =>
     locks.acquire.decode((await client.query(locks.acquire.text, [...locks.acquire.encode({
-      name, owner, waiter, ttlMillis: 10_000, placeMillis: 5_000, application: "test", host: "host", pid: process.pid, takePlace: true, mode
-    })])).rows).token
+      name, owner, waiter, ttlMillis, placeMillis, application: "test", host: "host", pid: process.pid, takePlace: true, mode
+    })])).rows)
+  const acquire = async (owner: string, waiter: string, mode: "exclusive" | "shared" = "exclusive") =>
+    (await attempt(owner, waiter, { mode })).token
   const release = async (owner: string | null, waiter: string | null) => {
     const row = (await client.query<{ released: string; woken: string }>(locks.release.text, [...locks.release.encode({ name, owner, waiter })])).rows[0]!
     return { released: Number(row.released), woken: Number(row.woken) }
   }
-  return { acquire, release }
+  return { attempt, acquire, release }
 }
 
 /** A LISTEN session on `channel`: every payload it heard, in order, and a wait for one (5 s at most). */

@@ -181,7 +181,8 @@ if exclusiveLive then
   local first = redis.call('ZRANGE', queueKey, 0, 0)[1]
   local p = first and placeOf(first)
   if first and not (p and p.expires > nowMs) then
-    for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, ${DEAD_FRONT_DROP - 1})) do
+    dropPlace(first)
+    for _, id in ipairs(redis.call('ZRANGE', queueKey, 0, ${DEAD_FRONT_DROP - 2})) do
       local q = placeOf(id)
       if q and q.expires > nowMs then break end
       dropPlace(id)
