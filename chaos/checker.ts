@@ -186,6 +186,13 @@ const checkRounds = (writes: ReadonlyArray<WriteRow>): Array<Violation> => {
   return violations
 }
 
+/** Each acquisition's first `lost` event: when its process learned of the loss. */
+const firstLossByAcq = (events: ReadonlyArray<Stamped>): Map<string, Stamped & { readonly e: "lost" }> => {
+  const lost = new Map<string, Stamped & { readonly e: "lost" }>()
+  for (const event of events) if (event.e === "lost" && !lost.has(event.acq)) lost.set(event.acq, event)
+  return lost
+}
+
 /**
  * A holder that reported its loss must begin no write after that report: a row whose begin comes
  * after its acquisition's `lost` event in the worker's own event order is a violation. One begun
@@ -193,10 +200,7 @@ const checkRounds = (writes: ReadonlyArray<WriteRow>): Array<Violation> => {
  * falls back to its commit time.
  */
 const checkWritesAfterLoss = (input: CheckInput): Array<Violation> => {
-  const lostAt = new Map<string, Stamped & { readonly e: "lost" }>()
-  for (const event of input.events) {
-    if (event.e === "lost" && !lostAt.has(event.acq)) lostAt.set(event.acq, event)
-  }
+  const lostAt = firstLossByAcq(input.events)
   const violations: Array<Violation> = []
   for (const row of input.writes) {
     const lost = lostAt.get(row.acquisition)
@@ -261,12 +265,6 @@ const readersOf = (events: ReadonlyArray<Stamped>): Array<ReaderReads> => {
     reads.set(event.acq, pair)
   }
   return [...reads.values()].flatMap((pair) => (pair.first !== undefined && pair.second !== undefined ? [{ first: pair.first, second: pair.second }] : []))
-}
-
-const firstLossByAcq = (events: ReadonlyArray<Stamped>): Map<string, Stamped & { readonly e: "lost" }> => {
-  const lost = new Map<string, Stamped & { readonly e: "lost" }>()
-  for (const event of events) if (event.e === "lost" && !lost.has(event.acq)) lost.set(event.acq, event)
-  return lost
 }
 
 /**
