@@ -56,11 +56,6 @@ export interface ChaosOptions {
   readonly broken?: BrokenWorker | undefined
   /** The chance that a worker's round is a reader's (protocol.ts `WorkerConfig.sharedChance`); 0 or absent: none. */
   readonly sharedChance?: number | undefined
-  /**
-   * A PostgreSQL server of the caller's (see `startServer`), not stopped here: runs without faults
-   * side by side may share one (each run has a database of its own). Absent: one is started.
-   */
-  readonly server?: RunServer | undefined
 }
 
 export interface ClockAlignment {
@@ -119,22 +114,6 @@ const makeQuery = (url: string) => <R>(text: string, values: ReadonlyArray<unkno
   withClient(url, DRIVER_APPLICATION, async (client) => (await client.query<R & pg.QueryResultRow>(text, [...values])).rows)
 
 /** Commit timestamps make "written after the loss" exact; they need a restart to switch on. */
-type RunServer = Server & { readonly embedded: boolean }
-
-/**
- * A server for runs that share it (`ChaosOptions.server`): `DATABASE_URL`'s, else an embedded one,
- * with commit timestamps turned on here, once (turning them on restarts an embedded server, which
- * must not happen under a run). The caller stops it.
- */
-export const startServer = async (log: (line: string) => void): Promise<RunServer> => {
-  const server = await startPostgres()
-  await enableCommitTimestamps(server, server.embedded, log).catch(async (error) => {
-    await server.stop()
-    throw error
-  })
-  return server
-}
-
 const enableCommitTimestamps = async (server: Server, embedded: boolean, log: (line: string) => void): Promise<boolean> => {
   const query = makeQuery(server.url)
   const on = async () => (await query<{ on: string }>("select current_setting('track_commit_timestamp') as on"))[0]?.on === "on"
@@ -396,8 +375,7 @@ export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
   // Read before the workers start: the report is written minutes later, when HEAD may have moved.
   const library = gitRevision()
   const redisServer = options.backends.includes("redis") ? await startRedis({ aof: true }) : undefined
-  const own = options.server === undefined
-  const server = options.server ?? await startPostgres().catch(async (error) => {
+  const server = await startPostgres().catch(async (error) => {
     await redisServer?.stop()
     throw error
   })
@@ -427,7 +405,7 @@ export const runChaos = async (options: ChaosOptions): Promise<ChaosRun> => {
     resume(frozen)
     frozenByRun.delete(frozen)
     process.removeListener("exit", resumeFrozenServerProcesses)
-    await (own ? server.stop() : Promise.resolve()).finally(() => redisServer?.stop())
+    await server.stop().finally(() => redisServer?.stop())
   }
 }
 
