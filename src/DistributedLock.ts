@@ -99,16 +99,26 @@ export interface MakeOptions extends Acquire.MakeOptions {}
  * @category constructors
  */
 export const make = <G extends Grant>(backend: LockBackend<G>, options?: MakeOptions): Effect.Effect<Service, never, Scope.Scope> =>
-  Effect.map(Acquire.make(backend, options), (core): Service => ({
-    backend: backend.backend,
-    acquire: (name, options) =>
-      Effect.flatMap(core.take("acquire", name, options, {}), (lease) =>
-        // Unreachable: a waiting acquire ends granted or timed out.
-        Option.isSome(lease) ? Effect.succeed(lease.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))),
-    tryAcquire: (name, options) => core.take("try", name, options, {}),
-    inspect: core.inspect,
-    storeTime: backend.now
-  }))
+  Effect.map(Acquire.make(backend, options), (core): Service => {
+    const service: Service = {
+      backend: backend.backend,
+      acquire: (name, options) => Effect.flatMap(core.take("acquire", name, options, {}), (lease) => granted(name, lease)),
+      tryAcquire: (name, options) => core.take("try", name, options, {}),
+      inspect: core.inspect,
+      storeTime: backend.now
+    }
+    return Acquire.withTakeIn<AcquireOptions | undefined, Option.Option<Lease>, AcquireError, Service>(
+      service,
+      (scope, kind, name, options) => core.takeIn(scope, kind, name, options, {})
+    )
+  })
+
+type TakesIn = Acquire.TakesIn<AcquireOptions | undefined, Option.Option<Lease>>
+
+/** The lease of a waiting acquire. */
+const granted = (name: string, lease: Option.Option<Lease>): Effect.Effect<Lease, LockTimeout> =>
+  // Unreachable: a waiting acquire ends granted or timed out.
+  Option.isSome(lease) ? Effect.succeed(lease.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))
 
 /**
  * A layer providing `DistributedLock` from an effect that builds a backend.
@@ -190,7 +200,9 @@ export const withLock: {
 } = dual(
   (args) => Effect.isEffect(args[0]),
   <A, E, R>(self: Effect.Effect<A, E, R>, name: string, options?: AcquireOptions) =>
-    Effect.scoped(Effect.flatMap(acquire(name, options), (lease) => guard(lease, self)))
+    Effect.flatMap(DistributedLock, (lock) =>
+      Acquire.useGrant(lock as TakesIn, () => Effect.asSome(lock.acquire(name, options)), "acquire", name, options, (lease, scope) =>
+        Effect.flatMap(granted(name, lease), (held) => internalGuard(held, self, scope))))
 )
 
 /**
@@ -215,15 +227,9 @@ export const tryWithLock: {
 } = dual(
   (args) => Effect.isEffect(args[0]),
   <A, E, R>(self: Effect.Effect<A, E, R>, name: string, options?: AcquireOptions) =>
-    Effect.scoped(
-      Effect.flatMap(
-        tryAcquire(name, options),
-        Option.match({
-          onNone: () => Effect.succeedNone,
-          onSome: (lease) => Effect.asSome(guard(lease, self))
-        })
-      )
-    )
+    Effect.flatMap(DistributedLock, (lock) =>
+      Acquire.useGrant(lock as TakesIn, () => lock.tryAcquire(name, options), "try", name, options, (lease, scope) =>
+        Option.isSome(lease) ? Effect.asSome(internalGuard(lease.value, self, scope)) : Effect.succeedNone))
 )
 
 /**

@@ -24,6 +24,7 @@ import type { Lease } from "./Lease.js"
 import type { Grant, LockAndSemaphoreBackend, PermitGrant, SemaphoreBackend } from "./LockBackend.js"
 import { HttpStatusAnnotation, LockBackendError, type LockLost, LockTimeout } from "./LockError.js"
 import * as Acquire from "./internal/core/acquire.js"
+import { guard as internalGuard } from "./internal/core/guard.js"
 import { heldOf } from "./internal/core/registry.js"
 
 /**
@@ -213,26 +214,34 @@ export const make = <P extends PermitGrant>(
   semaphore: SemaphoreBackend<P>
 ): Effect.Effect<Service, never, Scope.Scope> =>
   Effect.map(Acquire.make(asLockStore(semaphore)), (core): Service => {
-    const take = (kind: "acquire" | "try", name: string, options: PermitOptions): Effect.Effect<Option.Option<Permits>, AcquireError, Scope.Scope> => {
+    /** One request; its release goes into `scope`, or the context's Scope when `undefined`. */
+    const take = (scope: Scope.Scope | undefined, kind: "acquire" | "try", name: string, options: PermitOptions): Effect.Effect<Option.Option<Permits>, AcquireError, Scope.Scope> => {
       const problem = permitsProblem(name, options)
       if (problem !== undefined) return Effect.fail(problem)
       const ask: Ask = { limit: options.limit, permits: options.permits ?? 1 }
       // "shared": what `inspect`, spans and metrics show for a set of permits (others may hold the name too).
       const lockOptions: DistributedLock.AcquireOptions = { timeout: options.timeout, ttl: options.ttl, mode: "shared" }
-      return Effect.mapBoth(core.take(kind, name, lockOptions, ask), {
+      return Effect.mapBoth(scope === undefined ? core.take(kind, name, lockOptions, ask) : core.takeIn(scope, kind, name, lockOptions, ask), {
         onFailure: unwrapMismatch,
         onSuccess: (lease) => Option.map(lease, (l) => toPermits(l, ask))
       })
     }
-    return {
+    const service: Service = {
       backend: semaphore.backend,
-      acquire: (name, options) =>
-        Effect.flatMap(take("acquire", name, options), (permits) =>
-          // Unreachable: a waiting acquire ends granted or timed out.
-          Option.isSome(permits) ? Effect.succeed(permits.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))),
-      tryAcquire: (name, options) => take("try", name, options)
+      acquire: (name, options) => Effect.flatMap(take(undefined, "acquire", name, options), (permits) => granted(name, permits)),
+      tryAcquire: (name, options) => take(undefined, "try", name, options)
     }
+    // With a scope given, the context's Scope is never read.
+    return Acquire.withTakeIn<PermitOptions, Option.Option<Permits>, AcquireError, Service>(service, (scope, kind, name, options) =>
+      take(scope, kind, name, options) as Effect.Effect<Option.Option<Permits>, AcquireError>)
   })
+
+type TakesIn = Acquire.TakesIn<PermitOptions, Option.Option<Permits>, AcquireError>
+
+/** The permits of a waiting acquire. */
+const granted = (name: string, permits: Option.Option<Permits>): Effect.Effect<Permits, LockTimeout> =>
+  // Unreachable: a waiting acquire ends granted or timed out.
+  Option.isSome(permits) ? Effect.succeed(permits.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))
 
 /**
  * A layer providing `DistributedLock` and `DistributedSemaphore` from one backend that stores
@@ -302,7 +311,9 @@ export const withPermits: {
 } = dual(
   (args) => Effect.isEffect(args[0]),
   <A, E, R>(self: Effect.Effect<A, E, R>, name: string, options: PermitOptions) =>
-    Effect.scoped(Effect.flatMap(acquire(name, options), (permits) => guarded(permits, self)))
+    Effect.flatMap(DistributedSemaphore, (semaphore) =>
+      Acquire.useGrant(semaphore as TakesIn, () => Effect.asSome(semaphore.acquire(name, options)), "acquire", name, options, (permits, scope) =>
+        Effect.flatMap(granted(name, permits), (held) => guarded(held, self, scope))))
 )
 
 /**
@@ -326,21 +337,15 @@ export const tryWithPermits: {
 } = dual(
   (args) => Effect.isEffect(args[0]),
   <A, E, R>(self: Effect.Effect<A, E, R>, name: string, options: PermitOptions) =>
-    Effect.scoped(
-      Effect.flatMap(
-        tryAcquire(name, options),
-        Option.match({
-          onNone: () => Effect.succeedNone,
-          onSome: (permits) => Effect.asSome(guarded(permits, self))
-        })
-      )
-    )
+    Effect.flatMap(DistributedSemaphore, (semaphore) =>
+      Acquire.useGrant(semaphore as TakesIn, () => semaphore.tryAcquire(name, options), "try", name, options, (permits, scope) =>
+        Option.isSome(permits) ? Effect.asSome(guarded(permits.value, self, scope)) : Effect.succeedNone))
 )
 
 /** `self` under the core's guard of the permits' lease: interrupted on loss, stopped before release. */
-const guarded = <A, E, R>(permits: Permits, self: Effect.Effect<A, E, R>): Effect.Effect<A, E | LockLost, R> => {
+const guarded = <A, E, R>(permits: Permits, self: Effect.Effect<A, E, R>, scope?: Scope.Scope): Effect.Effect<A, E | LockLost, R> => {
   const lease = leaseOf(permits)
   return lease === undefined
     ? Effect.dieMessage("effect-lock: withPermits was given permits this library did not make")
-    : DistributedLock.guard(lease, self)
+    : internalGuard(lease, self, scope)
 }

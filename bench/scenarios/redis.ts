@@ -21,7 +21,6 @@ import * as Layer from "effect/Layer"
 import { Redis } from "ioredis"
 import * as Crypto from "node:crypto"
 import * as Os from "node:os"
-import * as DistributedLock from "../../src/DistributedLock.js"
 import * as Keys from "../../src/internal/redis/keys.js"
 import * as Scripts from "../../src/internal/redis/scripts.js"
 import * as RedisLease from "../../src/RedisLease.js"
@@ -47,7 +46,7 @@ import { openRuntime } from "../lib/runtime.js"
 import { measureThroughput, ratioOf, renderThroughput, type ThroughputRow, type ThroughputSpec } from "../lib/throughput.js"
 import * as Edl from "../peers/effectDistributedLock.js"
 import { lockHandoff } from "./handoff.js"
-import { CONCURRENCIES, IN_PROCESS } from "./uncontended.js"
+import { CONCURRENCIES, IN_PROCESS, lockCycle } from "./uncontended.js"
 
 const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => i)
 const workerNames = (prefix: string, concurrency: number) => range(concurrency).map((w) => `${prefix}-c${concurrency}-w${w}`)
@@ -156,16 +155,16 @@ const effectRedisFloor = (url: string, concurrency: number, durationMs: number):
   }
 })
 
-/** `DistributedLock.acquire` + scope close on `RedisLease.layer`. */
-const redisLeaseSubject = (url: string, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
-  const id = `redis-lease-${concurrency}`
-  const names = workerNames("lease", concurrency)
+/** `DistributedLock.acquire` + scope close (or `withLock`) on `RedisLease.layer`. */
+const redisLeaseSubject = (url: string, concurrency: number, durationMs: number, form: "acquire" | "withLock" = "acquire"): Subject<ThroughputSample> => {
+  const id = form === "acquire" ? `redis-lease-${concurrency}` : `redis-lease-withlock-${concurrency}`
+  const names = workerNames(form === "acquire" ? "lease" : "lease-withlock", concurrency)
   return {
     id,
     open: async () => {
-      const runtime = await openRuntime(RedisLease.layer({ url, prefix: `bench-lease-${concurrency}:`, applicationName: `bench-${id}` }))
+      const runtime = await openRuntime(RedisLease.layer({ url, prefix: `bench-${id}:`, applicationName: `bench-${id}` }))
       return {
-        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), (w) => Effect.scoped(DistributedLock.acquire(names[w]!)))),
+        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), (w) => lockCycle(form, names[w]!))),
         close: runtime.close
       }
     }
@@ -254,6 +253,7 @@ export const FACTORIES = {
   rawRedisLease: (_: unknown, url: string, c: number, ms: number) => rawRedisLease(url, c, ms),
   redisLeaseSubject: (_: unknown, url: string, c: number, ms: number) => redisLeaseSubject(url, c, ms),
   effectRedisFloor: (_: unknown, url: string, c: number, ms: number) => effectRedisFloor(url, c, ms),
+  redisLeaseWithLockSubject: (_: unknown, url: string, c: number, ms: number) => redisLeaseSubject(url, c, ms, "withLock"),
   rawSetNx: (_: unknown, url: string, c: number, ms: number) => rawSetNx(url, c, ms),
   edlSubject: (_: unknown, url: string, c: number, ms: number) => edlSubject(url, c, ms),
   redlockSubject: (_: unknown, url: string, c: number, ms: number) => redlockSubject(url, c, ms)
@@ -275,6 +275,8 @@ const throughputSpecs = (redis: string | { readonly url: string }, c: number, ms
     // Information: what any Effect program pays on these scripts (the library's row stays judged against raw ioredis).
     { block: "lease", id: "effect-redis-floor", label: "Effect.scoped(acquireRelease) of RedisLease's scripts on raw ioredis", connections: "1", concurrency: c, baseline: "raw-redis-lease", subject: subject("effectRedisFloor", "effect-redis-floor") },
     { block: "lease", id: "redis-lease", label: "RedisLease.layer", connections: "1 (+ renewal, subscriber)", concurrency: c, baseline: "raw-redis-lease", subject: subject("redisLeaseSubject", "redis-lease") },
+    // Information: the guarded form (`withLock(Effect.void, name)`) on the same layer.
+    { block: "lease", id: "redis-lease-withlock", label: "RedisLease.layer, withLock (information)", connections: "1 (+ renewal, subscriber)", concurrency: c, baseline: "raw-redis-lease", subject: subject("redisLeaseWithLockSubject", "redis-lease-withlock") },
     { block: "peers", id: "raw-setnx", label: "raw ioredis: SET NX PX + compare-and-delete", connections: "1", concurrency: c, subject: subject("rawSetNx", "raw-setnx") },
     { block: "peers", id: "edl", label: "effect-distributed-lock (defaults: pub/sub on)", connections: "1 + a subscriber per take", concurrency: c, baseline: "raw-setnx", subject: subject("edlSubject", "edl") },
     { block: "peers", id: "redlock", label: "redlock (1 server, retryCount 0)", connections: "1", concurrency: c, baseline: "raw-setnx", subject: subject("redlockSubject", "redlock") }

@@ -256,12 +256,21 @@ export const rawXactLibrary = (database: Database, concurrency: number, duration
 export const pgClientLayer = (database: Database, maxConnections: number, applicationName: string) =>
   PgClient.layer({ url: Redacted.make(database.url), maxConnections, applicationName })
 
-/** Cycles of `DistributedLock.acquire` + scope close over a lock layer. */
+/**
+ * One cycle of a worker on its own name: `Effect.scoped(DistributedLock.acquire(name))`, or
+ * `DistributedLock.withLock(Effect.void, name)` (the guarded form most code uses: the body in a
+ * fiber of its own, stopped on loss).
+ */
+export const lockCycle = (form: "acquire" | "withLock", name: string): Effect.Effect<void, unknown, DistributedLock.DistributedLock> =>
+  form === "acquire" ? Effect.scoped(DistributedLock.acquire(name)) : DistributedLock.withLock(Effect.void, name)
+
+/** Cycles of `DistributedLock.acquire` + scope close (or `withLock`) over a lock layer. */
 const lockSubject = <E>(
   id: string,
   layer: () => Layer.Layer<DistributedLock.DistributedLock, E>,
   concurrency: number,
-  durationMs: number
+  durationMs: number,
+  form: "acquire" | "withLock" = "acquire"
 ): Subject<ThroughputSample> => {
   const names = workerNames(id, concurrency)
   return {
@@ -269,7 +278,7 @@ const lockSubject = <E>(
     open: async () => {
       const runtime = await openRuntime(layer())
       return {
-        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), (w) => Effect.scoped(DistributedLock.acquire(names[w]!)))),
+        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), (w) => lockCycle(form, names[w]!))),
         close: runtime.close
       }
     }
@@ -284,14 +293,17 @@ export const pgAdvisorySubject = (database: Database, concurrency: number, durat
     durationMs
   )
 
-export const pgLeaseSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> =>
-  lockSubject(
-    `pg-lease-${concurrency}`,
+export const pgLeaseSubject = (database: Database, concurrency: number, durationMs: number, form: "acquire" | "withLock" = "acquire"): Subject<ThroughputSample> => {
+  const id = form === "acquire" ? `pg-lease-${concurrency}` : `pg-lease-withlock-${concurrency}`
+  return lockSubject(
+    id,
     // As many lock connections of its own as the raw row has connections.
-    () => Layer.provide(PgLease.layer({ connections: concurrency }), pgClientLayer(database, concurrency, `bench-pg-lease-${concurrency}`)),
+    () => Layer.provide(PgLease.layer({ connections: concurrency }), pgClientLayer(database, concurrency, `bench-${id}`)),
     concurrency,
-    durationMs
+    durationMs,
+    form
   )
+}
 
 /**
  * PgLease on its default lock connections (4) whatever the worker count: with more workers than
@@ -378,6 +390,7 @@ export const FACTORIES = {
   pgAdvisorySubject: (database: Database, c: number, ms: number) => pgAdvisorySubject(database, c, ms),
   rawLease: (database: Database, c: number, ms: number) => rawLease(database, c, ms),
   pgLeaseSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms),
+  pgLeaseWithLockSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms, "withLock"),
   pgLeaseDefaultSubject: (database: Database, c: number, ms: number) => pgLeaseDefaultSubject(database, c, ms),
   effectLeaseFloor: (database: Database, c: number, ms: number) => effectLeaseFloor(database, c, ms),
   rawXactMinimal: (database: Database, c: number, ms: number) => rawXactMinimal(database, c, ms),
@@ -436,6 +449,8 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
     // Information: what any Effect program pays on these statements (the library's row stays judged against raw pg).
     { block: "lease", id: "effect-lease-floor", label: "Effect.scoped(acquireRelease) of PgLease's statements on raw pg", connections: `${c}`, concurrency: c, baseline: "raw-lease", subject: own("effectLeaseFloor", database, c, ms) },
     { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseSubject", database, c, ms) },
+    // Information: the guarded form (`withLock(Effect.void, name)`) on the same layer.
+    { block: "lease", id: "pg-lease-withlock", label: "PgLease.layer, withLock (information)", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseWithLockSubject", database, c, ms) },
     // Information: more workers than its default lock connections, so statements queue at its pool.
     ...(c > DEFAULT_LOCK_CONNECTIONS
       ? [{ block: "lease", id: "pg-lease-default", label: `PgLease.layer, its default ${DEFAULT_LOCK_CONNECTIONS} lock connections (information)`, connections: `${DEFAULT_LOCK_CONNECTIONS} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseDefaultSubject", database, c, ms) } satisfies ThroughputSpec]

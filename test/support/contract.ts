@@ -1134,7 +1134,11 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         }
         expect(yield* failureOf(Fiber.join(run))).toMatchObject({ _tag: "LockLost", name, reason: "shutdown" })
         yield* Fiber.join(closing)
-        expect(order).toEqual(["body ended", "b granted"])
+        // On failure, say when a's renewals were called (ms from its first validUntil, wall clock
+        // here): a retry that came late (a starved host) tells apart from one that never came.
+        const wallOffset = Date.now() - (yield* monotonicMillis)
+        const calls = aFaults.renewCalls.map((c) => Math.round(c.at - (validUntil + wallOffset)))
+        expect(order, `renewals at ${calls.join(", ")} ms; failing until ${Math.round(aFaults.failRenewUntil - validUntil)}`).toEqual(["body ended", "b granted"])
       }))
     }
 

@@ -79,6 +79,8 @@ export class Held<G extends Grant> {
   lostError: LockLost | undefined = undefined
   /** Completed with the loss; made only when someone waits on `lease.lost`. */
   signal: Deferred.Deferred<never, LockLost> | undefined = undefined
+  /** Called once with the loss, in the step that marks it (`whenLost`: a guard stopping its body without a fiber). */
+  onLost: Set<(error: LockLost) => void> | undefined = undefined
   /** The guarded bodies running under this lease (`guard`), awaited before a shutdown gives it back. */
   bodies: Set<Fiber.RuntimeFiber<unknown, unknown>> | undefined = undefined
   constructor(
@@ -101,6 +103,20 @@ export class Held<G extends Grant> {
 
 /** The moment (monotonic ms) `held` must be given up. */
 export const safetyDeadline = (held: { readonly validUntil: number | undefined; readonly ttlMillis: number }): number => safetyDeadlineOf(held.validUntil, held.ttlMillis)
+
+/**
+ * Calls `f` with the loss of `held` once it is marked (at once if it is already), in the step that
+ * marks it: no fiber waits for it. Returns the cancel.
+ */
+export const whenLost = (held: Held<Grant>, f: (error: LockLost) => void): () => void => {
+  if (held.lostError !== undefined) {
+    f(held.lostError)
+    return () => {}
+  }
+  const callbacks = (held.onLost ??= new Set())
+  callbacks.add(f)
+  return () => callbacks.delete(f)
+}
 
 /** Records a guarded body of `held` until it ends: a shutdown waits for it before giving the lease back. */
 export const addBody = (held: Held<Grant>, body: Fiber.RuntimeFiber<unknown, unknown>): void => {
@@ -218,6 +234,7 @@ export const makeRegistry = <G extends Grant>(
       metrics.unsafe.lost(held.labels, reason)
       metrics.unsafe.held(held.labels, -1)
       if (held.signal !== undefined) Deferred.unsafeDone(held.signal, Exit.fail(error))
+      if (held.onLost !== undefined) for (const f of held.onLost) f(error)
       return error
     }
 
