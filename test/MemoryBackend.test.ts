@@ -487,18 +487,26 @@ describe("DistributedLock on the memory backend", () => {
       yield* Scope.close(outer, Exit.void)
     }))
 
-  it.scoped("withLock on a service wrapped by spreading a made one goes through the wrapper's acquire", () =>
+  it.scoped("withLock on a wrapper of a made service (spread, Object.create, a method replaced in place) goes through the wrapper's acquire", () =>
     Effect.gen(function*() {
-      const a = yield* node(yield* MemoryBackend.makeStore)
       const asked: Array<string> = []
-      const wrapped: DistributedLock.Service = {
-        ...a,
-        acquire: (name, options) => Effect.zipRight(Effect.sync(() => asked.push(`acquire:${name}`)), a.acquire(name, options)),
-        tryAcquire: (name, options) => Effect.zipRight(Effect.sync(() => asked.push(`try:${name}`)), a.tryAcquire(name, options))
+      const counted = (a: DistributedLock.Service, label: string): Pick<DistributedLock.Service, "acquire" | "tryAcquire"> => ({
+        acquire: (name, options) => Effect.zipRight(Effect.sync(() => asked.push(`${label}:acquire`)), a.acquire(name, options)),
+        tryAcquire: (name, options) => Effect.zipRight(Effect.sync(() => asked.push(`${label}:try`)), a.tryAcquire(name, options))
+      })
+      const store = yield* MemoryBackend.makeStore
+      const a = yield* node(store)
+      const spread: DistributedLock.Service = { ...a, ...counted(a, "spread") }
+      const derived: DistributedLock.Service = Object.assign(Object.create(a) as DistributedLock.Service, counted(a, "derived"))
+      // The made service itself, its methods replaced in place (as a spy does).
+      const inPlace = yield* node(store)
+      const original = { acquire: inPlace.acquire, tryAcquire: inPlace.tryAcquire } as DistributedLock.Service
+      Object.assign(inPlace, counted(original, "in-place"))
+      for (const wrapped of [spread, derived, inPlace]) {
+        expect(yield* DistributedLock.withLock(Effect.succeed(1), "wrapped").pipe(provide(wrapped))).toBe(1)
+        expect(yield* DistributedLock.tryWithLock(Effect.succeed(2), "wrapped").pipe(provide(wrapped))).toEqual(Option.some(2))
       }
-      expect(yield* DistributedLock.withLock(Effect.succeed(1), "wrapped").pipe(provide(wrapped))).toBe(1)
-      expect(yield* DistributedLock.tryWithLock(Effect.succeed(2), "wrapped").pipe(provide(wrapped))).toEqual(Option.some(2))
-      expect(asked).toEqual(["acquire:wrapped", "try:wrapped"])
+      expect(asked).toEqual(["spread:acquire", "spread:try", "derived:acquire", "derived:try", "in-place:acquire", "in-place:try"])
     }))
 
   it.scoped("withLock returns the body's value and its own failures unchanged", () =>

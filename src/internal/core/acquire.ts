@@ -53,19 +53,32 @@ export interface LockService {
  */
 export const TakeIn: unique symbol = Symbol.for("effect-lock/internal/TakeIn")
 
+/** The hidden `takeIn` of a service, with the methods it stands for (a wrapper that replaced them is used instead). */
+export interface TakeInEntry<O, T, E> {
+  readonly take: (scope: Scope.Scope, kind: "acquire" | "try", name: string, options: O) => Effect.Effect<T, E>
+  readonly acquire: unknown
+  readonly tryAcquire: unknown
+}
+
 /** A service with the hidden `takeIn` (options `O`, granting `T`). */
 export interface TakesIn<O, T, E = AcquireError> {
-  readonly [TakeIn]?: (scope: Scope.Scope, kind: "acquire" | "try", name: string, options: O) => Effect.Effect<T, E>
+  readonly acquire: unknown
+  readonly tryAcquire: unknown
+  readonly [TakeIn]?: TakeInEntry<O, T, E> | undefined
 }
 
 /**
- * `service` with its `takeIn`, not enumerable: a service spread into a wrapper (`{ ...lock,
- * acquire: wrapped }`) does not carry it, so `withLock` then goes through the wrapper's `acquire`.
+ * `service` with its `takeIn`, not enumerable (a service spread into a wrapper does not carry
+ * it), and standing only for the `acquire` and `tryAcquire` it was made with: a wrapper that
+ * replaced one (`Object.create`, `Object.assign`, a Proxy, a spy) has its own used.
  */
-export const withTakeIn = <O, T, E, S extends object>(
+export const withTakeIn = <O, T, E, S extends { readonly acquire: unknown; readonly tryAcquire: unknown }>(
   service: S,
-  takeIn: NonNullable<TakesIn<O, T, E>[typeof TakeIn]>
-): S => Object.defineProperty(service, TakeIn, { value: takeIn, enumerable: false })
+  take: TakeInEntry<O, T, E>["take"]
+): S => {
+  const entry: TakeInEntry<O, T, E> = { take, acquire: service.acquire, tryAcquire: service.tryAcquire }
+  return Object.defineProperty(service, TakeIn, { value: entry, enumerable: false })
+}
 
 /**
  * `use` of what `take` grants in a scope of its own, closed with `use`'s exit (the release runs
@@ -95,10 +108,12 @@ export const useGrant = <O, T, E, A, E2, R>(
   options: O,
   use: (granted: Option.Option<T>, scope: Scope.Scope | undefined) => Effect.Effect<A, E2, R>
 ): Effect.Effect<A, E | E2, R> => {
-  const takeIn = service[TakeIn]
-  return takeIn === undefined
-    ? Effect.scoped(Effect.flatMap(viaContext(), (granted) => use(granted, undefined)))
-    : inOwnScope((scope) => takeIn(scope, kind, name, options), use)
+  const entry = service[TakeIn]
+  // Only while the service's own method is the one the entry stands for (no wrapper replaced it).
+  const own = entry !== undefined && (kind === "acquire" ? service.acquire === entry.acquire : service.tryAcquire === entry.tryAcquire)
+  return own
+    ? inOwnScope((scope) => entry.take(scope, kind, name, options), use)
+    : Effect.scoped(Effect.flatMap(viaContext(), (granted) => use(granted, undefined)))
 }
 
 /** Options of `make` (documented on `DistributedLock.MakeOptions`). */

@@ -48,7 +48,15 @@ export const guard = <A, E, R>(
         return Effect.flatMap(
           restore(Fiber.await(body)).pipe(
             // The caller was interrupted: stop the body and wait until it has stopped.
-            Effect.onInterrupt(() => Effect.zipRight(Fiber.interrupt(body), Effect.sync(cancel)))
+            Effect.onInterrupt(() =>
+              Effect.zipRight(
+                Fiber.interrupt(body),
+                Effect.sync(() => {
+                  // Fibers the body left behind are not the guard's business once it is done.
+                  watch!.active = false
+                  cancel()
+                })
+              ))
           ),
           (exit) => {
             watch!.active = false

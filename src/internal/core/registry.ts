@@ -234,7 +234,15 @@ export const makeRegistry = <G extends Grant>(
       metrics.unsafe.lost(held.labels, reason)
       metrics.unsafe.held(held.labels, -1)
       if (held.signal !== undefined) Deferred.unsafeDone(held.signal, Exit.fail(error))
-      if (held.onLost !== undefined) for (const f of held.onLost) f(error)
+      if (held.onLost !== undefined) {
+        for (const f of held.onLost) {
+          try {
+            f(error)
+          } catch {
+            // A callback never stops the others, nor the marking (a stall watch's loss still gets its log line).
+          }
+        }
+      }
       return error
     }
 
