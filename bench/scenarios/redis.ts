@@ -449,6 +449,8 @@ const render = (result: RedisResult): string =>
     "lock commands on one connection as well. *Effect.scoped(acquireRelease) of RedisLease's scripts*, information " +
     "only: the raw row's two calls as a user would write them in Effect (`Effect.promise` around each, in " +
     "`Effect.scoped(Effect.acquireRelease(...))`, on the library row's fiber loop): what any Effect program pays on them. " +
+    "*RedisLease.layer, withLock*, information only: the same layer, each cycle `DistributedLock.withLock(Effect.void, " +
+    "name)`: the guarded form, whose body runs in a fiber of its own. " +
     "The peers, information only, are divided by raw `SET key token NX PX` + " +
     "a compare-and-delete `EVAL` on one connection: effect-distributed-lock's `Effect.scoped(semaphore.take(1))` " +
     "(`limit: 1`, its defaults) and redlock's `acquire([key], 30 s)` + `release()` on a single server.",

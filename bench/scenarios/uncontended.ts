@@ -513,6 +513,9 @@ const render = (result: UncontendedResult): string => {
     "- *Effect.scoped(acquireRelease) of PgLease's statements on raw pg* (information only): the raw row's two " +
     "statements as a user would write them in Effect (`Effect.promise` around each, in " +
     "`Effect.scoped(Effect.acquireRelease(...))`, on the library rows' fiber loop): what any Effect program pays on them.",
+    "- *PgLease.layer, withLock* (information only): the same layer, each cycle `DistributedLock.withLock(Effect.void, " +
+    "name)` instead of `Effect.scoped(DistributedLock.acquire(name))`: the guarded form, whose body runs in a fiber of " +
+    "its own (stopped on a loss).",
     "- *withXactLock's statements*: `BEGIN`, `pg_try_advisory_xact_lock`, `COMMIT` — what the combinator sends " +
     "uncontended with an empty body.",
     "- *@effect/sql-pg withTransaction*: the same three statements through `PgClient`'s own `withTransaction` on the " +
