@@ -7,7 +7,6 @@
  */
 import * as Context from "effect/Context"
 import type * as Cron from "effect/Cron"
-import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { dual } from "effect/Function"
 import * as Layer from "effect/Layer"
@@ -16,7 +15,7 @@ import * as Schedule from "effect/Schedule"
 import type * as Scope from "effect/Scope"
 import type { HeldLock, Lease } from "./Lease.js"
 import type { Grant, LockBackend } from "./LockBackend.js"
-import { type LockBackendError, type LockLost, LockTimeout } from "./LockError.js"
+import type { LockBackendError, LockLost } from "./LockError.js"
 import type { InvalidLockName } from "./LockError.js"
 import * as Acquire from "./internal/core/acquire.js"
 import { guard as internalGuard } from "./internal/core/guard.js"
@@ -102,7 +101,7 @@ export const make = <G extends Grant>(backend: LockBackend<G>, options?: MakeOpt
   Effect.map(Acquire.make(backend, options), (core): Service => {
     const service: Service = {
       backend: backend.backend,
-      acquire: (name, options) => Effect.flatMap(core.take("acquire", name, options, {}), (lease) => granted(name, lease)),
+      acquire: (name, options) => Effect.flatMap(core.take("acquire", name, options, {}), (lease) => Acquire.granted(name, lease)),
       tryAcquire: (name, options) => core.take("try", name, options, {}),
       inspect: core.inspect,
       storeTime: backend.now
@@ -114,11 +113,6 @@ export const make = <G extends Grant>(backend: LockBackend<G>, options?: MakeOpt
   })
 
 type TakesIn = Acquire.TakesIn<AcquireOptions | undefined, Option.Option<Lease>>
-
-/** The lease of a waiting acquire. */
-const granted = (name: string, lease: Option.Option<Lease>): Effect.Effect<Lease, LockTimeout> =>
-  // Unreachable: a waiting acquire ends granted or timed out.
-  Option.isSome(lease) ? Effect.succeed(lease.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))
 
 /**
  * A layer providing `DistributedLock` from an effect that builds a backend.
@@ -202,7 +196,7 @@ export const withLock: {
   <A, E, R>(self: Effect.Effect<A, E, R>, name: string, options?: AcquireOptions) =>
     Effect.flatMap(DistributedLock, (lock) =>
       Acquire.useGrant(lock as TakesIn, () => Effect.asSome(lock.acquire(name, options)), "acquire", name, options, (lease, scope) =>
-        Effect.flatMap(granted(name, lease), (held) => internalGuard(held, self, scope))))
+        Effect.flatMap(Acquire.granted(name, lease), (held) => internalGuard(held, self, scope))))
 )
 
 /**

@@ -11,7 +11,6 @@
  * @since 0.1.0
  */
 import * as Context from "effect/Context"
-import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { dual } from "effect/Function"
 import * as Layer from "effect/Layer"
@@ -22,7 +21,7 @@ import * as DistributedLock from "./DistributedLock.js"
 import type { FencingToken } from "./FencingToken.js"
 import type { Lease } from "./Lease.js"
 import type { Grant, LockAndSemaphoreBackend, PermitGrant, SemaphoreBackend } from "./LockBackend.js"
-import { HttpStatusAnnotation, LockBackendError, type LockLost, LockTimeout } from "./LockError.js"
+import { HttpStatusAnnotation, LockBackendError, type LockLost } from "./LockError.js"
 import * as Acquire from "./internal/core/acquire.js"
 import { guard as internalGuard } from "./internal/core/guard.js"
 import { heldOf } from "./internal/core/registry.js"
@@ -228,7 +227,7 @@ export const make = <P extends PermitGrant>(
     }
     const service: Service = {
       backend: semaphore.backend,
-      acquire: (name, options) => Effect.flatMap(take(undefined, "acquire", name, options), (permits) => granted(name, permits)),
+      acquire: (name, options) => Effect.flatMap(take(undefined, "acquire", name, options), (permits) => Acquire.granted(name, permits)),
       tryAcquire: (name, options) => take(undefined, "try", name, options)
     }
     // With a scope given, the context's Scope is never read.
@@ -237,11 +236,6 @@ export const make = <P extends PermitGrant>(
   })
 
 type TakesIn = Acquire.TakesIn<PermitOptions, Option.Option<Permits>, AcquireError>
-
-/** The permits of a waiting acquire. */
-const granted = (name: string, permits: Option.Option<Permits>): Effect.Effect<Permits, LockTimeout> =>
-  // Unreachable: a waiting acquire ends granted or timed out.
-  Option.isSome(permits) ? Effect.succeed(permits.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))
 
 /**
  * A layer providing `DistributedLock` and `DistributedSemaphore` from one backend that stores
@@ -313,7 +307,7 @@ export const withPermits: {
   <A, E, R>(self: Effect.Effect<A, E, R>, name: string, options: PermitOptions) =>
     Effect.flatMap(DistributedSemaphore, (semaphore) =>
       Acquire.useGrant(semaphore as TakesIn, () => Effect.asSome(semaphore.acquire(name, options)), "acquire", name, options, (permits, scope) =>
-        Effect.flatMap(granted(name, permits), (held) => guarded(held, self, scope))))
+        Effect.flatMap(Acquire.granted(name, permits), (held) => guarded(held, self, scope))))
 )
 
 /**

@@ -116,6 +116,10 @@ export const useGrant = <O, T, E, A, E2, R>(
     : Effect.scoped(Effect.flatMap(viaContext(), (granted) => use(granted, undefined)))
 }
 
+/** What a waiting acquire granted (`None` is unreachable: a waiting acquire ends granted or timed out). */
+export const granted = <T>(name: string, grant: Option.Option<T>): Effect.Effect<T, LockTimeout> =>
+  Option.isSome(grant) ? Effect.succeed(grant.value) : Effect.fail(new LockTimeout({ name, waited: Duration.zero }))
+
 /** Options of `make` (documented on `DistributedLock.MakeOptions`). */
 export interface MakeOptions {
   readonly releaseTimeout?: Duration.DurationInput | undefined

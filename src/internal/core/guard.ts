@@ -34,6 +34,8 @@ export const guard = <A, E, R>(
       const watch = held === undefined ? undefined : new StallWatch(held, parent.id(), clockOf(parent))
       // A lease with a deadline is checked before every step too: a stall inside the body's own
       // synchronous work is caught at its next operation, not at its next resumption.
+      // The body is the caller's own work: forked from the caller's fiber on purpose, with its
+      // FiberRefs, supervisor and interruptibility; the guard interrupts and awaits it before returning.
       const fork = Effect.fork(restore(Effect.zipRight(
         bodyRefs(scope, watch),
         held?.validUntil === undefined ? self : watchSteps(self)
@@ -45,22 +47,18 @@ export const guard = <A, E, R>(
         // The body is interrupted in the step that marks the loss (no fiber waits for it), and
         // awaited here, so it stops before anyone releases.
         const cancel = whenLost(held, () => body.unsafeInterruptAsFork(parent.id()))
+        // Fibers the body left behind are not the guard's business once it is done.
+        const done = () => {
+          watch!.active = false
+          cancel()
+        }
         return Effect.flatMap(
           restore(Fiber.await(body)).pipe(
             // The caller was interrupted: stop the body and wait until it has stopped.
-            Effect.onInterrupt(() =>
-              Effect.zipRight(
-                Fiber.interrupt(body),
-                Effect.sync(() => {
-                  // Fibers the body left behind are not the guard's business once it is done.
-                  watch!.active = false
-                  cancel()
-                })
-              ))
+            Effect.onInterrupt(() => Effect.zipRight(Fiber.interrupt(body), Effect.sync(done)))
           ),
           (exit) => {
-            watch!.active = false
-            cancel()
+            done()
             return outcome(exit, held.lostError)
           }
         )
@@ -80,6 +78,8 @@ const handMade = <A, E, R>(
   Effect.gen(function*() {
     const body = yield* fork
     let lostWith: LockLost | undefined
+    // Part of this call, not background work: a child of the guard's fiber, interrupted and
+    // awaited by it below whatever happens.
     const watcher = yield* Effect.fork(
       Effect.interruptible(Effect.catchAll(lease.lost, (error) => {
         lostWith = error
