@@ -8,7 +8,9 @@ import * as Fiber from "effect/Fiber"
 import * as Logger from "effect/Logger"
 import * as LogLevel from "effect/LogLevel"
 import * as Option from "effect/Option"
+import * as Runtime from "effect/Runtime"
 import * as Scope from "effect/Scope"
+import * as Supervisor from "effect/Supervisor"
 import * as TestClock from "effect/TestClock"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
@@ -52,6 +54,40 @@ const slowRelease = <G extends Grant>(backend: LockBackend<G>, before: Effect.Ef
   acquire: (request) =>
     Effect.map(backend.acquire(request), (result) =>
       result._tag === "Granted" ? { ...result, grant: { ...result.grant, release: Effect.zipRight(before, result.grant.release) } } : result)
+})
+
+/** A supervisor that calls `f` once, in the step that forks the first fiber under it. */
+class OnFirstFork extends Supervisor.AbstractSupervisor<void> {
+  private called = false
+  constructor(private readonly f: () => void) {
+    super()
+  }
+  override get value() {
+    return Effect.void
+  }
+  override onStart() {
+    if (this.called) return
+    this.called = true
+    this.f()
+  }
+}
+
+/**
+ * The budget of the window test: the guard's fiber yields every `WINDOW_BUDGET + 1` operations,
+ * and the body's fiber reaches its own first step within its first slice.
+ */
+const WINDOW_BUDGET = 40
+
+/** `self` after `n` steps of exactly one operation each. */
+const afterSteps = <A, E, R>(n: number, self: Effect.Effect<A, E, R>): Effect.Effect<A, E, R> =>
+  n === 0 ? self : Effect.withFiberRuntime(() => afterSteps(n - 1, self))
+
+/** A store whose grants have no deadline (as a session advisory lock's): never renewed, no stall watch. */
+const withoutDeadline = <G extends Grant>(backend: LockBackend<G>): LockBackend<G> => ({
+  ...backend,
+  acquire: (request) =>
+    Effect.map(backend.acquire(request), (result) =>
+      result._tag === "Granted" ? { ...result, grant: { ...result.grant, validUntil: Option.none() } } : result)
 })
 
 /** Waits (bounded, on the TestClock) until `condition` holds. */
@@ -661,6 +697,44 @@ describe("DistributedLock on the memory backend", () => {
       expect(yield* MemoryBackend.holders(shared)).toEqual([])
       const refused = yield* Effect.flip(Effect.scoped(a.acquire("after-close")))
       expect(refused._tag).toBe("LockBackendError")
+    }))
+
+  // The window between the body's fork and its registration with the lease: a close that ran there
+  // found no body to wait for and gave the lease back, and the body then started. The close is
+  // scheduled from the fork itself (a supervisor's onStart, ahead of the body's start), and the
+  // guard's start is stepped through its yield budget, so that one run yields in that window.
+  it.scoped("a close that runs right after the guard forks its body never lets the body run past the release", () =>
+    Effect.gen(function*() {
+      const runtime = yield* Effect.runtime<never>()
+      // The guard starts after `run` steps of one operation each: one run yields in the window.
+      for (let run = 0; run <= WINDOW_BUDGET + 1; run++) {
+        const shared = yield* MemoryBackend.makeStore
+        const faults = makeFaults()
+        const scope = yield* Scope.make()
+        // A grant with no deadline, as a session advisory lock's: no stall watch checks the body's steps.
+        const a = yield* Scope.extend(Effect.flatMap(MemoryBackend.makeBackend({ store: shared }), (backend) =>
+          DistributedLock.make(withoutDeadline(withFaults(backend, faults)))), scope)
+        const name = `window-${run}`
+        const lease = yield* a.acquire(name)
+        let closing: Fiber.RuntimeFiber<void> | undefined
+        const closeOnFork = new OnFirstFork(() => {
+          closing = Runtime.runFork(runtime)(Scope.close(scope, Exit.void), { immediate: false })
+        })
+        // A body whose own clean-up takes a few steps, as a real one's does: a close that did not
+        // wait for it would give the lease back while it still ran.
+        const body = Effect.sync(() => faults.events.push("body:start")).pipe(
+          Effect.zipRight(Effect.never),
+          Effect.ensuring(Effect.zipRight(yieldTimes(50), Effect.sync(() => faults.events.push("body:end"))))
+        )
+        const guarded = Effect.supervised(DistributedLock.guard(lease, body), closeOnFork)
+        const exit = yield* Effect.exit(afterSteps(run, guarded)).pipe(withYieldBudget(WINDOW_BUDGET))
+        yield* Fiber.join(closing!)
+        expect(Exit.isFailure(exit) && Cause.failureOption(exit.cause)).toMatchObject(Option.some({ _tag: "LockLost", reason: "shutdown" }))
+        const events = faults.events.filter((event) => event.startsWith("body") || event === `release:start:${name}`)
+        // Whatever of the body ran, all of it ran before the lease was given back.
+        const expected = [...events.filter((event) => event.startsWith("body")), `release:start:${name}`]
+        expect(`run ${run}: ${events.join(" ")}`).toBe(`run ${run}: ${expected.join(" ")}`)
+      }
     }))
 
   it.scoped("interrupting a holder while its release is under way neither cuts the release off nor reports it failed", () =>

@@ -14,7 +14,8 @@ import * as Scope from "effect/Scope"
 import type { Lease } from "../../Lease.js"
 import type { LockLost } from "../../LockError.js"
 import { clockOf } from "./clock.js"
-import { addBody, heldOf, whenLost } from "./registry.js"
+import { addBody, type Held, heldOf, whenLost } from "./registry.js"
+import type { Grant } from "../../LockBackend.js"
 import { StallWatch, watchSteps } from "./stallWatch.js"
 
 /** Runs `self` while `lease` is held (documented on `DistributedLock.guard`). */
@@ -37,13 +38,11 @@ export const guard = <A, E, R>(
       // The body is the caller's own work: forked from the caller's fiber on purpose, with its
       // FiberRefs, supervisor and interruptibility; the guard interrupts and awaits it before returning.
       const fork = Effect.fork(restore(Effect.zipRight(
-        bodyRefs(scope, watch),
+        held === undefined ? bodyRefs(scope, watch) : bodyStart(held, bodyRefs(scope, watch)),
         held?.validUntil === undefined ? self : watchSteps(self)
       )))
       if (held === undefined) return handMade(lease, fork, restore)
       return Effect.flatMap(fork, (body) => {
-        // A shutdown waits for the body to stop before it gives the lease back.
-        addBody(held, body)
         // The body is interrupted in the step that marks the loss (no fiber waits for it), and
         // awaited here, so it stops before anyone releases.
         const cancel = whenLost(held, () => body.unsafeInterruptAsFork(parent.id()))
@@ -100,6 +99,21 @@ const handMade = <A, E, R>(
  */
 const outcome = <A, E>(exit: Exit.Exit<A, E>, lost: LockLost | undefined): Effect.Effect<A, E | LockLost> =>
   lost !== undefined && Exit.isFailure(exit) && Cause.isInterruptedOnly(exit.cause) ? Effect.fail(lost) : exit
+
+/**
+ * The body fiber's very first step, before any of its own: it registers with the lease, so that a
+ * shutdown waits for it before giving the lease back, or, when the loss (a shutdown's included)
+ * was marked before it, it never starts. Done here, not by the guard after the fork, because the
+ * guard's fiber may yield between the two: a close that ran there found no body to wait for and
+ * gave the lease back while the body went on to run.
+ */
+const bodyStart = (held: Held<Grant>, then: Effect.Effect<void>): Effect.Effect<void> =>
+  Effect.withFiberRuntime((body) => {
+    // Marked before this step: whoever marked it found no body here to wait for.
+    if (held.lostError !== undefined) return Effect.interrupt
+    addBody(held, body)
+    return then
+  })
 
 /**
  * The body fiber's first step: it sees `scope` as its Scope and carries `watch` (with the
