@@ -22,13 +22,14 @@ export default defineConfig({
     setupFiles: ["test/support/pristineIt.ts", ...(process.env["STALL_MONITOR"] ? ["test/support/stallMonitor.ts"] : [])],
     testTimeout: 30_000,
     hookTimeout: 60_000,
-    // Three test files at once on the 2-core machine: most files spend their time waiting out real
-    // ttls and bounds (two workers used 63 % of the cores, and took 308-339 s in a fresh clone).
-    // The live contract suites' leases are 3 s so that their renewals keep up with that load.
+    // Four test files at once on the 2-core machine: most files spend their time waiting out real
+    // ttls and bounds. Two workers took 308-339 s in a fresh clone (63 % of the cores), three
+    // 291-313 s, four 260 s with the cores 65 % busy on average (12-06). The live contract suites'
+    // leases are 3 s so that their renewals keep up with that load.
     // As many workers at the least as at the most: with fewer, tinypool ended idle workers
     // ("Terminating worker thread") and one run stopped early.
-    maxWorkers: 3,
-    minWorkers: 3,
+    maxWorkers: 4,
+    minWorkers: 4,
     // The long contract files first: see test/support/sequencer.ts.
     sequence: { sequencer: Sequencer }
   }
