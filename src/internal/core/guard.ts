@@ -43,8 +43,8 @@ export const guard = <A, E, R>(
       )))
       if (held === undefined) return handMade(lease, fork, restore)
       return Effect.flatMap(fork, (body) => {
-        // The body is interrupted in the step that marks the loss (no fiber waits for it), and
-        // awaited here, so it stops before anyone releases.
+        // The body is interrupted in the step that marks the loss (no fiber waits for it), or here
+        // at once when that step came first, and awaited here, so it stops before anyone releases.
         const cancel = whenLost(held, () => body.unsafeInterruptAsFork(parent.id()))
         // Fibers the body left behind are not the guard's business once it is done.
         const done = () => {
@@ -116,7 +116,7 @@ const bodyStart = (held: Held<Grant>, then: Effect.Effect<void>): Effect.Effect<
   })
 
 /**
- * The body fiber's first step: it sees `scope` as its Scope and carries `watch` (with the
+ * The body fiber's first step after `bodyStart` (its very first under a hand-made lease): it sees `scope` as its Scope and carries `watch` (with the
  * supervisor it inherited). Set in the body's own fiber, which ends with the body, so nothing is
  * restored: a context or supervisor changed around the fork (`provideService`, `supervised`) costs
  * a get, a set and a restore on the guard's fiber, about 5 µs of CPU each per call.
