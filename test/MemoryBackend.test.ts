@@ -20,6 +20,7 @@ import type { AcquireRequest, Grant, LockBackend } from "effect-lock/LockBackend
 import * as MemoryBackend from "effect-lock/MemoryBackend"
 import * as Net from "node:net"
 import { monotonicMillis } from "../src/internal/core/clock.js"
+import { heldOf } from "../src/internal/core/registry.js"
 import { contractSuite, freshName, holdFor, stallSuite, TIGHT_YIELD_BUDGET, waitUntil, withYieldBudget } from "./support/contract.js"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./support/faults.js"
 import { blockThread } from "../tools/blockThread.js"
@@ -706,6 +707,8 @@ describe("DistributedLock on the memory backend", () => {
   it.scoped("a close that runs right after the guard forks its body never lets the body run past the release", () =>
     Effect.gen(function*() {
       const runtime = yield* Effect.runtime<never>()
+      // Runs whose close started before the guard's next step (it had not yet asked to hear of the loss).
+      let inWindow = 0
       // The guard starts after `run` steps of one operation each: one run yields in the window.
       for (let run = 0; run <= WINDOW_BUDGET + 1; run++) {
         const shared = yield* MemoryBackend.makeStore
@@ -718,7 +721,10 @@ describe("DistributedLock on the memory backend", () => {
         const lease = yield* a.acquire(name)
         let closing: Fiber.RuntimeFiber<void> | undefined
         const closeOnFork = new OnFirstFork(() => {
-          closing = Runtime.runFork(runtime)(Scope.close(scope, Exit.void), { immediate: false })
+          const started = Effect.sync(() => {
+            if ((heldOf(lease)!.onLost?.size ?? 0) === 0) inWindow++
+          })
+          closing = Runtime.runFork(runtime)(Effect.zipRight(started, Scope.close(scope, Exit.void)), { immediate: false })
         })
         // A body whose own clean-up takes a few steps, as a real one's does: a close that did not
         // wait for it would give the lease back while it still ran.
@@ -735,6 +741,8 @@ describe("DistributedLock on the memory backend", () => {
         const expected = [...events.filter((event) => event.startsWith("body")), `release:start:${name}`]
         expect(`run ${run}: ${events.join(" ")}`).toBe(`run ${run}: ${expected.join(" ")}`)
       }
+      // The case checked something: in some run the close did start in the window.
+      expect(inWindow, "runs whose close started between the fork and the guard's next step").toBeGreaterThan(0)
     }))
 
   it.scoped("interrupting a holder while its release is under way neither cuts the release off nor reports it failed", () =>
