@@ -165,7 +165,9 @@ export const inspect: Effect.Effect<ReadonlyArray<HeldLock>, never, DistributedL
 /**
  * Runs `self` while `lease` is held: if the lease is lost, `self` is interrupted and the result
  * is the `LockLost`. `self` (its finalizers included) has fully stopped when this returns — also
- * when the caller is interrupted — so the release that follows never overlaps the work.
+ * when the caller is interrupted — so the release that follows never overlaps the work. Run it
+ * inside the lease's scope: on a lease already given back (its scope closed first) it dies with
+ * an `IllegalArgumentException` and never starts `self`, which would run without the lock.
  *
  * @since 0.1.0
  * @category combinators

@@ -832,6 +832,26 @@ describe("DistributedLock on the memory backend", () => {
       expect(ran).toBe(false)
     }))
 
+  it.scoped("guard never starts the body on a lease already released, nor one released before the body's first step: a defect naming the misuse", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const a = yield* node(shared)
+      let ran = 0
+      const body = Effect.sync(() => ran++)
+      // The lease's scope closed before the guard ran.
+      const released = yield* Effect.scoped(a.acquire("given-back"))
+      const early = yield* Effect.exit(DistributedLock.guard(released, body))
+      // The guard forked off, its lease's scope closing before the body's first step.
+      const late = yield* Effect.scoped(Effect.flatMap(a.acquire("given-back"), (lease) => Effect.fork(DistributedLock.guard(lease, body))))
+      const lateExit = yield* Fiber.await(late)
+      for (const exit of [early, lateExit]) {
+        const defect = Exit.isFailure(exit) ? Cause.dieOption(exit.cause) : Option.none()
+        expect(Option.getOrThrow(defect)).toMatchObject({ _tag: "IllegalArgumentException", message: expect.stringContaining("after it was released") })
+      }
+      expect(ran).toBe(0)
+      expect(yield* MemoryBackend.holders(shared)).toEqual([])
+    }))
+
   it.scoped("a stolen lease is reported as stolen", () =>
     Effect.gen(function*() {
       const shared = yield* MemoryBackend.makeStore

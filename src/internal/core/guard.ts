@@ -30,6 +30,8 @@ export const guard = <A, E, R>(
       const held = heldOf(lease)
       // A lease already known lost never starts the body.
       if (held?.lostError !== undefined) return Effect.fail(held.lostError)
+      // Nor one already given back (its scope closed): the body would run without the lock.
+      if (held?.state === "released") return Effect.die(releasedError(held))
       // The body and everything it forks are checked before each step: after a stall past the
       // lease's safe time, the loss is declared and they stop before their next step.
       const watch = held === undefined ? undefined : new StallWatch(held, parent.id(), clockOf(parent))
@@ -111,9 +113,18 @@ const bodyStart = (held: Held<Grant>, then: Effect.Effect<void>): Effect.Effect<
   Effect.withFiberRuntime((body) => {
     // Marked before this step: whoever marked it found no body here to wait for.
     if (held.lostError !== undefined) return Effect.interrupt
+    // Given back meanwhile (a guard forked off and its lease's scope closed): never run unlocked.
+    if (held.state === "released") return Effect.die(releasedError(held))
     addBody(held, body)
     return then
   })
+
+/** `guard` of a lease whose release has begun: a programming error (the lease's scope closed before the guard ran). */
+const releasedError = (held: Held<Grant>) =>
+  new Cause.IllegalArgumentException(
+    `effect-lock: guard on the lease of "${held.name}" (fencing token ${held.grant.token}) after it was released: ` +
+      "its scope closed before the guarded work started; run the work inside that scope (or use withLock)"
+  )
 
 /**
  * The body fiber's first step after `bodyStart` (its very first under a hand-made lease): it sees `scope` as its Scope and carries `watch` (with the
