@@ -167,7 +167,9 @@ export const inspect: Effect.Effect<ReadonlyArray<HeldLock>, never, DistributedL
  * is the `LockLost`. `self` (its finalizers included) has fully stopped when this returns — also
  * when the caller is interrupted — so the release that follows never overlaps the work. Run it
  * inside the lease's scope: on a lease already given back (its scope closed first) it dies with
- * an `IllegalArgumentException` and never starts `self`, which would run without the lock.
+ * an `IllegalArgumentException` and never starts `self`, which would run without the lock; a
+ * guard forked off whose lease's scope closes while `self` runs has `self` interrupted, and the
+ * release waits (bounded, 10 s) until it has stopped.
  *
  * @since 0.1.0
  * @category combinators

@@ -852,6 +852,31 @@ describe("DistributedLock on the memory backend", () => {
       expect(yield* MemoryBackend.holders(shared)).toEqual([])
     }))
 
+  it.scoped("a guard forked off whose lease's scope closes while the body runs: the body is interrupted and has stopped before the lease is given back", () =>
+    Effect.gen(function*() {
+      const shared = yield* MemoryBackend.makeStore
+      const faults = makeFaults()
+      const a = yield* node(shared, faults)
+      const leaseScope = yield* Scope.make()
+      const lease = yield* Scope.extend(a.acquire("forked"), leaseScope)
+      // A body whose clean-up takes a few steps, as a real one's does.
+      const body = Effect.sync(() => faults.events.push("body:start")).pipe(
+        Effect.zipRight(Effect.never),
+        Effect.ensuring(Effect.zipRight(yieldTimes(50), Effect.sync(() => faults.events.push("body:end"))))
+      )
+      const guarded = yield* Effect.fork(DistributedLock.guard(lease, body))
+      yield* until("the body started", Effect.sync(() => faults.events.includes("body:start")))
+      yield* Scope.close(leaseScope, Exit.void)
+      expect(faults.events.filter((event) => event.startsWith("body") || event.startsWith("release:start"))).toEqual([
+        "body:start",
+        "body:end",
+        "release:start:forked"
+      ])
+      const exit = yield* Fiber.await(guarded)
+      expect(Exit.isFailure(exit) && Cause.isInterruptedOnly(exit.cause)).toBe(true)
+      expect(yield* MemoryBackend.holders(shared)).toEqual([])
+    }))
+
   it.scoped("a stolen lease is reported as stolen", () =>
     Effect.gen(function*() {
       const shared = yield* MemoryBackend.makeStore

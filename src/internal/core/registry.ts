@@ -437,13 +437,28 @@ export const makeRegistry = <G extends Grant>(
             String(held.grant.token),
             held.labels
           )
-        return isTraced(fiber)
+        const traced = isTraced(fiber)
           ? Effect.withSpan(done, "effect-lock.release", {
             captureStackTrace: false,
             attributes: { "lock.name": held.name, "lock.token": String(held.grant.token), "lock.backend": backend.backend }
           })
           : done
+        // A guarded body still running under it (a guard forked off, and the lease's scope closed
+        // first): stopped and awaited (bounded) before the lease is given back, never overlapped.
+        // A closing service has done this already (bounded once): not waited for again here.
+        const bodies = held.bodies
+        if (bodies === undefined || bodies.size === 0 || closed) return traced
+        const running = Array.from(bodies)
+        for (const body of running) body.unsafeInterruptAsFork(fiber.id())
+        return Effect.zipRight(stopped(running, held.name), traced)
       })
+
+    /** Waits (bounded) for interrupted guarded bodies to stop; past the bound, says so and goes on. */
+    const stopped = (bodies: ReadonlyArray<Fiber.RuntimeFiber<unknown, unknown>>, name?: string): Effect.Effect<void> =>
+      Effect.flatMap(Owner.awaitAll(bodies, SHUTDOWN_BODY_WAIT_MS), (done) =>
+        done ? Effect.void : Effect.logWarning(
+          `effect-lock: guarded bodies still running ${SHUTDOWN_BODY_WAIT_MS} ms after they were interrupted; their locks are given back`
+        ).pipe(Effect.annotateLogs(name === undefined ? { "lock.backend": backend.backend } : { "lock.backend": backend.backend, "lock.name": name })))
 
     const discard = (name: string, grant: G): Effect.Effect<void> =>
       Effect.withFiberRuntime((fiber) => {
@@ -740,10 +755,7 @@ export const makeRegistry = <G extends Grant>(
       return Effect.forEach(held, (h) => declareLost(h, "shutdown"), { discard: true }).pipe(
         Effect.zipRight(Effect.suspend(() => {
           const bodies = held.flatMap((h) => (h.bodies === undefined ? [] : Array.from(h.bodies)))
-          return bodies.length === 0 ? Effect.void : Effect.flatMap(Owner.awaitAll(bodies, SHUTDOWN_BODY_WAIT_MS), (stopped) =>
-            stopped ? Effect.void : Effect.logWarning(
-              `effect-lock: guarded bodies still running ${SHUTDOWN_BODY_WAIT_MS} ms after the shutdown interrupted them; their locks are given back`
-            ).pipe(Effect.annotateLogs("lock.backend", backend.backend)))
+          return bodies.length === 0 ? Effect.void : stopped(bodies)
         })),
         // 3. Acquisitions in flight settle: a grant that arrives now is given back by its own caller.
         // `within`, not `timeoutOption`: a close runs uninterruptibly (a finalizer), and the wait must
