@@ -111,9 +111,10 @@ describe.concurrent("PostgreSQL: one token sequence, no row for an idle name", (
         concurrency: 16,
         discard: true
       })
-      // One held name, and one waiter on it (its place is a queue row).
+      // One held name, and one waiter on it (its place is a queue row). A long lease: the case is
+      // about the sweep, and a 3 s lease's renewals starved on a loaded host (a CI run) lost it.
       const holder = yield* Scope.make()
-      const held = yield* Scope.extend(lock.acquire("kept-held"), holder)
+      const held = yield* Scope.extend(lock.acquire("kept-held", { ttl: Duration.seconds(60) }), holder)
       const waiter = yield* Effect.fork(Effect.scoped(lock.acquire("kept-held", { timeout: WAITER_BOUND })))
       yield* until(
         "the waiter's place",
