@@ -50,12 +50,27 @@ const provide = (service: DistributedLock.Service) => Effect.provideService(Dist
 
 /** A store whose every release first runs `before` (a round trip, or a release that never ends), not instant. */
 const slowRelease = <G extends Grant>(backend: LockBackend<G>, before: Effect.Effect<void>): LockBackend<G> => ({
-  ...backend,
-  instantRelease: false,
-  acquire: (request) =>
-    Effect.map(backend.acquire(request), (result) =>
-      result._tag === "Granted" ? { ...result, grant: { ...result.grant, release: Effect.zipRight(before, result.grant.release) } } : result)
+  ...mapGrants(backend, (grant) => ({ ...grant, release: Effect.zipRight(before, grant.release) })),
+  instantRelease: false
 })
+
+/** `backend` with every grant it hands out changed by `f`. */
+const mapGrants = <G extends Grant>(backend: LockBackend<G>, f: (grant: G) => G): LockBackend<G> => ({
+  ...backend,
+  acquire: (request) =>
+    Effect.map(backend.acquire(request), (result) => (result._tag === "Granted" ? { ...result, grant: f(result.grant) } : result))
+})
+
+/**
+ * A guarded body that logs its start in `events` and runs until interrupted, then takes a few
+ * steps to clean up (as a real one does) before logging its end: a release that did not wait
+ * for it would come between the two.
+ */
+const slowToStop = (events: Array<string>) =>
+  Effect.sync(() => events.push("body:start")).pipe(
+    Effect.zipRight(Effect.never),
+    Effect.ensuring(Effect.zipRight(yieldTimes(50), Effect.sync(() => events.push("body:end"))))
+  )
 
 /** A supervisor that calls `f` once, in the step that forks the first fiber under it. */
 class OnFirstFork extends Supervisor.AbstractSupervisor<void> {
@@ -84,12 +99,8 @@ const afterSteps = <A, E, R>(n: number, self: Effect.Effect<A, E, R>): Effect.Ef
   n === 0 ? self : Effect.withFiberRuntime(() => afterSteps(n - 1, self))
 
 /** A store whose grants have no deadline (as a session advisory lock's): never renewed, no stall watch. */
-const withoutDeadline = <G extends Grant>(backend: LockBackend<G>): LockBackend<G> => ({
-  ...backend,
-  acquire: (request) =>
-    Effect.map(backend.acquire(request), (result) =>
-      result._tag === "Granted" ? { ...result, grant: { ...result.grant, validUntil: Option.none() } } : result)
-})
+const withoutDeadline = <G extends Grant>(backend: LockBackend<G>): LockBackend<G> =>
+  mapGrants(backend, (grant) => ({ ...grant, validUntil: Option.none() }))
 
 /** Waits (bounded, on the TestClock) until `condition` holds. */
 const until = (what: string, condition: Effect.Effect<boolean>) => waitUntil("test", what, condition)
@@ -726,13 +737,7 @@ describe("DistributedLock on the memory backend", () => {
           })
           closing = Runtime.runFork(runtime)(Effect.zipRight(started, Scope.close(scope, Exit.void)), { immediate: false })
         })
-        // A body whose own clean-up takes a few steps, as a real one's does: a close that did not
-        // wait for it would give the lease back while it still ran.
-        const body = Effect.sync(() => faults.events.push("body:start")).pipe(
-          Effect.zipRight(Effect.never),
-          Effect.ensuring(Effect.zipRight(yieldTimes(50), Effect.sync(() => faults.events.push("body:end"))))
-        )
-        const guarded = Effect.supervised(DistributedLock.guard(lease, body), closeOnFork)
+        const guarded = Effect.supervised(DistributedLock.guard(lease, slowToStop(faults.events)), closeOnFork)
         const exit = yield* Effect.exit(afterSteps(run, guarded)).pipe(withYieldBudget(WINDOW_BUDGET))
         yield* Fiber.join(closing!)
         expect(Exit.isFailure(exit) && Cause.failureOption(exit.cause)).toMatchObject(Option.some({ _tag: "LockLost", reason: "shutdown" }))
@@ -859,12 +864,7 @@ describe("DistributedLock on the memory backend", () => {
       const a = yield* node(shared, faults)
       const leaseScope = yield* Scope.make()
       const lease = yield* Scope.extend(a.acquire("forked"), leaseScope)
-      // A body whose clean-up takes a few steps, as a real one's does.
-      const body = Effect.sync(() => faults.events.push("body:start")).pipe(
-        Effect.zipRight(Effect.never),
-        Effect.ensuring(Effect.zipRight(yieldTimes(50), Effect.sync(() => faults.events.push("body:end"))))
-      )
-      const guarded = yield* Effect.fork(DistributedLock.guard(lease, body))
+      const guarded = yield* Effect.fork(DistributedLock.guard(lease, slowToStop(faults.events)))
       yield* until("the body started", Effect.sync(() => faults.events.includes("body:start")))
       yield* Scope.close(leaseScope, Exit.void)
       expect(faults.events.filter((event) => event.startsWith("body") || event.startsWith("release:start"))).toEqual([
