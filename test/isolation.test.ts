@@ -228,7 +228,9 @@ for (const { db, level } of databases) {
           const release = yield* Deferred.make<void>()
           const held = yield* Deferred.make<void>()
           const holding = yield* Effect.fork(Effect.scoped(Effect.gen(function*() {
-            yield* holder!.lock.acquire(name)
+            // A long lease: the holder must not lose it to renewals starved on a loaded host (a CI run
+            // did, and the first waiter was granted before the others queued); the case is the order.
+            yield* holder!.lock.acquire(name, { ttl: Duration.seconds(30) })
             yield* Deferred.succeed(held, undefined)
             yield* Deferred.await(release)
           })))
