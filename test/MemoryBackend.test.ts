@@ -557,6 +557,18 @@ describe("DistributedLock on the memory backend", () => {
       expect(asked).toEqual(["spread:acquire", "spread:try", "derived:acquire", "derived:try", "in-place:acquire", "in-place:try"])
     }))
 
+  it.scoped("withLock ignores the hidden entry of another copy of effect-lock (another version's key) and goes through acquire", () =>
+    Effect.gen(function*() {
+      const a = yield* node(yield* MemoryBackend.makeStore)
+      // As a copy whose entry has another shape would mark the service: under its own key.
+      Object.defineProperty(a, Symbol.for("effect-lock/internal/TakeIn"), {
+        value: { take: () => Effect.die("another version's entry was used"), acquire: a.acquire, tryAcquire: a.tryAcquire },
+        enumerable: false
+      })
+      expect(yield* DistributedLock.withLock(Effect.succeed(1), "other-copy").pipe(provide(a))).toBe(1)
+      expect(yield* DistributedLock.tryWithLock(Effect.succeed(2), "other-copy").pipe(provide(a))).toEqual(Option.some(2))
+    }))
+
   it.scoped("withLock returns the body's value and its own failures unchanged", () =>
     Effect.gen(function*() {
       const a = yield* node(yield* MemoryBackend.makeStore)

@@ -49,9 +49,11 @@ export interface LockService {
 /**
  * Where a service made by this library keeps its `takeIn` (`withLock`, `withPermits`): a grant
  * whose release goes into a given scope, not the context's. A service made elsewhere (a test
- * double) has none, and `inOwnScope`'s callers fall back to `Effect.scoped`.
+ * double) has none, and `inOwnScope`'s callers fall back to `Effect.scoped`. The key carries the
+ * entry's version (bumped whenever `TakeInEntry` changes): a copy of effect-lock of another
+ * version in the same process finds no entry of a shape it does not know, and uses `acquire`.
  */
-export const TakeIn: unique symbol = Symbol.for("effect-lock/internal/TakeIn")
+export const TakeIn: unique symbol = Symbol.for("effect-lock/internal/TakeIn/1")
 
 /** The hidden `takeIn` of a service, with the methods it stands for (a wrapper that replaced them is used instead). */
 export interface TakeInEntry<O, T, E> {
