@@ -17,7 +17,7 @@ import * as Make from "effect-lock/internal/lease/pg/make"
 import * as PgLease from "effect-lock/PgLease"
 import pg from "pg"
 import { afterAll } from "vitest"
-import { freshName, LIVE_CONTRACT_TTL } from "./support/contract.js"
+import { freshName, HOLD_THROUGH, LIVE_CONTRACT_TTL } from "./support/contract.js"
 import { assertNoLeaks, PgTest, useTestDatabase } from "./support/pg.js"
 import { describeWithPgBouncer, startPgBouncer } from "./support/pgbouncer.js"
 import { semaphoreContractSuite, type StoreState } from "./support/semaphoreContract.js"
@@ -138,8 +138,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease semaphores", (it
       const semaphore = Context.get(services, DistributedSemaphore.DistributedSemaphore)
       expect([lock.backend, semaphore.backend]).toEqual(["pg-lease", "pg-lease"])
       const name = freshName("same-name")
-      const lease = yield* lock.acquire(name)
-      const permits = yield* semaphore.acquire(name, { limit: 1 })
+      const lease = yield* lock.acquire(name, { ttl: HOLD_THROUGH })
+      const permits = yield* semaphore.acquire(name, { limit: 1, ttl: HOLD_THROUGH })
       // Neither excludes the other; both draw from the database's one token sequence.
       expect(permits.tokens).toHaveLength(1)
       expect(permits.tokens[0]).not.toBe(lease.token)

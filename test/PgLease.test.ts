@@ -27,7 +27,7 @@ import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import { importEntry } from "../tools/children.js"
 import pg from "pg"
-import { freshName, withYieldBudget } from "./support/contract.js"
+import { freshName, HOLD_THROUGH, withYieldBudget } from "./support/contract.js"
 import { eventually, untilWallClock } from "./support/eventually.js"
 import { makeFaults, withFaults } from "./support/faults.js"
 import { advisoryLocks, PgTest, scopedClient, useTestDatabase, withClient } from "./support/pg.js"
@@ -238,7 +238,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       // takes its place in the queue, is woken by the release notification, and commits its grant on its own.
       const waiter = yield* Effect.flatMap(poolOn(() => db.url), (own) => processOn(own, { pollInterval: Duration.seconds(5) }))
       const holderScope = yield* Scope.make()
-      const holding = yield* Scope.extend(other.acquire(name), holderScope)
+      const holding = yield* Scope.extend(other.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const granted = yield* Deferred.make<FencingToken.FencingToken>()
       const waiting = yield* Effect.fork(
         sql.withTransaction(
@@ -494,7 +494,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const released = yield* releaseNotifications
       const name = freshName("handover")
       const holderScope = yield* Scope.make()
-      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const held = yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const waiting = yield* Effect.fork(waiter.acquire(request(name, "wait", Duration.seconds(3))))
       yield* probe.waitingLong(name)
       const acquiresBefore = counted.byOperation("acquire")
@@ -531,7 +531,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const released = yield* releaseNotifications
       const name = freshName("handover-shared")
       const holderScope = yield* Scope.make()
-      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const held = yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const granted = yield* Queue.unbounded<FencingToken.FencingToken>()
       const letGo = yield* Deferred.make<void>()
       const reader = Effect.scoped(Effect.flatMap(readers.acquire(name, { mode: "shared" }), (lease) =>
@@ -581,10 +581,12 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const waiter = yield* processOn(env, { listen: false, pollInterval: Duration.millis(200) })
       const name = freshName("handover-shared-missed")
       const holderScope = yield* Scope.make()
-      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const held = yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const letGo = yield* Deferred.make<void>()
       const got = yield* Deferred.make<FencingToken.FencingToken>()
-      const reading = yield* Effect.fork(Effect.scoped(Effect.flatMap(waiter.acquire(name, { mode: "shared" }), (lease) =>
+      // A 3 s lease (renewals get 1.4 s, not the file's 470 ms): the case is that it is renewed at all,
+      // and a full run's load starved the 1 s one's renewals (lost before its first renewal landed).
+      const reading = yield* Effect.fork(Effect.scoped(Effect.flatMap(waiter.acquire(name, { mode: "shared", ttl: Duration.seconds(3) }), (lease) =>
         Effect.zipRight(Deferred.succeed(got, lease.token), Effect.zipRight(Deferred.await(letGo), lease.isHeld)))))
       yield* waitFor("the reader's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
       yield* Scope.close(holderScope, Exit.void)
@@ -607,7 +609,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       yield* waitFor(
         "the handed shared lease live past its first expiry",
         Effect.map(expiry, (now) => now !== undefined && now.now > first && now.at > now.now),
-        Duration.seconds(5)
+        Duration.seconds(10)
       )
       yield* Deferred.succeed(letGo, undefined)
       expect(yield* Fiber.join(reading)).toBe(true)
@@ -733,7 +735,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const waiter = yield* processOn(env, { listen: false, pollInterval: poll })
       const name = freshName("handover-missed")
       const holderScope = yield* Scope.make()
-      const held = yield* Scope.extend(holder.acquire(name), holderScope)
+      const held = yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const waiting = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), (lease) => lease.token)))
       yield* waitFor("the waiter's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
       yield* Scope.close(holderScope, Exit.void)
@@ -1136,9 +1138,10 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
   it.scoped("a waiter whose process dies loses its place once the place expires", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      // The holder only has to outlast the worker's queueing: at the file's 1 s ttl its renewals get
-      // 470 ms, and one lost beside the concurrent tests let the worker take the lock, not a place.
-      const holder = yield* processOn(env, { ttl: Duration.seconds(5) })
+      // The holder outlasts the worker's start, its queueing and its place's ageing: at the file's 1 s
+      // ttl its renewals get 470 ms, and one lost beside the concurrent tests let the worker take the
+      // lock, not a place (5 s, which this case held before, is within reach of a loaded host too).
+      const holder = yield* processOn(env, { ttl: HOLD_THROUGH })
       const name = freshName("dead-waiter")
       const holderScope = yield* Scope.make()
       yield* Scope.extend(holder.acquire(name), holderScope)
@@ -1194,7 +1197,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const holdThenRelease = (i: number) =>
         Effect.scoped(Effect.zipRight(processes[i]!.acquire(name), Effect.sync(() => order.push(i))))
       const holderScope = yield* Scope.make()
-      yield* Scope.extend(processes[0]!.acquire(name), holderScope)
+      yield* Scope.extend(processes[0]!.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const waiters: Array<Fiber.RuntimeFiber<unknown, unknown>> = []
       for (let i = 1; i <= 4; i++) {
         waiters.push(yield* Effect.fork(holdThenRelease(i)))
@@ -1276,7 +1279,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const other = yield* processOn(env)
       const name = freshName("no-barging")
       const holderScope = yield* Scope.make()
-      yield* Scope.extend(holder.acquire(name), holderScope)
+      yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const waiting = yield* Effect.fork(Effect.scoped(Effect.map(waiter.acquire(name), (lease) => lease.token)))
       yield* waitFor("the waiter's place", Effect.map(placesOf(name), (n) => n === 1), Duration.seconds(5))
       // As a waiter of a version before the handover: the release wakes it rather than hand it the lease.
@@ -1760,7 +1763,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const waiter = yield* Effect.flatMap(backendOn(env, { ttl: Duration.seconds(30) }, failingLeave), DistributedLock.make)
       const name = freshName("handed-to-ended")
       const holderScope = yield* Scope.make()
-      yield* Scope.extend(holder.acquire(name), holderScope)
+      yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const timedOut = yield* Effect.flip(Effect.scoped(waiter.acquire(name, { timeout: Duration.millis(300) })))
       expect(timedOut._tag).toBe("LockTimeout")
       yield* waitFor("the failed leave", Effect.sync(() => leavesFailed > 0), Duration.seconds(5))
@@ -2351,7 +2354,7 @@ function handoffWith(a: DistributedLock.Service, b: DistributedLock.Service) {
   return (name: string, beforeRelease: Effect.Effect<void> = Effect.void) =>
     Effect.gen(function*() {
       const holderScope = yield* Scope.make()
-      yield* Scope.extend(a.acquire(name), holderScope)
+      yield* Scope.extend(a.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
       const granted = yield* Deferred.make<number>()
       const waiter = yield* Effect.fork(
         Effect.scoped(Effect.flatMap(b.acquire(name), () => Effect.flatMap(now, (t) => Deferred.succeed(granted, t))))

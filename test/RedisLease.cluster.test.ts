@@ -15,7 +15,7 @@ import * as RedisLease from "effect-lock/RedisLease"
 import * as Keys from "effect-lock/internal/redis/keys"
 import { Cluster, Redis } from "ioredis"
 import { afterAll, beforeAll } from "vitest"
-import { freshName } from "./support/contract.js"
+import { freshName, HOLD_THROUGH } from "./support/contract.js"
 import { eventually, waitFor } from "./support/eventually.js"
 import { frozen } from "./support/freeze.js"
 import { hasRedisCli, noRedisServer, startRedisCluster, type TestCluster } from "./support/redis.js"
@@ -185,7 +185,7 @@ describe.skipIf(skip)("RedisLease on a 3-node Redis Cluster", () => {
 
   it.scopedLive("waiters of three processes are served first in, first out, woken through pub/sub", () =>
     Effect.gen(function*() {
-      const a = yield* processOn({ ttl: Duration.seconds(5) })
+      const a = yield* processOn({ ttl: HOLD_THROUGH })
       const name = freshName("redis-cluster-fifo")
       const queueKey = Keys.lockKeys(Keys.DEFAULT_PREFIX, name).queue
       const held = yield* Effect.forkScoped(Effect.scoped(Effect.zipRight(a.lock.acquire(name), Effect.never)))
@@ -209,7 +209,7 @@ describe.skipIf(skip)("RedisLease on a 3-node Redis Cluster", () => {
   it.scopedLive("listHolders with a Cluster lists the names of every master, merged; one node's own client sees only its names", () =>
     Effect.gen(function*() {
       const prefix = `${freshName("cluster-list")}:`
-      const a = yield* processOn({ prefix, ttl: Duration.seconds(5) })
+      const a = yield* processOn({ prefix, ttl: HOLD_THROUGH })
       const b = yield* processOn({ prefix, ttl: Duration.seconds(5) })
       const { names, ports, tokens } = yield* holdOnEveryNode(a, freshName("redis-cluster-list"))
       yield* Effect.forkScoped(Effect.scoped(b.lock.acquire(names[0]!)))
@@ -260,7 +260,7 @@ describe.skipIf(skip)("RedisLease on a 3-node Redis Cluster", () => {
   it.scopedLive("effect-lock inspect --url of one master lists the names of every master", () =>
     Effect.gen(function*() {
       const prefix = `${freshName("cluster-cli")}:`
-      const a = yield* processOn({ prefix, ttl: Duration.seconds(5) })
+      const a = yield* processOn({ prefix, ttl: HOLD_THROUGH })
       const { names, ports, tokens } = yield* holdOnEveryNode(a, freshName("redis-cluster-cli"))
       const run = yield* cli(["inspect", "--json", "--url", `redis://127.0.0.1:${ports[0]}`, "--prefix", prefix])
       expect(run.stderr).toBe("")

@@ -13,7 +13,7 @@ import * as DistributedSemaphore from "effect-lock/DistributedSemaphore"
 import * as Keys from "effect-lock/internal/redis/keys"
 import * as PermitScripts from "effect-lock/internal/redis/permitScripts"
 import * as RedisLease from "effect-lock/RedisLease"
-import { freshName } from "./support/contract.js"
+import { freshName, HOLD_THROUGH } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
 import { describeWithRedis, useInspector, useRedis } from "./support/redis.js"
 
@@ -134,7 +134,7 @@ describeWithRedis("RedisLease semaphores", () => {
     Effect.gen(function*() {
       const [a, b] = [yield* node(), yield* node()]
       const name = freshName("redis-sem-inspect")
-      const held = yield* a.acquire(name, { limit: 3, permits: 2 })
+      const held = yield* a.acquire(name, { limit: 3, permits: 2, ttl: HOLD_THROUGH })
       const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name, { limit: 3, permits: 2 })))
       yield* waitFor(
         "the waiter's place",

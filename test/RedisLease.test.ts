@@ -19,7 +19,7 @@ import { shaOf } from "effect-lock/internal/redis/lane"
 import { Redis } from "ioredis"
 import * as Crypto from "node:crypto"
 import type { Lane } from "effect-lock/internal/lease/lane"
-import { freshName, holdFor } from "./support/contract.js"
+import { freshName, holdFor, HOLD_THROUGH } from "./support/contract.js"
 import { withRun } from "./support/laneRun.js"
 import { eventually, untilWallClock, waitFor } from "./support/eventually.js"
 import { startLineWorker } from "./support/workers.js"
@@ -227,7 +227,7 @@ describeWithRedis("RedisLease", () => {
 
     it.scopedLive("waiters of several layers are served first in, first out, woken through pub/sub", () =>
       Effect.gen(function*() {
-        const a = yield* node({ ttl: Duration.seconds(5) })
+        const a = yield* node({ ttl: HOLD_THROUGH })
         const name = freshName("redis-fifo")
         const keys = Keys.lockKeys(Keys.DEFAULT_PREFIX, name)
         const held = yield* Effect.forkScoped(Effect.scoped(Effect.zipRight(a.acquire(name), Effect.never)))

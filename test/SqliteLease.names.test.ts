@@ -16,7 +16,7 @@ import * as SqliteLease from "effect-lock/SqliteLease"
 import * as Path from "node:path"
 import * as Previous from "./fixtures/sqlite-previous.js"
 import { openRaw, useSqliteFile } from "./fixtures/sqlite-db.js"
-import { freshName } from "./support/contract.js"
+import { freshName, HOLD_THROUGH } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
 import { withRun } from "./support/laneRun.js"
 
@@ -132,10 +132,11 @@ describe("SqliteLease names", () => {
       const prefix = freshName("kept") + "/"
       const [held, waited, sem, semWaited] = ["held", "waited", "sem", "sem-waited"].map((n) => `${prefix}${n}`)
       const scope = yield* Scope.make()
-      yield* Scope.extend(a.lock.acquire(held!), scope)
-      yield* Scope.extend(a.lock.acquire(waited!), scope)
-      yield* Scope.extend(a.semaphore.acquire(sem!, { limit: 2, permits: 1 }), scope)
-      yield* Scope.extend(a.semaphore.acquire(semWaited!, { limit: 2, permits: 2 }), scope)
+      // Held through several sweeps: long leases, which starved renewals cannot lose meanwhile.
+      yield* Scope.extend(a.lock.acquire(held!, { ttl: HOLD_THROUGH }), scope)
+      yield* Scope.extend(a.lock.acquire(waited!, { ttl: HOLD_THROUGH }), scope)
+      yield* Scope.extend(a.semaphore.acquire(sem!, { limit: 2, permits: 1, ttl: HOLD_THROUGH }), scope)
+      yield* Scope.extend(a.semaphore.acquire(semWaited!, { limit: 2, permits: 2, ttl: HOLD_THROUGH }), scope)
       // Waiters of another process: a place in the queue, an entry in `waiters`.
       const lockWaiter = yield* Effect.fork(Effect.scoped(b.lock.acquire(waited!)))
       const semWaiter = yield* Effect.fork(Effect.scoped(b.semaphore.acquire(semWaited!, { limit: 2, permits: 1 })))

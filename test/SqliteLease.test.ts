@@ -23,7 +23,7 @@ import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import { importEntry } from "../tools/children.js"
 import { openRaw, useSqliteFile } from "./fixtures/sqlite-db.js"
-import { contractSuite, freshName, LIVE_CONTRACT_TTL } from "./support/contract.js"
+import { contractSuite, freshName, HOLD_THROUGH, LIVE_CONTRACT_TTL } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
 import { onceRequest } from "./support/requests.js"
 
@@ -130,7 +130,7 @@ describe("SqliteLease", () => {
       const service = yield* processOn({ pollInterval: Duration.seconds(10) })
       const name = freshName("local-wake")
       const holder = yield* Scope.make()
-      yield* Scope.extend(service.acquire(name), holder)
+      yield* Scope.extend(service.acquire(name, { ttl: HOLD_THROUGH }), holder)
       const waiter = yield* Effect.fork(Effect.scoped(Effect.map(service.acquire(name), () => performance.now())))
       yield* waitFor("the waiter in its long wait", Effect.sync(() => (waits.get(name) ?? 0) >= 2 && file.livePlaces(name) === 1), Duration.seconds(5))
       const releasedAt = performance.now()
@@ -150,7 +150,7 @@ describe("SqliteLease", () => {
       const latencies: Array<number> = []
       for (let round = 0; round < 5; round++) {
         const holder = yield* Scope.make()
-        yield* Scope.extend(a.acquire(name), holder)
+        yield* Scope.extend(a.acquire(name, { ttl: HOLD_THROUGH }), holder)
         const before = waits.get(name) ?? 0
         const waiter = yield* Effect.fork(Effect.scoped(Effect.map(b.acquire(name), () => performance.now())))
         yield* waitFor("the waiter in its long wait", Effect.sync(() => (waits.get(name) ?? 0) >= before + 2), Duration.seconds(5))
@@ -169,7 +169,7 @@ describe("SqliteLease", () => {
       const name = freshName("fifo")
       const order: Array<string> = []
       const holder = yield* Scope.make()
-      yield* Scope.extend(a!.acquire(name), holder)
+      yield* Scope.extend(a!.acquire(name, { ttl: HOLD_THROUGH }), holder)
       const take = (who: string, service: DistributedLock.Service) =>
         Effect.fork(Effect.scoped(Effect.zipRight(service.acquire(name), Effect.sync(() => order.push(who)))))
       const fb = yield* take("b", b!)
@@ -190,7 +190,7 @@ describe("SqliteLease", () => {
       const a = yield* processOn()
       const b = yield* processOn()
       const holder = yield* Scope.make()
-      yield* Scope.extend(a.acquire(name), holder)
+      yield* Scope.extend(a.acquire(name, { ttl: HOLD_THROUGH }), holder)
       const waiter = yield* Effect.fork(Effect.scoped(b.acquire(name)))
       yield* waitFor("the waiter's place", Effect.sync(() => file.livePlaces(name) === 1), Duration.seconds(5))
       const once = yield* backend.acquire(onceRequest(name, TTL))
@@ -204,7 +204,7 @@ describe("SqliteLease", () => {
       const [reader, writer, late] = yield* Effect.forEach(Array.from({ length: 3 }), () => processOn())
       const name = freshName("shared")
       const readerScope = yield* Scope.make()
-      const first = yield* Scope.extend(reader!.acquire(name, { mode: "shared" }), readerScope)
+      const first = yield* Scope.extend(reader!.acquire(name, { mode: "shared", ttl: HOLD_THROUGH }), readerScope)
       const order: Array<string> = []
       const exclusive = yield* Effect.fork(
         Effect.scoped(Effect.zipRight(writer!.acquire(name), Effect.sync(() => order.push("exclusive"))))
