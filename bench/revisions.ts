@@ -39,7 +39,8 @@ const build = (label: string, commit: string | undefined): string => {
     const tree = Path.join(root, ".tmp", "revisions", `${label}-tree`)
     Fs.rmSync(tree, { recursive: true, force: true })
     Fs.mkdirSync(tree, { recursive: true })
-    const archive = execFileSync("git", ["-C", root, "archive", commit, "src", "tsconfig.build.json", "tsconfig.json"])
+    // The tar of src outgrew execFileSync's default 1 MiB buffer (ENOBUFS): room for 64 MiB.
+    const archive = execFileSync("git", ["-C", root, "archive", commit, "src", "tsconfig.build.json", "tsconfig.json"], { maxBuffer: 64 * 1024 * 1024 })
     execFileSync("tar", ["-x", "-C", tree], { input: archive })
     project = Path.join(tree, "tsconfig.build.json")
   }
