@@ -23,7 +23,7 @@ import { sqlStateOf } from "effect-lock/internal/sql/state"
 import * as PgAdvisory from "effect-lock/PgAdvisory"
 import * as PgLease from "effect-lock/PgLease"
 import pg from "pg"
-import { freshName } from "./support/contract.js"
+import { freshName, HOLD_THROUGH } from "./support/contract.js"
 import { defaultIsolation, PgTest, type UsedTestDatabase, useTestDatabase, withClient } from "./support/pg.js"
 import { occupancy } from "./support/occupancy.js"
 import { waitFor } from "./support/eventually.js"
@@ -228,9 +228,7 @@ for (const { db, level } of databases) {
           const release = yield* Deferred.make<void>()
           const held = yield* Deferred.make<void>()
           const holding = yield* Effect.fork(Effect.scoped(Effect.gen(function*() {
-            // A long lease: the holder must not lose it to renewals starved on a loaded host (a CI run
-            // did, and the first waiter was granted before the others queued); the case is the order.
-            yield* holder!.lock.acquire(name, { ttl: Duration.seconds(30) })
+            yield* holder!.lock.acquire(name, { ttl: HOLD_THROUGH })
             yield* Deferred.succeed(held, undefined)
             yield* Deferred.await(release)
           })))
