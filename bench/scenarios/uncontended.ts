@@ -293,30 +293,22 @@ export const pgAdvisorySubject = (database: Database, concurrency: number, durat
     durationMs
   )
 
-export const pgLeaseSubject = (database: Database, concurrency: number, durationMs: number, form: "acquire" | "withLock" = "acquire"): Subject<ThroughputSample> => {
-  const id = form === "acquire" ? `pg-lease-${concurrency}` : `pg-lease-withlock-${concurrency}`
+export const pgLeaseSubject = (
+  database: Database,
+  concurrency: number,
+  durationMs: number,
+  form: "acquire" | "withLock" = "acquire",
+  connections = Math.min(concurrency, DEFAULT_LOCK_CONNECTIONS)
+): Subject<ThroughputSample> => {
+  const id = `pg-lease${form === "acquire" ? "" : "-withlock"}${connections < concurrency ? "" : "-own"}-${concurrency}`
   return lockSubject(
     id,
-    // As many lock connections of its own as the raw row has connections.
-    () => Layer.provide(PgLease.layer({ connections: concurrency }), pgClientLayer(database, concurrency, `bench-${id}`)),
+    () => Layer.provide(PgLease.layer({ connections }), pgClientLayer(database, concurrency, `bench-${id}`)),
     concurrency,
     durationMs,
     form
   )
 }
-
-/**
- * PgLease on its default lock connections (4) whatever the worker count: with more workers than
- * connections its statements queue at its own pool, each sent alone (information: what batching
- * statements that queue on one lane could win, issue 37).
- */
-export const pgLeaseDefaultSubject = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> =>
-  lockSubject(
-    `pg-lease-default-${concurrency}`,
-    () => Layer.provide(PgLease.layer(), pgClientLayer(database, concurrency, `bench-pg-lease-default-${concurrency}`)),
-    concurrency,
-    durationMs
-  )
 
 export const memorySubject = (concurrency: number, durationMs: number): Subject<ThroughputSample> =>
   lockSubject(`memory-${concurrency}`, () => MemoryBackend.layer(), concurrency, durationMs)
@@ -391,7 +383,7 @@ export const FACTORIES = {
   rawLease: (database: Database, c: number, ms: number) => rawLease(database, c, ms),
   pgLeaseSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms),
   pgLeaseWithLockSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms, "withLock"),
-  pgLeaseDefaultSubject: (database: Database, c: number, ms: number) => pgLeaseDefaultSubject(database, c, ms),
+  pgLeaseOwnSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms, "acquire", c),
   effectLeaseFloor: (database: Database, c: number, ms: number) => effectLeaseFloor(database, c, ms),
   rawXactMinimal: (database: Database, c: number, ms: number) => rawXactMinimal(database, c, ms),
   rawXactLibrary: (database: Database, c: number, ms: number) => rawXactLibrary(database, c, ms),
@@ -448,12 +440,14 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
     { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: own("rawLease", database, c, ms) },
     // Information: what any Effect program pays on these statements (the library's row stays judged against raw pg).
     { block: "lease", id: "effect-lease-floor", label: "Effect.scoped(acquireRelease) of PgLease's statements on raw pg", connections: `${c}`, concurrency: c, baseline: "raw-lease", subject: own("effectLeaseFloor", database, c, ms) },
-    { block: "lease", id: "pg-lease", label: "PgLease.layer", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseSubject", database, c, ms) },
+    // Its default lock connections (4): with more workers, statements queue at its pool and those of
+    // different names go out in batches (issue 37). At 1 worker the same as a layer of 1 connection.
+    { block: "lease", id: "pg-lease", label: c > DEFAULT_LOCK_CONNECTIONS ? `PgLease.layer (its default ${DEFAULT_LOCK_CONNECTIONS} lock connections)` : "PgLease.layer", connections: `${Math.min(c, DEFAULT_LOCK_CONNECTIONS)} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseSubject", database, c, ms) },
     // Information: the guarded form (`withLock(Effect.void, name)`) on the same layer.
-    { block: "lease", id: "pg-lease-withlock", label: "PgLease.layer, withLock (information)", connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseWithLockSubject", database, c, ms) },
-    // Information: more workers than its default lock connections, so statements queue at its pool.
+    { block: "lease", id: "pg-lease-withlock", label: "PgLease.layer, withLock (information)", connections: `${Math.min(c, DEFAULT_LOCK_CONNECTIONS)} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseWithLockSubject", database, c, ms) },
+    // Information: as many lock connections as workers, as the raw row has: nothing queues, so nothing is batched.
     ...(c > DEFAULT_LOCK_CONNECTIONS
-      ? [{ block: "lease", id: "pg-lease-default", label: `PgLease.layer, its default ${DEFAULT_LOCK_CONNECTIONS} lock connections (information)`, connections: `${DEFAULT_LOCK_CONNECTIONS} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseDefaultSubject", database, c, ms) } satisfies ThroughputSpec]
+      ? [{ block: "lease", id: "pg-lease-own", label: `PgLease.layer, ${c} lock connections (information: nothing queues, nothing is batched)`, connections: `${c} (own)`, concurrency: c, baseline: "raw-lease", subject: own("pgLeaseOwnSubject", database, c, ms) } satisfies ThroughputSpec]
       : []),
     { block: "xact", id: "raw-xact-min", label: "raw pg: BEGIN; xact lock; COMMIT", connections: `${c}`, concurrency: c, subject: own("rawXactMinimal", database, c, ms) },
     { block: "xact", id: "raw-xact-lib", label: "raw pg: withXactLock's statements", connections: `${c}`, concurrency: c, subject: own("rawXactLibrary", database, c, ms) },
@@ -508,8 +502,11 @@ const render = (result: UncontendedResult): string => {
     "statement together as one statement (one commit), and the releases queued together as one statement too; this " +
     "row shows what one session does without that.",
     "- *raw pg: PgLease's statements*: the acquire statement and the owner-scoped release (which notifies only " +
-    "waiters at the head of the queue) from `src/internal/lease/pg/sql.ts`, same parameters. PgLease runs them on " +
-    "`connections` of its own (set to the worker count here).",
+    "waiters at the head of the queue) from `src/internal/lease/pg/sql.ts`, same parameters, one connection per " +
+    "worker. PgLease runs on its default 4 lock connections of its own: with more workers than that, the statements " +
+    "of different names that wait for a connection together go out as one (`acquireBatch`, `releaseBatch`: one round " +
+    "trip and one commit for all); the row with as many lock connections as workers (information) never queues, so " +
+    "it never batches.",
     "- *Effect.scoped(acquireRelease) of PgLease's statements on raw pg* (information only): the raw row's two " +
     "statements as a user would write them in Effect (`Effect.promise` around each, in " +
     "`Effect.scoped(Effect.acquireRelease(...))`, on the library rows' fiber loop): what any Effect program pays on them.",

@@ -37,6 +37,28 @@ export interface Statement<I, O> {
   readonly text: string
   readonly encode: (input: I) => ReadonlyArray<unknown>
   readonly decode: (rows: ReadonlyArray<Row>) => O
+  /**
+   * How statements of this kind that wait for a connection together go out as one (on lanes
+   * that batch: PgLease's own connections); `key` of the encoded parameters: undefined for one
+   * that may not, else what must differ between the members of a batch.
+   */
+  readonly batch?: {
+    readonly spec: BatchSpec
+    readonly key: (params: ReadonlyArray<unknown>) => string | undefined
+  } | undefined
+}
+
+/**
+ * Several statements as one: `encode` turns the members' own parameters into the batch's, `split`
+ * the batch's rows into each member's own rows, in order — undefined for a member the batch did
+ * not decide, which then sends its own statement.
+ */
+export interface BatchSpec {
+  readonly text: string
+  /** The most members of one batch. */
+  readonly max: number
+  readonly encode: (members: ReadonlyArray<ReadonlyArray<unknown>>) => ReadonlyArray<unknown>
+  readonly split: (rows: ReadonlyArray<Row>, members: number) => ReadonlyArray<ReadonlyArray<Row> | undefined>
 }
 
 /** What every grant attempt sends, a lock's and a semaphore's alike. */

@@ -11,7 +11,7 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { LockBackendError } from "../../LockError.js"
 import { backoffMillis, RESEND_ATTEMPTS, RESEND_MIN_LEFT_MS, resendable, resending } from "../sql/resend.js"
-import type { Row, Statement } from "./dialect.js"
+import type { BatchSpec, Row, Statement } from "./dialect.js"
 
 /** Rows of a statement, with the monotonic time (ms) just before it was sent. */
 export interface Sent<A> {
@@ -56,8 +56,16 @@ export interface Lane {
     text: string,
     params: ReadonlyArray<unknown>,
     bound: Duration.Duration,
-    done: (error: LockBackendError | undefined, rows?: ReadonlyArray<Row>) => void
+    done: (error: LockBackendError | undefined, rows?: ReadonlyArray<Row>) => void,
+    batch?: Batchable
   ) => () => void) | undefined
+}
+
+/** A statement that may go out with others of its kind (`Statement.batch`) when they wait for a connection together. */
+export interface Batchable {
+  readonly spec: BatchSpec
+  readonly params: ReadonlyArray<unknown>
+  readonly key: string
 }
 
 /** A typed answer, with the monotonic time (ms) just before its statement was sent. */
@@ -101,6 +109,8 @@ export const sendNow = <I, O>(
   done: (error: LockBackendError | undefined, value?: O) => void
 ): () => void => {
   const params = statement.encode(input)
+  const key = statement.batch?.key(params)
+  const batch = key === undefined ? undefined : { spec: statement.batch!.spec, params, key }
   const deadline = performance.now() + Duration.toMillis(bound)
   let abandoned = false
   let abandonSend: () => void = () => {}
@@ -126,7 +136,7 @@ export const sendNow = <I, O>(
         timer = undefined
         if (!abandoned) sendOnce(resend + 1, Duration.millis(Math.max(1, deadline - performance.now())))
       }, backoff)
-    })
+    }, batch)
   }
   sendOnce(0, bound)
   return () => {

@@ -165,13 +165,53 @@ export interface Pool {
     text: string,
     params: ReadonlyArray<unknown>,
     boundMillis: number,
-    done: (error: unknown, rows?: ReadonlyArray<unknown>) => void
+    done: (error: unknown, rows?: ReadonlyArray<unknown>) => void,
+    batch?: Batchable
   ) => () => void
   /** Closes connections idle for longer than `idleMillis`. */
   readonly reap: (idleMillis: number) => void
   /** Destroys every connection; later statements fail. */
   readonly close: () => void
   readonly size: () => number
+  /** How many batches (statements standing for two or more) this pool has sent. */
+  readonly batches: () => number
+  /** How many statements wait for a connection. */
+  readonly queued: () => number
+}
+
+/**
+ * A kind of statement that several waiting callers may send as one (`Batchable.spec`): `encode`
+ * turns the members' own parameters into the batch's, `split` the batch's rows into each
+ * member's, in order — or undefined for a member the batch did not decide, which then sends its
+ * own statement.
+ */
+export interface BatchSpec {
+  readonly text: string
+  /** The most members of one batch. */
+  readonly max: number
+  readonly encode: (members: ReadonlyArray<ReadonlyArray<unknown>>) => ReadonlyArray<unknown>
+  // Rows of whatever shape the spec reads them as (`never` fits every row type).
+  readonly split: (rows: ReadonlyArray<never>, members: number) => ReadonlyArray<ReadonlyArray<unknown> | undefined>
+}
+
+/** A statement that may go out in a batch of its `spec` with others that wait for a connection; `key`s in one batch differ. */
+export interface Batchable {
+  readonly spec: BatchSpec
+  readonly params: ReadonlyArray<unknown>
+  readonly key: string
+}
+
+/** A statement waiting for a connection. */
+interface Waiting {
+  /** Its turn: it takes a connection (or waits again). */
+  readonly take: () => void
+  /** What it may be batched as, while it may be. */
+  readonly batch: () => Batchable | undefined
+  /** It goes out in a batch on `connection` (undefined once the batch answered). */
+  readonly sendingOn: (connection: Connection | undefined) => void
+  readonly settle: (error: unknown, rows?: ReadonlyArray<unknown>) => void
+  /** The batch did not decide it: it sends its own statement. */
+  readonly alone: () => void
 }
 
 /**
@@ -185,9 +225,10 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
   // Most recently used last, and taken first: the others idle long enough to be reaped.
   const idle: Array<Connection> = []
   // Statements waiting for a connection or a free slot, first in, first out.
-  const waiters: Array<() => void> = []
+  const waiters: Array<Waiting> = []
   let open = 0
   let closed = false
+  let batches = 0
   // pg's own connect timeout also bounds the setup: a slot is never held by a connection that hangs opening.
   const openBound = config.connectionTimeoutMillis !== undefined && config.connectionTimeoutMillis > 0
     ? config.connectionTimeoutMillis
@@ -202,7 +243,7 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
   const checkin = (connection: Connection) => {
     if (closed || connection.broken) discard(connection)
     else idle.push(connection)
-    waiters.shift()?.()
+    waiters.shift()?.take()
   }
 
   const takeIdle = (): Connection | undefined => {
@@ -213,9 +254,49 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     return undefined
   }
 
-  const statementNow: Pool["statementNow"] = (text, params, boundMillis, done) => {
+  /** The waiting statements that may go out with `first` (its spec, other keys), taken off the queue. */
+  const gather = (first: Batchable): Array<Waiting> => {
+    const members: Array<Waiting> = []
+    const keys = new Set([first.key])
+    for (let i = 0; i < waiters.length && members.length + 1 < first.spec.max;) {
+      const batch = waiters[i]!.batch()
+      if (batch === undefined || batch.spec !== first.spec || keys.has(batch.key)) {
+        i++
+        continue
+      }
+      keys.add(batch.key)
+      members.push(waiters.splice(i, 1)[0]!)
+    }
+    return members
+  }
+
+  /** One statement for every member, on `connection`; each member settles from its own rows, or sends its own statement. */
+  const sendBatch = (connection: Connection, spec: BatchSpec, members: ReadonlyArray<Waiting>) => {
+    batches++
+    for (const member of members) member.sendingOn(connection)
+    run(connection, spec.text, spec.encode(members.map((member) => member.batch()!.params)), undefined, (error, rows) => {
+      for (const member of members) member.sendingOn(undefined)
+      // The server refused the batch as a whole (a deadlock with another batch, say): its session
+      // is fine and nothing of it committed, so each member goes alone, as it would have.
+      const refused = error !== undefined && !connection.broken
+      checkin(connection)
+      if (error !== undefined) {
+        for (const member of members) refused ? member.alone() : member.settle(error)
+        return
+      }
+      const answers = spec.split(rows as ReadonlyArray<never>, members.length)
+      members.forEach((member, i) => {
+        const own = answers[i]
+        if (own === undefined) member.alone()
+        else member.settle(undefined, own)
+      })
+    })
+  }
+
+  const statementNow: Pool["statementNow"] = (text, params, boundMillis, done, batchable) => {
     let settled = false
     let sending: Connection | undefined
+    let batch = batchable
     const settle = (error: unknown, rows?: ReadonlyArray<unknown>) => {
       if (settled) return
       settled = true
@@ -225,10 +306,10 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     /** Nobody reads this statement any more. */
     const leave = () => {
       settled = true
-      const index = waiters.indexOf(take)
+      const index = waiters.indexOf(waiting)
       if (index >= 0) waiters.splice(index, 1)
       // A statement in flight may still run and commit: its session is destroyed, never reused
-      // (the edge then fails the statement, which hands the slot back).
+      // (the edge then fails the statement — the whole batch it went in — which hands the slot back).
       if (sending !== undefined) destroyNow(sending)
     }
     const cancelTimer = stallSafeTimer(boundMillis, () => {
@@ -238,6 +319,11 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     })
     const use = (connection: Connection) => {
       if (settled) return checkin(connection)
+      if (batch !== undefined) {
+        // Only statements that waited for a connection are batched: an idle pool sends each alone.
+        const others = gather(batch)
+        if (others.length > 0) return sendBatch(connection, batch.spec, [waiting, ...others])
+      }
       sending = connection
       run(connection, text, params, undefined, (error, rows) => {
         sending = undefined
@@ -250,14 +336,27 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
       if (closed) return settle(new Error("the lock connections were closed"))
       const connection = takeIdle()
       if (connection !== undefined) return use(connection)
-      if (open >= max) return void waiters.push(take)
+      if (open >= max) return void waiters.push(waiting)
       open++
       openConnection(driver, config, statements, SESSION_SETUP, openBound, (opened, error) => {
         if (opened !== undefined) return use(opened)
         open--
-        waiters.shift()?.()
+        waiters.shift()?.take()
         settle(error)
       })
+    }
+    const waiting: Waiting = {
+      take,
+      batch: () => (settled ? undefined : batch),
+      sendingOn: (connection) => {
+        sending = connection
+      },
+      settle,
+      alone: () => {
+        if (settled) return
+        batch = undefined
+        take()
+      }
     }
     take()
     return () => {
@@ -290,8 +389,10 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     close: () => {
       closed = true
       for (const connection of idle.splice(0)) discard(connection)
-      for (const waiter of waiters.splice(0)) waiter()
+      for (const waiter of waiters.splice(0)) waiter.take()
     },
-    size: () => open
+    size: () => open,
+    batches: () => batches,
+    queued: () => waiters.length
   }
 }

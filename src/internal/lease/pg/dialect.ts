@@ -7,11 +7,50 @@
  */
 import { sqlStateOf } from "../../sql/state.js"
 import { CATALOG_RACE } from "../../sql/tables.js"
-import { decode, ddl, type Dialect, type OperatorStatements, params, type Statement } from "../dialect.js"
+import { decode, ddl, type Dialect, type OperatorStatements, params, type Row, type Statement } from "../dialect.js"
 import * as PermitSql from "./permitSql.js"
 import * as Sql from "./sql.js"
 
 const asIs = (list: ReadonlyArray<unknown>) => list
+
+/**
+ * Exclusive first attempts of different names that wait for a lock connection together go out as
+ * one `acquireBatch` (`params.lockAcquire`'s positions: 0 name, 1 owner, 2 waiter, 3 mode, 4 ttl,
+ * 6 application, 7 host, 8 pid). A member the batch did not grant sends its own `acquire`.
+ */
+const acquireBatch = (tables: Sql.Tables): NonNullable<Statement<never, unknown>["batch"]> => ({
+  spec: {
+    text: Sql.acquireBatch(tables),
+    max: Sql.ACQUIRE_BATCH_MAX,
+    encode: (members) => [0, 1, 2, 4, 6, 7, 8].map((at) => members.map((p) => p[at])),
+    // Only a grant is decided; the others send their own statement.
+    split: (rows, members) => byIndex(rows.filter((row) => row["token"] !== null && row["token"] !== undefined), members)
+  },
+  // Only exclusive requests; the name, which the rows of one batch are keyed on.
+  key: (p) => (p[3] === "exclusive" ? p[0] as string : undefined)
+})
+
+/**
+ * Give-backs of exclusive leases (an owner, no waiter: `params.release`'s 0 name, 1 owner, 2
+ * waiter) of different names that wait for a lock connection together go out as one
+ * `releaseBatch`; one it did not make sends its own `release`.
+ */
+const releaseBatch = (tables: Sql.Tables): NonNullable<Statement<never, unknown>["batch"]> => ({
+  spec: {
+    text: Sql.releaseBatch(tables),
+    max: Sql.RELEASE_BATCH_MAX,
+    encode: (members) => [members.map((p) => p[0]), members.map((p) => p[1])],
+    split: byIndex
+  },
+  key: (p) => (p[1] !== null && p[2] === null ? p[0] as string : undefined)
+})
+
+/** Each member's row of a batch's answer (`idx`, 1-based); none for a member the batch did not decide. */
+const byIndex = (rows: ReadonlyArray<Row>, members: number): ReadonlyArray<ReadonlyArray<Row> | undefined> => {
+  const own: Array<ReadonlyArray<Row> | undefined> = new Array(members).fill(undefined)
+  for (const row of rows) own[Number(row["idx"]) - 1] = [row]
+  return own
+}
 
 /** The operator statements of the tables `tables`: a revoke notifies on `channel`. */
 export const operator = (tables: Sql.Tables, channel: string): OperatorStatements => ({
@@ -40,8 +79,8 @@ export const dialect = (tables: Sql.Tables, channel: string): Dialect => {
   return {
     backend: "pg-lease",
     locks: {
-      acquire: { operation: "acquire", text: Sql.acquire(tables), encode: params.lockAcquire, decode: decode.lockAcquire },
-      release: release(Sql.release(tables)),
+      acquire: { operation: "acquire", text: Sql.acquire(tables), encode: params.lockAcquire, decode: decode.lockAcquire, batch: acquireBatch(tables) },
+      release: { ...release(Sql.release(tables)), batch: releaseBatch(tables) },
       renew: { operation: "renew", text: Sql.renew(tables), encode: params.renew, decode: decode.renew },
       ensureTable: ddl([Sql.ensureTable(tables), Sql.ensureLockTokens(tables)], asIs),
       sweep: { operation: "sweep", text: Sql.sweep(tables), encode: params.sweep, decode: decode.swept }

@@ -123,13 +123,22 @@ const listenOn = (driver: Driver.Driver, config: pg.ClientConfig, bound: Duratio
 const refusedAsWhole = (exit: Exit.Exit<unknown, unknown>): boolean =>
   Exit.isFailure(exit) && Option.match(Cause.failureOption(exit.cause), { onNone: () => false, onSome: resendable })
 
+/** What the lane of own connections tells beside its statements (tests and benchmarks read it). */
+export interface OwnLane {
+  readonly openConnections: () => number
+  /** Statements sent for two or more waiting ones (`pg/pool`). */
+  readonly batchesSent: () => number
+  /** Lock statements waiting for a connection. */
+  readonly queuedStatements: () => number
+}
+
 /** The lane of connections the backend owns. */
 export const own = (
   config: pg.ClientConfig,
   connections: number,
   listenBound: Duration.Duration,
   owner: Owner
-): Effect.Effect<Lane & { readonly openConnections: () => number }, LockBackendError, Scope.Scope> =>
+): Effect.Effect<Lane & OwnLane, LockBackendError, Scope.Scope> =>
   Effect.gen(function*() {
     const driver = yield* Driver.load
     const lock = yield* ownPool(driver, config, connections, owner)
@@ -137,14 +146,16 @@ export const own = (
     return {
       kind: "own",
       run: statementOn(lock),
-      runNow: (operation, name, text, params, bound, done) =>
+      runNow: (operation, name, text, params, bound, done, batch) =>
         lock.statementNow(text, params, Duration.toMillis(bound), (error, rows) =>
-          error === undefined ? done(undefined, rows as ReadonlyArray<never>) : done(statementError(operation, name, bound)(error))),
+          error === undefined ? done(undefined, rows as ReadonlyArray<never>) : done(statementError(operation, name, bound)(error)), batch),
       renew: (text, params, bound) => statementOn(renewals)("renew", undefined, text, params, bound),
       listen: listenOn(driver, config, listenBound),
       // Own renewal connections open on demand, in a few ms, whatever the application does.
       prepareRenewals: () => {},
-      openConnections: () => lock.size() + renewals.size()
+      openConnections: () => lock.size() + renewals.size(),
+      batchesSent: lock.batches,
+      queuedStatements: lock.queued
     }
   })
 

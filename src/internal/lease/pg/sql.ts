@@ -316,6 +316,97 @@ select coalesce((select token::text from granted), (select token::text from mine
   (extract(epoch from now()) * 1000)::float8 as now`
 }
 
+/** The most first attempts one `acquireBatch` decides. */
+export const ACQUIRE_BATCH_MAX = 32
+
+/**
+ * First attempts of exclusive requests for different names, queued together for a lock
+ * connection, as one statement (the lane batches them, `pg/pool`): one round trip and one commit
+ * — one WAL flush — for all of them, where each alone pays its own. It decides only what it can
+ * decide without the queue: a request whose name has no live lease and nobody waiting for it,
+ * and which has no place of its own, is granted exactly as `acquire` grants it (the guard, a token
+ * drawn, the lease row taken with the same conditions, re-checked on the row's newest version).
+ * Every other request gets a null token, and sends `acquire` on its own: it takes its place there,
+ * so waiting order, no-overtake and handed leases stay `acquire`'s alone. Rows are locked in name
+ * order, so two batches never wait for each other in a cycle; a deadlock with a renewal batch is
+ * refused by the server, and each request of the batch then goes alone (`pg/pool`).
+ *
+ * Parameters (parallel arrays, one entry per request): $1 names, $2 owners, $3 waiters, $4 ttls
+ * ms, $5 applications, $6 hosts, $7 pids. Answers one row per request (`idx`, 1-based), with
+ * `acquire`'s columns.
+ */
+export const acquireBatch = (table: Tables | TableRef): string => acquireBatchSql(tablesOf(table))
+
+const acquireBatchSql = ({ leases, queue }: Tables): string => {
+  const seq = Tokens.tokenSequence(leases)
+  const ns = Tokens.sweepGuardNamespace(leases)
+  return `with input as (
+  select * from unnest($1::text[], $2::uuid[], $3::uuid[], $4::bigint[], $5::text[], $6::text[], $7::integer[])
+    with ordinality as i(name, owner, waiter, ttl, application, host, pid, idx)
+), free as (
+  -- What this statement decides alone: no live lease, no live place of the name, no place of the request's.
+  select i.* from input i
+  where not exists (select 1 from ${queue.sql} w where w.name = i.name and w.token is null and w.expires_at > now())
+    and not exists (select 1 from ${queue.sql} m where m.owner = i.waiter)
+    and not exists (
+      select 1 from ${leases.sql} h
+      where h.name = i.name and ((h.owner is not null and h.expires_at > now()) or h.shared_until > now()))
+), guard as materialized (
+  -- Taken before the draw, as \`acquire\` takes it: the sweep cannot delete a row between the draw and the insert.
+  select f.*, ${Tokens.holdGuard(ns, "f.name")} as guarded from free f
+), drawn as materialized (
+  select g.*, ${Tokens.draw(seq)} as token from guard g order by g.name
+), exclusive as (
+  insert into ${leases.sql} as l (name, owner, token, expires_at, acquired_at, holder_application, holder_host, holder_pid)
+  -- In name order: the rows are locked in one order by every batch.
+  select d.name, d.owner, d.token, now() + ${ms("d.ttl")}, now(), d.application, d.host, d.pid from drawn d order by d.name
+  ${takeOver("greatest(l.token + 1, excluded.token)")}
+    where (l.owner is null or l.expires_at <= now()) and (l.shared_until is null or l.shared_until <= now())
+  returning l.name, l.token
+)
+select i.idx::integer as idx, e.token::text as token,
+  ${commitsUnflushed("not exists (select 1 from exclusive)")},
+  null::float8 as wait, false as behind, false as handed, null::float8 as left,
+  (extract(epoch from now()) * 1000)::float8 as now
+from input i left join exclusive e on e.name = i.name
+order by i.idx`
+}
+
+/** The most give-backs one `releaseBatch` decides. */
+export const RELEASE_BATCH_MAX = 32
+
+/**
+ * Give-backs of exclusive leases of different names, queued together for a lock connection, as
+ * one statement (as `acquireBatch`). It decides only a name nobody queues for (no place, no
+ * shared holder, no row of the queue at all): there `release` would free the lease row and wake
+ * nobody, and so does this, owner-scoped, its commit not waiting for the disk. Every other
+ * give-back — a name with waiters, whose release may hand the lease over — is answered nothing,
+ * and sends `release` on its own. The lease rows are locked in name order, as every batch locks
+ * them, and re-checked on their newest version.
+ *
+ * Parameters (parallel arrays): $1 names, $2 owners. Answers a row (`idx`, 1-based, `released`)
+ * per give-back it made.
+ */
+export const releaseBatch = (table: Tables | TableRef): string => releaseBatchSql(tablesOf(table))
+
+const releaseBatchSql = ({ leases, queue }: Tables): string =>
+  `with input as (
+  select * from unnest($1::text[], $2::uuid[]) with ordinality as i(name, owner, idx)
+), locked as materialized (
+  select l.name from ${leases.sql} l join input i on l.name = i.name and l.owner = i.owner
+  where not exists (select 1 from ${queue.sql} q where q.name = i.name)
+  order by l.name
+  for no key update of l
+), freed as (
+  update ${leases.sql} as l set owner = null, expires_at = null
+  from input i
+  where l.name = i.name and l.owner = i.owner and l.name in (select name from locked)
+  returning l.name
+)
+select i.idx::integer as idx, 1 as released, 0 as woken, ${commitsUnflushed("true")}
+from input i join freed f on f.name = i.name
+order by i.idx`
+
 /**
  * Renews a whole batch in one statement: every exclusive lease still ours and unexpired gets
  * `now() + ttl`; every shared one still live gets it on its own row, and the name's shared bound

@@ -1,0 +1,225 @@
+/**
+ * PgLease's batches (issue 37): first attempts and give-backs of different names that wait for a
+ * lock connection together go out as one statement (`acquireBatch`, `releaseBatch`, sent by
+ * `pg/pool`). Each case holds the layer's only lock connection busy on purpose — its statement
+ * waits for a row lock a raw transaction holds — so that the statements queue behind it, and
+ * lets them go by committing that transaction.
+ */
+import type { SqlClient } from "@effect/sql"
+import type { PgClient } from "@effect/sql-pg"
+import { layer } from "@effect/vitest"
+import { Deferred, Duration, Effect, Exit, Fiber, Scope } from "effect"
+import * as DistributedLock from "effect-lock/DistributedLock"
+import type * as Lane from "effect-lock/internal/lease/pg/lane"
+import * as Make from "effect-lock/internal/lease/pg/make"
+import * as PgLease from "effect-lock/PgLease"
+import pg from "pg"
+import { expect } from "vitest"
+import { freshName, HOLD_THROUGH } from "./support/contract.js"
+import { eventually, waitFor } from "./support/eventually.js"
+import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+
+// First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
+const db = useTestDatabase("pglease_batch")
+
+const TABLE = PgLease.DEFAULT_TABLE
+const QUEUE = `${TABLE}_queue`
+
+const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<unknown> = []) =>
+  Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((r) => r.rows)))
+
+/** A layer's lock service on one lock connection, and its lane's counters. */
+const process1 = (application: string) =>
+  Effect.gen(function*() {
+    let lane: (Lane.Lane & Lane.OwnLane) | undefined
+    const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient | Scope.Scope>()
+    const backend = yield* Make.makeBackend(
+      // The cases are about batching, not renewal: leases that outlast any stall of the host.
+      { ttl: HOLD_THROUGH, sweepInterval: 0, connections: 1, applicationName: application },
+      (own) => {
+        lane = own as Lane.Lane & Lane.OwnLane
+        return own
+      }
+    ).pipe(Effect.provide(env))
+    const lock = yield* DistributedLock.make(backend)
+    return { lock, lane: lane! }
+  })
+
+/**
+ * Holds the lock connection of `application` busy: a raw transaction locks the lease row of a
+ * name of its own, then the layer's acquire of that name waits for it on the connection. Returns
+ * `unblock` (the transaction commits: the acquire goes on) and `done` (that acquire and its
+ * give-back, queued behind whatever the connection does next, have run).
+ */
+const blockConnection = (lock: Effect.Effect.Success<ReturnType<typeof DistributedLock.make>>, application: string) =>
+  Effect.gen(function*() {
+    const name = freshName("blocker")
+    // The row must exist for the raw transaction to lock it.
+    yield* Effect.scoped(lock.acquire(name))
+    const client = new pg.Client({ connectionString: db.url })
+    yield* Effect.promise(() => client.connect())
+    yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
+    yield* Effect.promise(() => client.query("begin"))
+    yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [name]))
+    const blocked = yield* Effect.forkScoped(Effect.scoped(lock.acquire(name, { timeout: Duration.seconds(30) })))
+    yield* waitFor(
+      "the layer's lock connection waiting for the row lock",
+      Effect.map(
+        query<{ n: number }>(
+          "select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'",
+          [application]
+        ),
+        (rows) => rows[0]!.n === 1
+      ),
+      Duration.seconds(10)
+    )
+    return { unblock: Effect.asVoid(Effect.promise(() => client.query("commit"))), done: Fiber.join(blocked) }
+  })
+
+layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) => {
+  it.scoped("acquires of different names waiting for the lock connection go out as one statement, each with a token of its own; their give-backs too", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-grants")
+      const { lane, lock } = yield* process1(application)
+      const names = Array.from({ length: 8 }, (_, i) => freshName(`batched-${i}`))
+      const { unblock } = yield* blockConnection(lock, application)
+      const batchesBefore = lane.batchesSent()
+      const letGo = yield* Deferred.make<void>()
+      const granted = yield* Deferred.make<void>()
+      let held = 0
+      const holders = yield* Effect.forkAll(names.map((name) =>
+        Effect.scoped(Effect.gen(function*() {
+          const lease = yield* lock.acquire(name, { timeout: Duration.seconds(20) })
+          if (++held === names.length) yield* Deferred.succeed(granted, undefined)
+          yield* Deferred.await(letGo)
+          return lease.token
+        }))
+      ))
+      yield* waitFor("8 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 8), Duration.seconds(10))
+      yield* unblock
+      yield* Deferred.await(granted).pipe(Effect.timeoutFail({ duration: Duration.seconds(10), onTimeout: () => new Error("8 grants: not within 10 s") }))
+      // The 8 waited together: one statement granted them.
+      expect(lane.batchesSent()).toBe(batchesBefore + 1)
+      const rows = yield* query<{ name: string; token: string; owner: string | null }>(
+        `select name, token::text as token, owner from ${TABLE} where name = any($1)`,
+        [names]
+      )
+      expect(rows.filter((row) => row.owner !== null).map((row) => row.name).sort()).toEqual([...names].sort())
+
+      // The give-backs: queued behind a busy connection again, then one statement.
+      const { unblock: unblockAgain } = yield* blockConnection(lock, application)
+      yield* Deferred.succeed(letGo, undefined)
+      yield* waitFor("8 give-backs queued for the connection", Effect.sync(() => lane.queuedStatements() === 8), Duration.seconds(10))
+      yield* unblockAgain
+      const tokens = yield* Fiber.join(holders)
+      expect(lane.batchesSent()).toBe(batchesBefore + 2)
+      // Each its own token, the one its row recorded; every lease given back.
+      const recorded = new Map(rows.map((row) => [row.name, row.token]))
+      expect(tokens.map(String)).toEqual(names.map((name) => recorded.get(name)))
+      expect(new Set(tokens.map(String)).size).toBe(names.length)
+      const left = yield* query<{ n: number }>(`select count(*)::int as n from ${TABLE} where name = any($1) and owner is not null`, [names])
+      expect(left[0]!.n).toBe(0)
+    }))
+
+  it.scoped("a batch grants only what it can decide: a held name waits for its release, a name with a live place ahead is not overtaken", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-undecided")
+      const { lane, lock } = yield* process1(application)
+      const other = yield* process1(freshName("batch-other"))
+      const [held, placed, freeA, freeB] = ["held", "placed", "free-a", "free-b"].map(freshName)
+      const holder = yield* Scope.make()
+      yield* Scope.extend(other.lock.acquire(held!), holder)
+      // A live place of another process's waiter for `placed`, whose lease row is free: 3 s left.
+      yield* query(
+        `insert into ${QUEUE} (owner, name, mode, expires_at, enqueued_at) values (gen_random_uuid(), $1, 'exclusive', now() + interval '3 seconds', now())`,
+        [placed]
+      )
+      const [placeEnds] = yield* query<{ at: number }>(`select (extract(epoch from expires_at) * 1000)::float8 as at from ${QUEUE} where name = $1`, [placed])
+      const { unblock } = yield* blockConnection(lock, application)
+      const batchesBefore = lane.batchesSent()
+      const letGo = yield* Deferred.make<void>()
+      const take = (name: string, granted: Deferred.Deferred<void>) =>
+        Effect.fork(Effect.scoped(Effect.gen(function*() {
+          yield* lock.acquire(name, { timeout: Duration.seconds(20) })
+          yield* Deferred.succeed(granted, undefined)
+          yield* Deferred.await(letGo)
+        })))
+      const grants = yield* Effect.all([0, 1, 2, 3].map(() => Deferred.make<void>()))
+      const fibers = yield* Effect.all([held!, placed!, freeA!, freeB!].map((name, i) => take(name, grants[i]!)))
+      yield* waitFor("4 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 4), Duration.seconds(10))
+      yield* unblock
+      yield* Deferred.await(grants[2]!)
+      yield* Deferred.await(grants[3]!)
+      // One statement granted the two free names.
+      expect(lane.batchesSent()).toBe(batchesBefore + 1)
+      // The two it could not decide went alone and took their places.
+      yield* eventually(
+        "both undecided acquires waiting in the queue",
+        query<{ name: string }>(`select name from ${QUEUE} where name = any($1) and token is null and expires_at > now() and holder_application = $2`, [[held, placed], application]),
+        (rows) => rows.length === 2,
+        10_000
+      )
+      expect(yield* Deferred.isDone(grants[0]!)).toBe(false)
+      // Granted only once the place ahead ran out (server time), never over it.
+      yield* Deferred.await(grants[1]!)
+      const [granted] = yield* query<{ at: number }>(`select (extract(epoch from acquired_at) * 1000)::float8 as at from ${TABLE} where name = $1`, [placed])
+      expect(granted!.at).toBeGreaterThanOrEqual(placeEnds!.at)
+      expect(yield* Deferred.isDone(grants[0]!)).toBe(false)
+      yield* Scope.close(holder, Exit.void)
+      yield* Deferred.await(grants[0]!)
+      yield* Deferred.succeed(letGo, undefined)
+      yield* Fiber.join(Fiber.all(fibers))
+    }))
+
+  it.scoped("a batch the server refuses (a deadlock) is not lost: its give-backs are made, none fails", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-deadlock")
+      const { lane, lock } = yield* process1(application)
+      // In name order: the batch locks `first`, then waits for `second`.
+      const first = freshName("dl-a")
+      const second = freshName("dl-b")
+      const letGo = yield* Deferred.make<void>()
+      const both = yield* Deferred.make<void>()
+      let held = 0
+      const holders = yield* Effect.forkAll([first, second].map((name) =>
+        Effect.scoped(Effect.gen(function*() {
+          yield* lock.acquire(name)
+          if (++held === 2) yield* Deferred.succeed(both, undefined)
+          yield* Deferred.await(letGo)
+        }))
+      ))
+      yield* Deferred.await(both)
+      const client = new pg.Client({ connectionString: db.url })
+      yield* Effect.promise(() => client.connect())
+      yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
+      yield* Effect.promise(() => client.query("begin"))
+      yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [second]))
+      const { done, unblock } = yield* blockConnection(lock, application)
+      const batchesBefore = lane.batchesSent()
+      yield* Deferred.succeed(letGo, undefined)
+      yield* waitFor("2 give-backs queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
+      yield* unblock
+      // The batch holds `first` and waits for `second`; the raw transaction then waits for `first`:
+      // the server refuses the batch, which waited first (deadlock_timeout).
+      yield* waitFor(
+        "the batch waiting for the row lock",
+        Effect.map(
+          query<{ n: number }>(
+            `select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'
+               and query like '%unnest($1::text[], $2::uuid[]) with ordinality%'`,
+            [application]
+          ),
+          (rows) => rows[0]!.n === 1
+        ),
+        Duration.seconds(10)
+      )
+      expect(lane.batchesSent()).toBe(batchesBefore + 1)
+      yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [first]))
+      yield* Effect.promise(() => client.query("commit"))
+      // Nothing failed, and both leases were given back (alone, after the refusal).
+      yield* Fiber.join(holders)
+      yield* done
+      const left = yield* query<{ n: number }>(`select count(*)::int as n from ${TABLE} where name = any($1) and owner is not null`, [[first, second]])
+      expect(left[0]!.n).toBe(0)
+    }))
+})
