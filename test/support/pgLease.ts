@@ -41,10 +41,30 @@ const makeProbe = () => {
   const bump = (map: Map<string, number>, name: string, by: number) => map.set(name, (map.get(name) ?? 0) + by)
   const counted = <A, E, R>(self: Effect.Effect<A, E, R>) =>
     Effect.acquireUseRelease(Effect.sync(() => inFlight++), () => self, () => Effect.sync(() => inFlight--))
-  const wrapLane = (lane: Lane.Lane): Lane.Lane => ({
-    ...withRun(lane, (operation, name, text, params, bound) => counted(lane.run(operation, name, text, params, bound))),
-    renew: (text, params, bound) => counted(lane.renew(text, params, bound))
-  })
+  const wrapLane = (lane: Lane.Lane): Lane.Lane => {
+    const runNow = lane.runNow
+    return {
+      ...withRun(lane, (operation, name, text, params, bound) => counted(lane.run(operation, name, text, params, bound))),
+      // The callback path counted as it is, batches included (`pg/pool`): the library's own path.
+      runNow: runNow === undefined ? undefined : (operation, name, text, params, bound, done, batch) => {
+        inFlight++
+        let open = true
+        const finish = () => {
+          if (open) inFlight--
+          open = false
+        }
+        const abandon = runNow(operation, name, text, params, bound, (error, rows) => {
+          finish()
+          done(error, rows)
+        }, batch)
+        return () => {
+          finish()
+          abandon()
+        }
+      },
+      renew: (text, params, bound) => counted(lane.renew(text, params, bound))
+    }
+  }
   const wrapBackend = <G extends PgLease.PgLeaseGrant>(backend: LockBackend<G>): LockBackend<G> => ({
     ...backend,
     acquire: (request) =>
