@@ -171,6 +171,39 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* Fiber.join(Fiber.all(fibers))
     }))
 
+  it.scoped("16 fibers on 3 names through one lock connection, batched and alone mixed: never two holders of a name, tokens rising per name", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-mixed")
+      const { lane, lock } = yield* process1(application)
+      const names = ["m-a", "m-b", "m-c"].map(freshName)
+      const inside = new Map<string, number>()
+      const tokens = new Map<string, Array<bigint>>()
+      let overlaps = 0
+      const batchesBefore = lane.batchesSent()
+      yield* Effect.forEach(Array.from({ length: 16 }, (_, i) => i), (fiber) =>
+        Effect.forEach(Array.from({ length: 15 }, (_, round) => round), (round) => {
+          const name = names[(fiber + round) % names.length]!
+          return Effect.scoped(Effect.gen(function*() {
+            const lease = yield* lock.acquire(name, { timeout: Duration.seconds(30) })
+            const n = (inside.get(name) ?? 0) + 1
+            inside.set(name, n)
+            if (n > 1) overlaps++
+            tokens.set(name, [...(tokens.get(name) ?? []), lease.token])
+            // Held across a turn of the event loop, so that others queue meanwhile.
+            yield* Effect.sleep(Duration.millis(1))
+            inside.set(name, inside.get(name)! - 1)
+          }))
+        }, { discard: true }), { concurrency: "unbounded", discard: true })
+      expect(overlaps).toBe(0)
+      for (const name of names) {
+        const seen = tokens.get(name)!
+        expect(seen.every((token, i) => i === 0 || token > seen[i - 1]!), `${name}: ${seen.join(", ")}`).toBe(true)
+      }
+      expect([...tokens.values()].reduce((sum, seen) => sum + seen.length, 0)).toBe(16 * 15)
+      // Statements of different names met in the queue: some went out together.
+      expect(lane.batchesSent()).toBeGreaterThan(batchesBefore)
+    }))
+
   it.scoped("a batch the server refuses (a deadlock) is not lost: its give-backs are made, none fails", () =>
     Effect.gen(function*() {
       const application = freshName("batch-deadlock")
