@@ -204,17 +204,15 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       expect(lane.batchesSent()).toBeGreaterThan(batchesBefore)
     }))
 
-  it.scoped("a batch the server refuses (a deadlock) is not lost: its give-backs are made, none fails", () =>
+  it.scoped("a batch never waits for a row lock: a name whose row another transaction holds is left out, its request goes alone and waits, the others are done at once", () =>
     Effect.gen(function*() {
-      const application = freshName("batch-deadlock")
+      const application = freshName("batch-skip")
       const { lane, lock } = yield* process1(application)
-      // In name order: the batch locks `first`, then waits for `second`.
-      const first = freshName("dl-a")
-      const second = freshName("dl-b")
+      const [heldRow, freeRow, fresh] = ["skip-held", "skip-free", "skip-fresh"].map(freshName)
       const letGo = yield* Deferred.make<void>()
       const both = yield* Deferred.make<void>()
       let held = 0
-      const holders = yield* Effect.forkAll([first, second].map((name) =>
+      const holders = yield* Effect.forkAll([heldRow!, fresh!].map((name) =>
         Effect.scoped(Effect.gen(function*() {
           yield* lock.acquire(name)
           if (++held === 2) yield* Deferred.succeed(both, undefined)
@@ -222,37 +220,122 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
         }))
       ))
       yield* Deferred.await(both)
+      // `freeRow` has a row and no lease.
+      yield* Effect.scoped(lock.acquire(freeRow!))
       const client = new pg.Client({ connectionString: db.url })
       yield* Effect.promise(() => client.connect())
       yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
       yield* Effect.promise(() => client.query("begin"))
-      yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [second]))
-      const { done, unblock } = yield* blockConnection(lock, application)
-      const batchesBefore = lane.batchesSent()
+      yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = any($1) for update`, [[heldRow, freeRow]]))
+      const rowOwner = (name: string) =>
+        Effect.map(query<{ owner: string | null }>(`select owner from ${TABLE} where name = $1`, [name]), (rows) => rows[0]?.owner ?? null)
+      const stillLocked = Effect.map(
+        query<{ n: number }>(
+          "select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'",
+          [application]
+        ),
+        (rows) => rows[0]!.n
+      )
+
+      // Give-backs: `fresh`'s in the batch at once, `heldRow`'s alone, waiting for the transaction.
+      const first = yield* blockConnection(lock, application)
+      const before = lane.batchesSent()
       yield* Deferred.succeed(letGo, undefined)
       yield* waitFor("2 give-backs queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
-      yield* unblock
-      // The batch holds `first` and waits for `second`; the raw transaction then waits for `first`:
-      // the server refuses the batch, which waited first (deadlock_timeout).
+      yield* first.unblock
+      yield* waitFor("fresh's lease given back", Effect.map(rowOwner(fresh!), (owner) => owner === null), Duration.seconds(10))
+      expect(lane.batchesSent()).toBe(before + 1)
+      yield* waitFor("heldRow's give-back waiting for the row", Effect.map(stillLocked, (n) => n === 1), Duration.seconds(10))
+      expect(yield* rowOwner(heldRow!)).not.toBeNull()
+      yield* Effect.promise(() => client.query("commit"))
+      yield* Fiber.join(holders)
+      yield* first.done
+      expect(yield* rowOwner(heldRow!)).toBeNull()
+
+      // Acquires: `fresh` granted by the batch at once, `freeRow` alone, waiting for the transaction.
+      yield* Effect.promise(() => client.query("begin"))
+      yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [freeRow]))
+      const second = yield* blockConnection(lock, application)
+      const beforeAcquires = lane.batchesSent()
+      const grants = yield* Effect.all([0, 1].map(() => Deferred.make<void>()))
+      const end = yield* Deferred.make<void>()
+      const takers = yield* Effect.forkAll([freeRow!, fresh!].map((name, i) =>
+        Effect.scoped(Effect.gen(function*() {
+          yield* lock.acquire(name, { timeout: Duration.seconds(20) })
+          yield* Deferred.succeed(grants[i]!, undefined)
+          yield* Deferred.await(end)
+        }))
+      ))
+      yield* waitFor("2 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
+      yield* second.unblock
+      yield* Deferred.await(grants[1]!)
+      expect(lane.batchesSent()).toBe(beforeAcquires + 1)
+      yield* waitFor("freeRow's acquire waiting for the row", Effect.map(stillLocked, (n) => n === 1), Duration.seconds(10))
+      expect(yield* Deferred.isDone(grants[0]!)).toBe(false)
+      yield* Effect.promise(() => client.query("commit"))
+      yield* Deferred.await(grants[0]!)
+      yield* Deferred.succeed(end, undefined)
+      yield* Fiber.join(takers)
+      yield* second.done
+    }))
+
+  it.scoped("a batch the server refuses as a whole (cancelled as it waits for another's first insert of a name) is not lost: every request is granted", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-refused")
+      const { lane, lock } = yield* process1(application)
+      const [raced, other] = ["refused-raced", "refused-other"].map(freshName)
+      const blocked = yield* blockConnection(lock, application)
+      // Another transaction's first insert of `raced`, not committed: the batch's insert waits for it.
+      const client = new pg.Client({ connectionString: db.url })
+      yield* Effect.promise(() => client.connect())
+      yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
+      yield* Effect.promise(() => client.query("begin"))
+      yield* Effect.promise(() => client.query(`insert into ${TABLE} (name, token) values ($1, 1)`, [raced]))
+      const before = lane.batchesSent()
+      const grants = yield* Effect.all([0, 1].map(() => Deferred.make<void>()))
+      const end = yield* Deferred.make<void>()
+      const takers = yield* Effect.forkAll([raced!, other!].map((name, i) =>
+        Effect.scoped(Effect.gen(function*() {
+          yield* lock.acquire(name, { timeout: Duration.seconds(20) })
+          yield* Deferred.succeed(grants[i]!, undefined)
+          yield* Deferred.await(end)
+        }))
+      ))
+      yield* waitFor("2 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
+      yield* blocked.unblock
+      const [waiting] = yield* eventually(
+        "the batch waiting for the other's insert",
+        query<{ pid: number }>(
+          `select pid from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'
+             and query like '%with ordinality as i(name, owner, waiter%'`,
+          [application]
+        ),
+        (rows) => rows.length === 1,
+        10_000
+      )
+      expect(lane.batchesSent()).toBe(before + 1)
+      // Refused by the server (57014): nothing of the batch committed, its session is fine.
+      yield* query("select pg_cancel_backend($1)", [waiting!.pid])
+      // Each goes alone now; `raced`'s own acquire waits for the other's insert in turn (on the
+      // only connection), until that transaction rolls back.
       yield* waitFor(
-        "the batch waiting for the row lock",
+        "the refused batch's requests sent alone",
         Effect.map(
           query<{ n: number }>(
             `select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'
-               and query like '%unnest($1::text[], $2::uuid[]) with ordinality%'`,
+               and query not like '%with ordinality as i(name, owner, waiter%'`,
             [application]
           ),
           (rows) => rows[0]!.n === 1
         ),
         Duration.seconds(10)
       )
-      expect(lane.batchesSent()).toBe(batchesBefore + 1)
-      yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [first]))
-      yield* Effect.promise(() => client.query("commit"))
-      // Nothing failed, and both leases were given back (alone, after the refusal).
-      yield* Fiber.join(holders)
-      yield* done
-      const left = yield* query<{ n: number }>(`select count(*)::int as n from ${TABLE} where name = any($1) and owner is not null`, [[first, second]])
-      expect(left[0]!.n).toBe(0)
+      expect(lane.batchesSent()).toBe(before + 1)
+      yield* Effect.promise(() => client.query("rollback"))
+      yield* Deferred.await(grants[0]!)
+      yield* Deferred.await(grants[1]!)
+      yield* Deferred.succeed(end, undefined)
+      yield* Fiber.join(takers)
+      yield* blocked.done
     }))
 })

@@ -276,8 +276,9 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     for (const member of members) member.sendingOn(connection)
     run(connection, spec.text, spec.encode(members.map((member) => member.batch()!.params)), undefined, (error, rows) => {
       for (const member of members) member.sendingOn(undefined)
-      // The server refused the batch as a whole (a deadlock with another batch, say): its session
-      // is fine and nothing of it committed, so each member goes alone, as it would have.
+      // The server refused the batch as a whole (a deadlock where its first insert of a name met
+      // another's, say): its session is fine and nothing of it committed, so each member goes
+      // alone, as it would have.
       const refused = error !== undefined && !connection.broken
       checkin(connection)
       if (error !== undefined) {

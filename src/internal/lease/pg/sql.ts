@@ -327,9 +327,9 @@ export const ACQUIRE_BATCH_MAX = 32
  * and which has no place of its own, is granted exactly as `acquire` grants it (the guard, a token
  * drawn, the lease row taken with the same conditions, re-checked on the row's newest version).
  * Every other request gets a null token, and sends `acquire` on its own: it takes its place there,
- * so waiting order, no-overtake and handed leases stay `acquire`'s alone. Rows are locked in name
- * order, so two batches never wait for each other in a cycle; a deadlock with a renewal batch is
- * refused by the server, and each request of the batch then goes alone (`pg/pool`).
+ * so waiting order, no-overtake and handed leases stay `acquire`'s alone. It never waits for a
+ * row another transaction holds: that request goes alone too (only a name's first insert, racing
+ * another's, waits for it, as `acquire` does).
  *
  * Parameters (parallel arrays, one entry per request): $1 names, $2 owners, $3 waiters, $4 ttls
  * ms, $5 applications, $6 hosts, $7 pids. Answers one row per request (`idx`, 1-based), with
@@ -351,9 +351,19 @@ const acquireBatchSql = ({ leases, queue }: Tables): string => {
     and not exists (
       select 1 from ${leases.sql} h
       where h.name = i.name and ((h.owner is not null and h.expires_at > now()) or h.shared_until > now()))
+), taken as materialized (
+  -- The free names' rows, locked now in name order. A row another transaction holds is skipped,
+  -- its request left to go alone: a batch never waits for a row lock, so never in a cycle.
+  select l.name from ${leases.sql} l join free f on f.name = l.name
+  order by l.name
+  for no key update of l skip locked
+), grantable as (
+  -- A name without a row (in this snapshot) is inserted; a concurrent first insert of it is met by the upsert.
+  select f.* from free f
+  where f.name in (select name from taken) or not exists (select 1 from ${leases.sql} h where h.name = f.name)
 ), guard as materialized (
   -- Taken before the draw, as \`acquire\` takes it: the sweep cannot delete a row between the draw and the insert.
-  select f.*, ${Tokens.holdGuard(ns, "f.name")} as guarded from free f
+  select g.*, ${Tokens.holdGuard(ns, "g.name")} as guarded from grantable g
 ), drawn as materialized (
   select g.*, ${Tokens.draw(seq)} as token from guard g order by g.name
 ), exclusive as (
@@ -381,8 +391,8 @@ export const RELEASE_BATCH_MAX = 32
  * shared holder, no row of the queue at all): there `release` would free the lease row and wake
  * nobody, and so does this, owner-scoped, its commit not waiting for the disk. Every other
  * give-back — a name with waiters, whose release may hand the lease over — is answered nothing,
- * and sends `release` on its own. The lease rows are locked in name order, as every batch locks
- * them, and re-checked on their newest version.
+ * and sends `release` on its own, and so is one whose lease row another transaction holds right
+ * now: a batch never waits for a row lock. The rows are re-checked on their newest version.
  *
  * Parameters (parallel arrays): $1 names, $2 owners. Answers a row (`idx`, 1-based, `released`)
  * per give-back it made.
@@ -393,10 +403,12 @@ const releaseBatchSql = ({ leases, queue }: Tables): string =>
   `with input as (
   select * from unnest($1::text[], $2::uuid[]) with ordinality as i(name, owner, idx)
 ), locked as materialized (
+  -- In name order; a row another transaction holds (a renewal, say) is skipped, its give-back left
+  -- to go alone: a batch never waits for a row lock, so never in a cycle and never behind one row.
   select l.name from ${leases.sql} l join input i on l.name = i.name and l.owner = i.owner
   where not exists (select 1 from ${queue.sql} q where q.name = i.name)
   order by l.name
-  for no key update of l
+  for no key update of l skip locked
 ), freed as (
   update ${leases.sql} as l set owner = null, expires_at = null
   from input i
