@@ -76,6 +76,25 @@ const blockConnection = (lock: Effect.Effect.Success<ReturnType<typeof Distribut
     return { unblock: Effect.asVoid(Effect.promise(() => client.query("commit"))), done: Fiber.join(blocked) }
   })
 
+/**
+ * Each of `names` acquired in a fiber of its own (waiting up to 20 s) and held until `letGo`;
+ * `granted[i]` is done once `names[i]` is held, `done` once every lease was given back.
+ */
+const holdEach = (lock: Effect.Effect.Success<ReturnType<typeof DistributedLock.make>>, names: ReadonlyArray<string>) =>
+  Effect.gen(function*() {
+    const granted = yield* Effect.all(names.map(() => Deferred.make<void>()))
+    const end = yield* Deferred.make<void>()
+    const fibers = yield* Effect.forkAll(names.map((name, i) =>
+      Effect.scoped(Effect.gen(function*() {
+        const lease = yield* lock.acquire(name, { timeout: Duration.seconds(20) })
+        yield* Deferred.succeed(granted[i]!, undefined)
+        yield* Deferred.await(end)
+        return lease.token
+      }))
+    ))
+    return { granted, letGo: Deferred.succeed(end, undefined), done: Fiber.join(fibers) }
+  })
+
 layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) => {
   it.scoped("acquires of different names waiting for the lock connection go out as one statement, each with a token of its own; their give-backs too", () =>
     Effect.gen(function*() {
@@ -137,15 +156,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       const [placeEnds] = yield* query<{ at: number }>(`select (extract(epoch from expires_at) * 1000)::float8 as at from ${QUEUE} where name = $1`, [placed])
       const { unblock } = yield* blockConnection(lock, application)
       const batchesBefore = lane.batchesSent()
-      const letGo = yield* Deferred.make<void>()
-      const take = (name: string, granted: Deferred.Deferred<void>) =>
-        Effect.fork(Effect.scoped(Effect.gen(function*() {
-          yield* lock.acquire(name, { timeout: Duration.seconds(20) })
-          yield* Deferred.succeed(granted, undefined)
-          yield* Deferred.await(letGo)
-        })))
-      const grants = yield* Effect.all([0, 1, 2, 3].map(() => Deferred.make<void>()))
-      const fibers = yield* Effect.all([held!, placed!, freeA!, freeB!].map((name, i) => take(name, grants[i]!)))
+      const { done, granted: grants, letGo } = yield* holdEach(lock, [held!, placed!, freeA!, freeB!])
       yield* waitFor("4 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 4), Duration.seconds(10))
       yield* unblock
       yield* Deferred.await(grants[2]!)
@@ -167,8 +178,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       expect(yield* Deferred.isDone(grants[0]!)).toBe(false)
       yield* Scope.close(holder, Exit.void)
       yield* Deferred.await(grants[0]!)
-      yield* Deferred.succeed(letGo, undefined)
-      yield* Fiber.join(Fiber.all(fibers))
+      yield* letGo
+      yield* done
     }))
 
   it.scoped("16 fibers on 3 names through one lock connection, batched and alone mixed: never two holders of a name, tokens rising per name", () =>
@@ -257,15 +268,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [freeRow]))
       const second = yield* blockConnection(lock, application)
       const beforeAcquires = lane.batchesSent()
-      const grants = yield* Effect.all([0, 1].map(() => Deferred.make<void>()))
-      const end = yield* Deferred.make<void>()
-      const takers = yield* Effect.forkAll([freeRow!, fresh!].map((name, i) =>
-        Effect.scoped(Effect.gen(function*() {
-          yield* lock.acquire(name, { timeout: Duration.seconds(20) })
-          yield* Deferred.succeed(grants[i]!, undefined)
-          yield* Deferred.await(end)
-        }))
-      ))
+      const { done: takers, granted: grants, letGo: end } = yield* holdEach(lock, [freeRow!, fresh!])
       yield* waitFor("2 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
       yield* second.unblock
       yield* Deferred.await(grants[1]!)
@@ -274,8 +277,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       expect(yield* Deferred.isDone(grants[0]!)).toBe(false)
       yield* Effect.promise(() => client.query("commit"))
       yield* Deferred.await(grants[0]!)
-      yield* Deferred.succeed(end, undefined)
-      yield* Fiber.join(takers)
+      yield* end
+      yield* takers
       yield* second.done
     }))
 
@@ -292,15 +295,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* Effect.promise(() => client.query("begin"))
       yield* Effect.promise(() => client.query(`insert into ${TABLE} (name, token) values ($1, 1)`, [raced]))
       const before = lane.batchesSent()
-      const grants = yield* Effect.all([0, 1].map(() => Deferred.make<void>()))
-      const end = yield* Deferred.make<void>()
-      const takers = yield* Effect.forkAll([raced!, other!].map((name, i) =>
-        Effect.scoped(Effect.gen(function*() {
-          yield* lock.acquire(name, { timeout: Duration.seconds(20) })
-          yield* Deferred.succeed(grants[i]!, undefined)
-          yield* Deferred.await(end)
-        }))
-      ))
+      const { done: takers, granted: grants, letGo: end } = yield* holdEach(lock, [raced!, other!])
       yield* waitFor("2 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
       yield* blocked.unblock
       const [waiting] = yield* eventually(
@@ -334,8 +329,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* Effect.promise(() => client.query("rollback"))
       yield* Deferred.await(grants[0]!)
       yield* Deferred.await(grants[1]!)
-      yield* Deferred.succeed(end, undefined)
-      yield* Fiber.join(takers)
+      yield* end
+      yield* takers
       yield* blocked.done
     }))
 })

@@ -8,6 +8,8 @@
 import * as Effect from "effect/Effect"
 import type pg from "pg"
 import type { LockBackendError } from "../../LockError.js"
+import type { BatchSpec, Row } from "../lease/dialect.js"
+import type { Batchable } from "../lease/lane.js"
 import {
   destroy as destroyClient,
   type Driver,
@@ -179,28 +181,6 @@ export interface Pool {
   readonly queued: () => number
 }
 
-/**
- * A kind of statement that several waiting callers may send as one (`Batchable.spec`): `encode`
- * turns the members' own parameters into the batch's, `split` the batch's rows into each
- * member's, in order — or undefined for a member the batch did not decide, which then sends its
- * own statement.
- */
-export interface BatchSpec {
-  readonly text: string
-  /** The most members of one batch. */
-  readonly max: number
-  readonly encode: (members: ReadonlyArray<ReadonlyArray<unknown>>) => ReadonlyArray<unknown>
-  // Rows of whatever shape the spec reads them as (`never` fits every row type).
-  readonly split: (rows: ReadonlyArray<never>, members: number) => ReadonlyArray<ReadonlyArray<unknown> | undefined>
-}
-
-/** A statement that may go out in a batch of its `spec` with others that wait for a connection; `key`s in one batch differ. */
-export interface Batchable {
-  readonly spec: BatchSpec
-  readonly params: ReadonlyArray<unknown>
-  readonly key: string
-}
-
 /** A statement waiting for a connection. */
 interface Waiting {
   /** Its turn: it takes a connection (or waits again). */
@@ -285,7 +265,7 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
         for (const member of members) refused ? member.alone() : member.settle(error)
         return
       }
-      const answers = spec.split(rows as ReadonlyArray<never>, members.length)
+      const answers = spec.split(rows as ReadonlyArray<Row>, members.length)
       members.forEach((member, i) => {
         const own = answers[i]
         if (own === undefined) member.alone()
