@@ -4,7 +4,8 @@
  * handoff-lease, redis, redis-16, redis-effect, handoff-redis; default all)
  *
  * Where a lock cycle's time goes. Each subject (a backend's uncontended loop by one worker, or by
- * 16 for the `-16` pairs, or a handoff between 8 contenders) runs for S seconds (default 5) with
+ * 16 for the `-16` pairs — PgLease on its default 4 lock connections, as the bench judges it: its
+ * statements batched — or a handoff between 8 contenders) runs for S seconds (default 5) with
  * V8's CPU profiler on, started after the subject is opened and warmed up, so the profile holds
  * the loop only. For every subject it prints, per cycle: wall time, the CPU this process spent
  * (profile samples that are not idle), and that CPU split by where it ran — the driver (the
