@@ -300,7 +300,7 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     })
     const use = (connection: Connection) => {
       if (settled) return checkin(connection)
-      if (batch !== undefined) {
+      if (batch !== undefined && waiters.length > 0) {
         // Only statements that waited for a connection are batched: an idle pool sends each alone.
         const others = gather(batch)
         if (others.length > 0) return sendBatch(connection, batch.spec, [waiting, ...others])
