@@ -37,23 +37,18 @@ export interface Statement<I, O> {
   readonly text: string
   readonly encode: (input: I) => ReadonlyArray<unknown>
   readonly decode: (rows: ReadonlyArray<Row>) => O
-  /**
-   * How statements of this kind that wait for a connection together go out as one (on lanes
-   * that batch: PgLease's own connections); `key` of the encoded parameters: undefined for one
-   * that may not, else what must differ between the members of a batch.
-   */
-  readonly batch?: {
-    readonly spec: BatchSpec
-    readonly key: (params: ReadonlyArray<unknown>) => string | undefined
-  } | undefined
+  /** How statements of this kind that wait for a connection together go out as one (on lanes that batch: PgLease's own connections). */
+  readonly batch?: BatchSpec | undefined
 }
 
 /**
- * Several statements as one: `encode` turns the members' own parameters into the batch's, `split`
- * the batch's rows into each member's own rows, in order — undefined for a member the batch did
- * not decide, which then sends its own statement.
+ * Several statements as one: `key` of a statement's encoded parameters is undefined for one that
+ * may not go in a batch, else what must differ between the members of one; `encode` turns the
+ * members' own parameters into the batch's, `split` the batch's rows into each member's own rows,
+ * in order — undefined for a member the batch did not decide, which then sends its own statement.
  */
 export interface BatchSpec {
+  readonly key: (params: ReadonlyArray<unknown>) => string | undefined
   readonly text: string
   /** The most members of one batch. */
   readonly max: number

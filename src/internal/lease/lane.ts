@@ -57,15 +57,8 @@ export interface Lane {
     params: ReadonlyArray<unknown>,
     bound: Duration.Duration,
     done: (error: LockBackendError | undefined, rows?: ReadonlyArray<Row>) => void,
-    batch?: Batchable
+    batch?: BatchSpec
   ) => () => void) | undefined
-}
-
-/** A statement that may go out with others of its kind (`Statement.batch`) when they wait for a connection together. */
-export interface Batchable {
-  readonly spec: BatchSpec
-  readonly params: ReadonlyArray<unknown>
-  readonly key: string
 }
 
 /** A typed answer, with the monotonic time (ms) just before its statement was sent. */
@@ -109,8 +102,6 @@ export const sendNow = <I, O>(
   done: (error: LockBackendError | undefined, value?: O) => void
 ): () => void => {
   const params = statement.encode(input)
-  const key = statement.batch?.key(params)
-  const batch = key === undefined ? undefined : { spec: statement.batch!.spec, params, key }
   const deadline = performance.now() + Duration.toMillis(bound)
   let abandoned = false
   let abandonSend: () => void = () => {}
@@ -136,7 +127,7 @@ export const sendNow = <I, O>(
         timer = undefined
         if (!abandoned) sendOnce(resend + 1, Duration.millis(Math.max(1, deadline - performance.now())))
       }, backoff)
-    }, batch)
+    }, statement.batch)
   }
   sendOnce(0, bound)
   return () => {

@@ -9,7 +9,6 @@ import * as Effect from "effect/Effect"
 import type pg from "pg"
 import type { LockBackendError } from "../../LockError.js"
 import type { BatchSpec, Row } from "../lease/dialect.js"
-import type { Batchable } from "../lease/lane.js"
 import {
   destroy as destroyClient,
   type Driver,
@@ -168,7 +167,7 @@ export interface Pool {
     params: ReadonlyArray<unknown>,
     boundMillis: number,
     done: (error: unknown, rows?: ReadonlyArray<unknown>) => void,
-    batch?: Batchable
+    batch?: BatchSpec
   ) => () => void
   /** Closes connections idle for longer than `idleMillis`. */
   readonly reap: (idleMillis: number) => void
@@ -185,8 +184,9 @@ export interface Pool {
 interface Waiting {
   /** Its turn: it takes a connection (or waits again). */
   readonly take: () => void
-  /** What it may be batched as, while it may be. */
-  readonly batch: () => Batchable | undefined
+  /** Its parameters, and the kind of batch it may go in while it may (`BatchSpec.key` says whether). */
+  readonly params: ReadonlyArray<unknown>
+  readonly batch: () => BatchSpec | undefined
   /** It goes out in a batch on `connection` (undefined once the batch answered). */
   readonly sendingOn: (connection: Connection | undefined) => void
   readonly settle: (error: unknown, rows?: ReadonlyArray<unknown>) => void
@@ -234,18 +234,18 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     return undefined
   }
 
-  /** The waiting statements that may go out with `first` (its spec, other keys), taken off the queue. */
-  const gather = (first: Batchable): Array<Waiting> => {
+  /** The waiting statements that may go out with one keyed `key` (its `spec`, other keys), taken off the queue. */
+  const gather = (spec: BatchSpec, key: string): Array<Waiting> => {
     const members: Array<Waiting> = []
-    const keys = new Set([first.key])
-    for (let i = 0; i < waiters.length && members.length + 1 < first.spec.max;) {
-      const batch = waiters[i]!.batch()
-      if (batch === undefined || batch.spec !== first.spec || keys.has(batch.key)) {
-        i++
-        continue
-      }
-      keys.add(batch.key)
-      members.push(waiters.splice(i, 1)[0]!)
+    const keys = new Set([key])
+    for (let i = 0; i < waiters.length && members.length + 1 < spec.max; i++) {
+      const waiting = waiters[i]!
+      if (waiting.batch() !== spec) continue
+      const other = spec.key(waiting.params)
+      if (other === undefined || keys.has(other)) continue
+      keys.add(other)
+      members.push(waiting)
+      waiters.splice(i--, 1)
     }
     return members
   }
@@ -254,7 +254,7 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
   const sendBatch = (connection: Connection, spec: BatchSpec, members: ReadonlyArray<Waiting>) => {
     batches++
     for (const member of members) member.sendingOn(connection)
-    run(connection, spec.text, spec.encode(members.map((member) => member.batch()!.params)), undefined, (error, rows) => {
+    run(connection, spec.text, spec.encode(members.map((member) => member.params)), undefined, (error, rows) => {
       for (const member of members) member.sendingOn(undefined)
       // The server refused the batch as a whole (a deadlock where its first insert of a name met
       // another's, say): its session is fine and nothing of it committed, so each member goes
@@ -274,10 +274,10 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     })
   }
 
-  const statementNow: Pool["statementNow"] = (text, params, boundMillis, done, batchable) => {
+  const statementNow: Pool["statementNow"] = (text, params, boundMillis, done, batchSpec) => {
     let settled = false
     let sending: Connection | undefined
-    let batch = batchable
+    let batch = batchSpec
     const settle = (error: unknown, rows?: ReadonlyArray<unknown>) => {
       if (settled) return
       settled = true
@@ -300,10 +300,11 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     })
     const use = (connection: Connection) => {
       if (settled) return checkin(connection)
-      if (batch !== undefined && waiters.length > 0) {
-        // Only statements that waited for a connection are batched: an idle pool sends each alone.
-        const others = gather(batch)
-        if (others.length > 0) return sendBatch(connection, batch.spec, [waiting, ...others])
+      // Only statements that waited for a connection are batched: an idle pool sends each alone.
+      const key = batch !== undefined && waiters.length > 0 ? batch.key(params) : undefined
+      if (key !== undefined) {
+        const others = gather(batch!, key)
+        if (others.length > 0) return sendBatch(connection, batch!, [waiting, ...others])
       }
       sending = connection
       run(connection, text, params, undefined, (error, rows) => {
@@ -328,6 +329,7 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     }
     const waiting: Waiting = {
       take,
+      params,
       batch: () => (settled ? undefined : batch),
       sendingOn: (connection) => {
         sending = connection

@@ -7,7 +7,7 @@
  */
 import { sqlStateOf } from "../../sql/state.js"
 import { CATALOG_RACE } from "../../sql/tables.js"
-import { decode, ddl, type Dialect, type OperatorStatements, params, type Row, type Statement } from "../dialect.js"
+import { type BatchSpec, decode, ddl, type Dialect, type OperatorStatements, params, type Row, type Statement } from "../dialect.js"
 import * as PermitSql from "./permitSql.js"
 import * as Sql from "./sql.js"
 
@@ -18,16 +18,14 @@ const asIs = (list: ReadonlyArray<unknown>) => list
  * one `acquireBatch` (`params.lockAcquire`'s positions: 0 name, 1 owner, 2 waiter, 3 mode, 4 ttl,
  * 6 application, 7 host, 8 pid). A member the batch did not grant sends its own `acquire`.
  */
-const acquireBatch = (tables: Sql.Tables): NonNullable<Statement<never, unknown>["batch"]> => ({
-  spec: {
-    text: Sql.acquireBatch(tables),
-    max: Sql.ACQUIRE_BATCH_MAX,
-    encode: (members) => [0, 1, 2, 4, 6, 7, 8].map((at) => members.map((p) => p[at])),
-    // Only a grant is decided; the others send their own statement.
-    split: (rows, members) => byIndex(rows.filter((row) => row["token"] !== null && row["token"] !== undefined), members)
-  },
+const acquireBatch = (tables: Sql.Tables): BatchSpec => ({
   // Only exclusive requests; the name, which the rows of one batch are keyed on.
-  key: (p) => (p[3] === "exclusive" ? p[0] as string : undefined)
+  key: (p) => (p[3] === "exclusive" ? p[0] as string : undefined),
+  text: Sql.acquireBatch(tables),
+  max: Sql.BATCH_MAX,
+  encode: (members) => [0, 1, 2, 4, 6, 7, 8].map((at) => members.map((p) => p[at])),
+  // Only a grant is decided; the others send their own statement.
+  split: (rows, members) => byIndex(rows.filter((row) => row["token"] !== null && row["token"] !== undefined), members)
 })
 
 /**
@@ -35,14 +33,12 @@ const acquireBatch = (tables: Sql.Tables): NonNullable<Statement<never, unknown>
  * waiter) of different names that wait for a lock connection together go out as one
  * `releaseBatch`; one it did not make sends its own `release`.
  */
-const releaseBatch = (tables: Sql.Tables): NonNullable<Statement<never, unknown>["batch"]> => ({
-  spec: {
-    text: Sql.releaseBatch(tables),
-    max: Sql.RELEASE_BATCH_MAX,
-    encode: (members) => [members.map((p) => p[0]), members.map((p) => p[1])],
-    split: byIndex
-  },
-  key: (p) => (p[1] !== null && p[2] === null ? p[0] as string : undefined)
+const releaseBatch = (tables: Sql.Tables): BatchSpec => ({
+  key: (p) => (p[1] !== null && p[2] === null ? p[0] as string : undefined),
+  text: Sql.releaseBatch(tables),
+  max: Sql.BATCH_MAX,
+  encode: (members) => [members.map((p) => p[0]), members.map((p) => p[1])],
+  split: byIndex
 })
 
 /** Each member's row of a batch's answer (`idx`, 1-based); none for a member the batch did not decide. */

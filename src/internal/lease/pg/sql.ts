@@ -316,8 +316,8 @@ select coalesce((select token::text from granted), (select token::text from mine
   (extract(epoch from now()) * 1000)::float8 as now`
 }
 
-/** The most first attempts one `acquireBatch` decides. */
-export const ACQUIRE_BATCH_MAX = 32
+/** The most requests one `acquireBatch` or `releaseBatch` decides. */
+export const BATCH_MAX = 32
 
 /**
  * First attempts of exclusive requests for different names, queued together for a lock
@@ -381,9 +381,6 @@ select i.idx::integer as idx, e.token::text as token,
 from input i left join exclusive e on e.name = i.name
 order by i.idx`
 }
-
-/** The most give-backs one `releaseBatch` decides. */
-export const RELEASE_BATCH_MAX = 32
 
 /**
  * Give-backs of exclusive leases of different names, queued together for a lock connection, as
