@@ -200,8 +200,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
             inside.set(name, n)
             if (n > 1) overlaps++
             tokens.set(name, [...(tokens.get(name) ?? []), lease.token])
-            // Held across a turn of the event loop, so that others queue meanwhile.
-            yield* Effect.sleep(Duration.millis(1))
+            // Held across a yield, so that the other fibers run (and would see an overlap) meanwhile.
+            yield* Effect.yieldNow()
             inside.set(name, inside.get(name)! - 1)
           }))
         }, { discard: true }), { concurrency: "unbounded", discard: true })
