@@ -182,6 +182,31 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* done
     }))
 
+  it.scoped("an acquire interrupted while it waits in a batch returns only once what the batch granted it is given back; the others keep theirs", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-interrupt")
+      const { lane, lock } = yield* process1(application)
+      const [gone, kept] = ["interrupted", "kept"].map(freshName)
+      const blocked = yield* blockConnection(lock, application)
+      const before = lane.batchesSent()
+      const { done, granted, letGo } = yield* holdEach(lock, [kept!])
+      const interrupted = yield* Effect.fork(Effect.scoped(lock.acquire(gone!, { timeout: Duration.seconds(20) })))
+      yield* waitFor("2 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
+      // Interrupted before its statement is sent; its attempt is the layer's work and goes out in the batch.
+      const interrupting = yield* Effect.fork(Fiber.interrupt(interrupted))
+      yield* blocked.unblock
+      yield* Fiber.join(interrupting)
+      // The interrupt returned: the lease the batch granted `gone` is given back already.
+      const rows = yield* query<{ name: string; owner: string | null }>(`select name, owner from ${TABLE} where name = any($1)`, [[gone, kept]])
+      yield* Deferred.await(granted[0]!)
+      expect(lane.batchesSent()).toBe(before + 1)
+      expect(rows.find((row) => row.name === gone)?.owner ?? null).toBeNull()
+      expect(rows.find((row) => row.name === kept)?.owner).not.toBeNull()
+      yield* letGo
+      yield* done
+      yield* blocked.done
+    }))
+
   it.scoped("16 fibers on 3 names through one lock connection, batched and alone mixed: never two holders of a name, tokens rising per name", () =>
     Effect.gen(function*() {
       const application = freshName("batch-mixed")
