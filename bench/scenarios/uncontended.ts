@@ -130,6 +130,21 @@ export const rawAdvisoryLock = (database: Database, concurrency: number, duratio
   })
 }
 
+/**
+ * PgAdvisory's two statements for worker `w` of `names` (try-lock + fencing upsert; unlock +
+ * notify if anyone waits), as PgAdvisory sends them: what the raw floor and the Effect floor send.
+ */
+const advisoryStatements = (names: ReadonlyArray<string>) => {
+  const keys = names.map((name) => advisoryKey(name).toString())
+  const interestKeys = keys.map(interestKeyOf)
+  return {
+    acquire: async (query: Query, w: number) =>
+      // One row for the granted key, one carrying the backend pid (PgAdvisory checks it).
+      expectRows(await query(tryGrantSql, [[keys[w]], [names[w]], [false]]), 2, "try-lock + fencing upsert"),
+    release: (query: Query, w: number) => query(releaseSql, [keys[w], interestKeys[w], AdvisorySql.CHANNEL])
+  }
+}
+
 /** Raw pg: exactly PgAdvisory's two statements (try-lock + fencing upsert; unlock + notify if anyone waits). */
 export const rawAdvisoryFenced = (
   database: Database,
@@ -137,9 +152,7 @@ export const rawAdvisoryFenced = (
   sessions: number,
   durationMs: number
 ): Subject<ThroughputSample> => {
-  const names = workerNames(`raw-fenced-s${sessions}`, concurrency)
-  const keys = names.map((name) => advisoryKey(name).toString())
-  const interestKeys = keys.map(interestKeyOf)
+  const statements = advisoryStatements(workerNames(`raw-fenced-s${sessions}`, concurrency))
   return rawSubject(
     `raw-advisory-fenced-${concurrency}-${sessions}`,
     database,
@@ -148,12 +161,42 @@ export const rawAdvisoryFenced = (
     durationMs,
     (client) => client.query(fencingDdl),
     async (query, w) => {
-      // One row for the granted key, one carrying the backend pid (PgAdvisory checks it).
-      expectRows(await query(tryGrantSql, [[keys[w]], [names[w]], [false]]), 2, "try-lock + fencing upsert")
-      await query(releaseSql, [keys[w], interestKeys[w], AdvisorySql.CHANNEL])
+      await statements.acquire(query, w)
+      await statements.release(query, w)
     },
     true
   )
+}
+
+/**
+ * The least an Effect program that takes and gives back a fenced advisory lock can do:
+ * `rawAdvisoryFenced`'s two prepared statements (a session per worker) as
+ * `Effect.scoped(Effect.acquireRelease(...))`, on the same fibers' loop as the library's rows.
+ * What it costs against `rawAdvisoryFenced` is Effect's, whichever lock library runs in it.
+ */
+export const effectAdvisoryFloor = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
+  const statements = advisoryStatements(workerNames("effect-fenced", concurrency))
+  return {
+    id: `effect-advisory-floor-${concurrency}`,
+    open: async () => {
+      const clients = await connectMany(database.url, concurrency, `bench-effect-advisory-floor-${concurrency}`)
+      await clients[0]!.query(fencingDdl)
+      const queries = clients.map(serializedPrepared)
+      const runtime = await openRuntime(Layer.empty)
+      const cycle = (w: number) =>
+        Effect.scoped(Effect.acquireRelease(
+          Effect.promise(() => statements.acquire(queries[w]!, w)),
+          () => Effect.promise(() => statements.release(queries[w]!, w))
+        ))
+      return {
+        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), cycle)),
+        close: async () => {
+          await runtime.close()
+          await closeAll(clients)
+        }
+      }
+    }
+  }
 }
 
 /** Sends a statement with parameters and answers its rows (node-postgres's `query`, however it is queued or prepared). */
@@ -379,6 +422,7 @@ const pool = (n: number) => `${n} (pool)`
 export const FACTORIES = {
   rawAdvisoryLock: (database: Database, c: number, ms: number) => rawAdvisoryLock(database, c, ms),
   rawAdvisoryFenced: (database: Database, c: number, sessions: number, ms: number) => rawAdvisoryFenced(database, c, sessions, ms),
+  effectAdvisoryFloor: (database: Database, c: number, ms: number) => effectAdvisoryFloor(database, c, ms),
   pgAdvisorySubject: (database: Database, c: number, ms: number) => pgAdvisorySubject(database, c, ms),
   rawLease: (database: Database, c: number, ms: number) => rawLease(database, c, ms),
   pgLeaseSubject: (database: Database, c: number, ms: number) => pgLeaseSubject(database, c, ms),
@@ -436,6 +480,8 @@ const postgresSpecs = (database: Database, c: number, ms: number): Array<Through
     })
   }
   specs.push(
+    // Information: what any Effect program pays on these statements (the library's row stays judged against raw pg).
+    { block: "advisory", id: "effect-advisory-floor", label: "Effect.scoped(acquireRelease) of PgAdvisory's statements on raw pg", connections: `${c}`, concurrency: c, baseline: "raw-advisory-fenced", subject: own("effectAdvisoryFloor", database, c, ms) },
     { block: "advisory", id: "pg-advisory", label: "PgAdvisory.layer", connections: "own sessions (≤ 4)", concurrency: c, baseline: "raw-advisory-fenced", subject: own("pgAdvisorySubject", database, c, ms) },
     { block: "lease", id: "raw-lease", label: "raw pg: PgLease's statements", connections: `${c}`, concurrency: c, subject: own("rawLease", database, c, ms) },
     // Information: what any Effect program pays on these statements (the library's row stays judged against raw pg).
@@ -501,6 +547,9 @@ const render = (result: UncontendedResult): string => {
     "also takes uncontended locks on one session (its home session), but sends the tries queued behind a running " +
     "statement together as one statement (one commit), and the releases queued together as one statement too; this " +
     "row shows what one session does without that.",
+    "- *Effect.scoped(acquireRelease) of PgAdvisory's statements on raw pg* (information only): the fenced raw row's " +
+    "two statements (a session per worker) as a user would write them in Effect (`Effect.promise` around each, in " +
+    "`Effect.scoped(Effect.acquireRelease(...))`, on the library rows' fiber loop): what any Effect program pays on them.",
     "- *raw pg: PgLease's statements*: the acquire statement and the owner-scoped release (which notifies only " +
     "waiters at the head of the queue) from `src/internal/lease/pg/sql.ts`, same parameters, one connection per " +
     "worker. PgLease runs on its default 4 lock connections of its own: with more workers than that, the statements " +
