@@ -95,6 +95,44 @@ const holdEach = (lock: Effect.Effect.Success<ReturnType<typeof DistributedLock.
     return { granted, letGo: Deferred.succeed(end, undefined), done: Fiber.join(fibers) }
   })
 
+/**
+ * A batch of `names`' acquires waiting at the server: the lock connection is held busy until both
+ * are queued (`start` forks them), then runs them as one statement, whose insert of `names[0]`
+ * waits for another transaction's first insert of that name, not committed. Returns the batch's
+ * backend pid, that transaction's client (`rollback` lets the insert go) and what `start` gave.
+ */
+const batchWaitingForInsert = <A>(
+  layer1: Effect.Effect.Success<ReturnType<typeof process1>>,
+  application: string,
+  names: readonly [string, string],
+  start: Effect.Effect<A, never, Scope.Scope>
+) =>
+  Effect.gen(function*() {
+    const { lane, lock } = layer1
+    const blocked = yield* blockConnection(lock, application)
+    const client = new pg.Client({ connectionString: db.url })
+    yield* Effect.promise(() => client.connect())
+    yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
+    yield* Effect.promise(() => client.query("begin"))
+    yield* Effect.promise(() => client.query(`insert into ${TABLE} (name, token) values ($1, 1)`, [names[0]]))
+    const before = lane.batchesSent()
+    const started = yield* start
+    yield* waitFor("2 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
+    yield* blocked.unblock
+    const [waiting] = yield* eventually(
+      "the batch waiting for the other's insert",
+      query<{ pid: number }>(
+        `select pid from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'
+           and query like '%with ordinality as i(name, owner, waiter%'`,
+        [application]
+      ),
+      (rows) => rows.length === 1,
+      10_000
+    )
+    expect(lane.batchesSent()).toBe(before + 1)
+    return { pid: waiting!.pid, rollback: Effect.asVoid(Effect.promise(() => client.query("rollback"))), blocked, started, before }
+  })
+
 layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) => {
   it.scoped("acquires of different names waiting for the lock connection go out as one statement, each with a token of its own; their give-backs too", () =>
     Effect.gen(function*() {
@@ -312,30 +350,11 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       const application = freshName("batch-refused")
       const { lane, lock } = yield* process1(application)
       const [raced, other] = ["refused-raced", "refused-other"].map(freshName)
-      const blocked = yield* blockConnection(lock, application)
-      // Another transaction's first insert of `raced`, not committed: the batch's insert waits for it.
-      const client = new pg.Client({ connectionString: db.url })
-      yield* Effect.promise(() => client.connect())
-      yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
-      yield* Effect.promise(() => client.query("begin"))
-      yield* Effect.promise(() => client.query(`insert into ${TABLE} (name, token) values ($1, 1)`, [raced]))
-      const before = lane.batchesSent()
-      const { done: takers, granted: grants, letGo: end } = yield* holdEach(lock, [raced!, other!])
-      yield* waitFor("2 acquires queued for the connection", Effect.sync(() => lane.queuedStatements() === 2), Duration.seconds(10))
-      yield* blocked.unblock
-      const [waiting] = yield* eventually(
-        "the batch waiting for the other's insert",
-        query<{ pid: number }>(
-          `select pid from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'
-             and query like '%with ordinality as i(name, owner, waiter%'`,
-          [application]
-        ),
-        (rows) => rows.length === 1,
-        10_000
-      )
-      expect(lane.batchesSent()).toBe(before + 1)
+      const batch = yield* batchWaitingForInsert({ lane, lock }, application, [raced!, other!], holdEach(lock, [raced!, other!]))
+      const { done: takers, granted: grants, letGo: end } = batch.started
+      const before = batch.before
       // Refused by the server (57014): nothing of the batch committed, its session is fine.
-      yield* query("select pg_cancel_backend($1)", [waiting!.pid])
+      yield* query("select pg_cancel_backend($1)", [batch.pid])
       // Each goes alone now; `raced`'s own acquire waits for the other's insert in turn (on the
       // only connection), until that transaction rolls back.
       yield* waitFor(
@@ -351,11 +370,43 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
         Duration.seconds(10)
       )
       expect(lane.batchesSent()).toBe(before + 1)
-      yield* Effect.promise(() => client.query("rollback"))
+      yield* batch.rollback
       yield* Deferred.await(grants[0]!)
       yield* Deferred.await(grants[1]!)
       yield* end
       yield* takers
-      yield* blocked.done
+      yield* batch.blocked.done
+    }))
+  it.scoped("a batch whose connection is terminated as it runs fails each of its requests with a backend error (their outcome unknown) and leaves nothing held: another process takes every name", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-terminated")
+      const { lane, lock } = yield* process1(application)
+      const other = yield* process1(freshName("batch-terminated-other"))
+      const [raced, plain] = ["terminated-raced", "terminated-plain"].map(freshName)
+      const batch = yield* batchWaitingForInsert(
+        { lane, lock },
+        application,
+        [raced!, plain!],
+        Effect.forkAll([raced!, plain!].map((name) => Effect.either(Effect.scoped(lock.acquire(name, { timeout: Duration.seconds(20) })))))
+      )
+      // The session ends (57P01): whether the batch committed is unknown to the layer, so no
+      // request is sent again as it was; each fails, and what it may have been granted is given back.
+      yield* query("select pg_terminate_backend($1)", [batch.pid])
+      const outcomes = yield* Fiber.join(batch.started)
+      // Each fails with the termination itself (57P01), not after a statement of its own sent alone.
+      for (const outcome of outcomes) {
+        expect(outcome).toMatchObject({ _tag: "Left", left: { _tag: "LockBackendError", cause: { code: "57P01" } } })
+      }
+      yield* batch.rollback
+      yield* batch.blocked.done
+      // Nothing left held or queued of either name (the give-backs run in the background, bounded).
+      for (const name of [raced!, plain!]) {
+        yield* waitFor(
+          `${name} free for another process`,
+          Effect.scoped(Effect.map(other.lock.tryAcquire(name), (lease) => lease._tag === "Some")),
+          Duration.seconds(10)
+        )
+      }
+      expect(yield* query<{ n: number }>(`select count(*)::int as n from ${QUEUE} where name = any($1)`, [[raced, plain]])).toEqual([{ n: 0 }])
     }))
 })
