@@ -29,13 +29,13 @@ const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<
   Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((r) => r.rows)))
 
 /** A layer's lock service on one lock connection, and its lane's counters. */
-const process1 = (application: string) =>
+const process1 = (application: string, statementTimeout?: Duration.Duration) =>
   Effect.gen(function*() {
     let lane: (Lane.Lane & Lane.OwnLane) | undefined
     const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient | Scope.Scope>()
     const backend = yield* Make.makeBackend(
       // The cases are about batching, not renewal: leases that outlast any stall of the host.
-      { ttl: HOLD_THROUGH, sweepInterval: 0, connections: 1, applicationName: application },
+      { ttl: HOLD_THROUGH, sweepInterval: 0, connections: 1, applicationName: application, ...(statementTimeout === undefined ? {} : { statementTimeout }) },
       (own) => {
         lane = own as Lane.Lane & Lane.OwnLane
         return own
@@ -51,7 +51,12 @@ const process1 = (application: string) =>
  * `unblock` (the transaction commits: the acquire goes on) and `done` (that acquire and its
  * give-back, queued behind whatever the connection does next, have run).
  */
-const blockConnection = (lock: Effect.Effect.Success<ReturnType<typeof DistributedLock.make>>, application: string) =>
+const blockConnection = (
+  lock: Effect.Effect.Success<ReturnType<typeof DistributedLock.make>>,
+  application: string,
+  /** What the blocking acquire does holding its lease before it gives it back (nothing by default). */
+  holding: Effect.Effect<void> = Effect.void
+) =>
   Effect.gen(function*() {
     const name = freshName("blocker")
     // The row must exist for the raw transaction to lock it.
@@ -61,7 +66,7 @@ const blockConnection = (lock: Effect.Effect.Success<ReturnType<typeof Distribut
     yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
     yield* Effect.promise(() => client.query("begin"))
     yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [name]))
-    const blocked = yield* Effect.forkScoped(Effect.scoped(lock.acquire(name, { timeout: Duration.seconds(30) })))
+    const blocked = yield* Effect.forkScoped(Effect.scoped(Effect.zipRight(lock.acquire(name, { timeout: Duration.seconds(30) }), holding)))
     yield* waitFor(
       "the layer's lock connection waiting for the row lock",
       Effect.map(
@@ -105,11 +110,12 @@ const batchWaitingForInsert = <A>(
   layer1: Effect.Effect.Success<ReturnType<typeof process1>>,
   application: string,
   names: readonly [string, string],
-  start: Effect.Effect<A, never, Scope.Scope>
+  start: Effect.Effect<A, never, Scope.Scope>,
+  holding?: Effect.Effect<void>
 ) =>
   Effect.gen(function*() {
     const { lane, lock } = layer1
-    const blocked = yield* blockConnection(lock, application)
+    const blocked = yield* blockConnection(lock, application, holding)
     const client = new pg.Client({ connectionString: db.url })
     yield* Effect.promise(() => client.connect())
     yield* Effect.addFinalizer(() => Effect.promise(() => client.end().catch(() => {})))
@@ -131,6 +137,23 @@ const batchWaitingForInsert = <A>(
     )
     expect(lane.batchesSent()).toBe(before + 1)
     return { pid: waiting!.pid, rollback: Effect.asVoid(Effect.promise(() => client.query("rollback"))), blocked, started, before }
+  })
+
+/** Waits (bounded) until another process takes each of `names` at once: nothing of them is left held or queued. */
+const freeForAnother = (
+  lock: Effect.Effect.Success<ReturnType<typeof DistributedLock.make>>,
+  names: ReadonlyArray<string>
+) =>
+  Effect.gen(function*() {
+    // The give-backs of failed requests run in the background, bounded.
+    for (const name of names) {
+      yield* waitFor(
+        `${name} free for another process`,
+        Effect.scoped(Effect.map(lock.tryAcquire(name), (lease) => lease._tag === "Some")),
+        Duration.seconds(10)
+      )
+    }
+    expect(yield* query<{ n: number }>(`select count(*)::int as n from ${QUEUE} where name = any($1)`, [names])).toEqual([{ n: 0 }])
   })
 
 layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) => {
@@ -399,14 +422,36 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       }
       yield* batch.rollback
       yield* batch.blocked.done
-      // Nothing left held or queued of either name (the give-backs run in the background, bounded).
-      for (const name of [raced!, plain!]) {
-        yield* waitFor(
-          `${name} free for another process`,
-          Effect.scoped(Effect.map(other.lock.tryAcquire(name), (lease) => lease._tag === "Some")),
-          Duration.seconds(10)
-        )
+      yield* freeForAnother(other.lock, [raced!, plain!])
+    }))
+  it.scoped("a batch whose statement bound runs out (its first request's) fails every request with that timeout, and leaves nothing held", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-bound")
+      // A short bound, long enough for the set-up below to queue the batch before the blocker's runs out.
+      const { lane, lock } = yield* process1(application, Duration.seconds(2))
+      const other = yield* process1(freshName("batch-bound-other"))
+      const [raced, plain] = ["bound-raced", "bound-plain"].map(freshName)
+      // The blocker keeps its lease until the batch has ended: its give-back, queued behind the
+      // batch, would otherwise have its own bound run out too (and its lease left to its ttl).
+      const batchEnded = yield* Deferred.make<void>()
+      const batch = yield* batchWaitingForInsert(
+        { lane, lock },
+        application,
+        [raced!, plain!],
+        Effect.forkAll([raced!, plain!].map((name) => Effect.either(Effect.scoped(lock.acquire(name, { timeout: Duration.seconds(20) }))))),
+        Deferred.await(batchEnded)
+      )
+      // The first request's bound ends the batch (its connection is destroyed): the other request,
+      // whose own bound had a few ms left, fails with that timeout too, not with "the session was destroyed".
+      const outcomes = yield* Fiber.join(batch.started)
+      for (const outcome of outcomes) {
+        expect(outcome).toMatchObject({ _tag: "Left", left: { _tag: "LockBackendError" } })
+        const cause = outcome._tag === "Left" ? outcome.left.cause : undefined
+        expect(String(cause)).toMatch(/did not complete within 2s/)
       }
-      expect(yield* query<{ n: number }>(`select count(*)::int as n from ${QUEUE} where name = any($1)`, [[raced, plain]])).toEqual([{ n: 0 }])
+      yield* Deferred.succeed(batchEnded, undefined)
+      yield* batch.rollback
+      yield* batch.blocked.done
+      yield* freeForAnother(other.lock, [raced!, plain!])
     }))
 })

@@ -33,6 +33,8 @@ export interface Connection {
   lastUsed: number
   /** Shared by the connections of one lane: whether its statements may be prepared. */
   readonly statements: PreparedStatements
+  /** Why this side destroyed it mid-statement, when a statement's bound did: what a batch's other members fail with. */
+  endedBy?: StatementTimeout | undefined
 }
 
 /**
@@ -262,7 +264,9 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
       const refused = error !== undefined && !connection.broken
       checkin(connection)
       if (error !== undefined) {
-        for (const member of members) refused ? member.alone() : member.settle(error)
+        // Ended by one member's bound: the others fail with that timeout, not a bare "destroyed".
+        const failure = connection.endedBy ?? error
+        for (const member of members) refused ? member.alone() : member.settle(failure)
         return
       }
       const answers = spec.split(rows as ReadonlyArray<Row>, members.length)
@@ -295,8 +299,11 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     }
     const cancelTimer = stallSafeTimer(boundMillis, () => {
       if (settled) return
+      const timeout = new StatementTimeout(boundMillis)
+      // A batch this statement is in ends with it (its connection is destroyed below): the batch's bound ran out.
+      if (sending !== undefined) sending.endedBy = timeout
       leave()
-      done(new StatementTimeout(boundMillis))
+      done(timeout)
     })
     const use = (connection: Connection) => {
       if (settled) return checkin(connection)
