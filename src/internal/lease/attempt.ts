@@ -227,8 +227,9 @@ export const attempts = <Q extends AcquireRequest, I, A, G, X extends { readonly
     owner,
     ttlMillis,
     validUntil: Option.some(validUntil),
-    release: deps.giveBack.release(request.name, owner),
-    releaseNow: deps.giveBack.releaseNow?.(request.name, owner)
+    // With the ttl: a release told failed is repeated in the background until the store answers.
+    release: deps.giveBack.release(request.name, owner, ttlMillis),
+    releaseNow: deps.giveBack.releaseNow?.(request.name, owner, ttlMillis)
   })
 
   /** The statement, and what its answer means; run in a fiber of its own. */

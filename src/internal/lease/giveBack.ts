@@ -10,6 +10,10 @@
  * commit its grant after a give-back has found nothing to free. Its give-back is therefore
  * repeated, spaced out, until it frees the lease or the lease would have expired anyway: a grant
  * committed late is freed within one spacing of its commit, never left held until its ttl.
+ *
+ * A holder's release that got no answer within its bound (the store stalled, or no connection
+ * came) is repeated the same way in the background, until one is answered: the lease is still its
+ * owner's, and is freed once the store answers again, not left until its ttl.
  */
 import * as Cause from "effect/Cause"
 import * as Duration from "effect/Duration"
@@ -38,13 +42,18 @@ const ABANDON_MAX_SPACING_MS = 1_000
 const AWAIT_GRACE_MS = 250
 
 export interface GiveBack {
-  /** The holder's release: retried, at most `statementTimeout` in all. */
-  readonly release: (name: string, owner: string) => Effect.Effect<void, LockBackendError>
+  /**
+   * The holder's release: retried, at most `statementTimeout` in all. With the lease's `ttlMillis`:
+   * when that fails, repeated in the background until answered or the lease would have expired.
+   */
+  readonly release: (name: string, owner: string, ttlMillis?: number) => Effect.Effect<void, LockBackendError>
   /**
    * `release` driven by the lane's callbacks (`Lane.runNow`), no fiber: the grant's
    * `Grant.releaseNow`. Undefined on a lane without a callback path.
    */
-  readonly releaseNow: ((name: string, owner: string) => (done: (failure: LockBackendError | undefined) => void) => void) | undefined
+  readonly releaseNow:
+    | ((name: string, owner: string, ttlMillis?: number) => (done: (failure: LockBackendError | undefined) => void) => void)
+    | undefined
   /**
    * Leaves the waiting place `waiter`, as the layer's work (a place left behind expires by itself).
    * `awaited`: the caller waits for it, at most one statement bound (an interrupted waiter);
@@ -90,10 +99,14 @@ export const make = (
     // is still open; attempts still in flight are bounded by one statement bound, awaited too.
     const running = new Set<Fiber.RuntimeFiber<void>>()
     const shutdownWait = Duration.sum(statementTimeout, SHUTDOWN_GIVE_BACK)
+    let closing = false
     yield* Effect.addFinalizer(() =>
       Effect.suspend(() => {
+        // A failed release's repeats stop here: shutdown waits for give-backs under way, not for a store that is down.
+        closing = true
         const fibers = Array.from(running)
-        return Owner.awaitAll(fibers, Duration.toMillis(shutdownWait)).pipe(
+        return Effect.forEach(Array.from(repeating), Fiber.interrupt, { discard: true }).pipe(
+          Effect.zipRight(Owner.awaitAll(fibers, Duration.toMillis(shutdownWait))),
           Effect.zipRight(Effect.forEach(fibers, Fiber.interrupt, { discard: true }))
         )
       })
@@ -106,6 +119,17 @@ export const make = (
           fiber.addObserver(() => running.delete(fiber))
           return fiber
         }))
+    /**
+     * A failed release's repeats, on the layer's runtime from a driver's callback or a fiber:
+     * stopped (interrupted) as the layer starts closing, never waited for — the store may be down.
+     */
+    const repeating = new Set<Fiber.RuntimeFiber<void>>()
+    const repeatNow = (self: Effect.Effect<void>): void => {
+      if (closing) return
+      const fiber = owner.unsafeFork(self)
+      repeating.add(fiber)
+      fiber.addObserver(() => repeating.delete(fiber))
+    }
     /**
      * `background`; when `awaited`, the caller also waits for it to end, at most `millis` (a timer
      * and an observer, no fiber of the caller's). The work runs on the layer's runtime either way:
@@ -132,11 +156,40 @@ export const make = (
           yield* Effect.sleep(RELEASE_RETRY_SPACING)
         }
       })
-    const release = (name: string, owner: string): Effect.Effect<void, LockBackendError> => retried(name, owner, null)
+    /**
+     * The give-back repeated, spaced out, until `enough` of an answer (whether it freed a lease) or
+     * `expiresBy` (monotonic ms), whichever is first. Owner-scoped: a repeat never frees another's.
+     */
+    const repeated = (
+      name: string,
+      grantOwner: string | null,
+      waiter: string | null,
+      expiresBy: number,
+      enough: (freed: boolean) => boolean
+    ): Effect.Effect<void> =>
+      Effect.gen(function*() {
+        let spacing = ABANDON_FIRST_SPACING_MS
+        while (true) {
+          const left = expiresBy - (yield* monotonicMillis)
+          if (left <= 0) return
+          yield* sleepMillis(Math.min(spacing, left))
+          spacing = Math.min(ABANDON_MAX_SPACING_MS, spacing * 2)
+          const again = yield* Effect.either(giveBack(name, grantOwner, waiter))
+          if (again._tag === "Right" && enough(again.right)) return
+        }
+      })
+    /** A failed release's repeats: until any answer (it freed the lease, or it was no longer the owner's). */
+    const releaseRepeats = (name: string, grantOwner: string, ttlMillis: number) =>
+      // The lease was renewed last before the release began: it expires within its ttl from now.
+      Effect.flatMap(monotonicMillis, (now) => repeated(name, grantOwner, null, now + ttlMillis, () => true))
+    const release = (name: string, owner: string, ttlMillis?: number): Effect.Effect<void, LockBackendError> =>
+      ttlMillis === undefined
+        ? retried(name, owner, null)
+        : Effect.tapError(retried(name, owner, null), () => Effect.sync(() => repeatNow(releaseRepeats(name, owner, ttlMillis))))
 
     const runNow = lane.runNow
     const spacingMillis = Duration.toMillis(RELEASE_RETRY_SPACING)
-    const releaseNow: GiveBack["releaseNow"] = runNow === undefined ? undefined : (name, grantOwner) => (done) => {
+    const releaseNow: GiveBack["releaseNow"] = runNow === undefined ? undefined : (name, grantOwner, ttlMillis) => (done) => {
       // `release`'s rule, on callbacks: each try gets what is left of the whole bound.
       const deadline = performance.now() + totalMillis
       let attempt = 0
@@ -147,7 +200,11 @@ export const make = (
             hub?.wake(value!.wake)
             return done(undefined)
           }
-          if (attempt >= RELEASE_RETRIES || deadline - performance.now() <= spacingMillis) return done(error)
+          if (attempt >= RELEASE_RETRIES || deadline - performance.now() <= spacingMillis) {
+            // Told failed within its bound; the lease is still this owner's: given back once the store answers.
+            if (ttlMillis !== undefined) repeatNow(releaseRepeats(name, grantOwner, ttlMillis))
+            return done(error)
+          }
           attempt++
           // Owner-scoped and idempotent: a retry after an ambiguous failure is safe.
           setTimeout(once, spacingMillis)
@@ -177,17 +234,7 @@ export const make = (
         const freed = yield* Effect.either(giveBack(name, grantOwner, waiter))
         if (freed._tag === "Right" && (freed.right || !unknown)) return
         // Repeats in a fiber of their own: an awaiting caller waits for the first give-back only.
-        yield* background(Effect.gen(function*() {
-          let spacing = ABANDON_FIRST_SPACING_MS
-          while (true) {
-            const left = expiresBy - (yield* monotonicMillis)
-            if (left <= 0) return
-            yield* sleepMillis(Math.min(spacing, left))
-            spacing = Math.min(ABANDON_MAX_SPACING_MS, spacing * 2)
-            const again = yield* Effect.either(giveBack(name, grantOwner, waiter))
-            if (again._tag === "Right" && (again.right || !unknown)) return
-          }
-        }))
+        yield* background(repeated(name, grantOwner, waiter, expiresBy, (again) => again || !unknown))
       }), awaited, abandonWaitMillis)
 
     return { release, releaseNow, leave, abandon }
