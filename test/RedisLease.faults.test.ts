@@ -1,7 +1,8 @@
 /**
  * RedisLease under faults a real deployment brings, as PgAdvisory's fault tests: a frozen server
  * (SIGSTOP) past the ttl, a crash-restart with AOF and a restart without persistence, CLIENT KILL
- * of the holder's connections, an event-loop stall of the application. Each test starts a
+ * of the holder's connections, a release Redis refuses (repeated in the background until it
+ * answers), an event-loop stall of the application. Each test starts a
  * redis-server of its own (free loopback port, own directory) and stops it in its finalizer:
  * these tests freeze, kill and restart it, which must never touch a server another file uses.
  * Skipped without redis-server on the PATH (REDIS_URL does not matter: they need servers of their own).
@@ -13,7 +14,7 @@ import type * as Lease from "effect-lock/Lease"
 import * as RedisLease from "effect-lock/RedisLease"
 import * as Keys from "effect-lock/internal/redis/keys"
 import { Redis } from "ioredis"
-import { freshName, stall } from "./support/contract.js"
+import { freshName, HOLD_THROUGH, stall } from "./support/contract.js"
 import { eventually, waitFor } from "./support/eventually.js"
 import { frozen } from "./support/freeze.js"
 import { noRedisServer, type ServerOptions, startRedisServer, type TestRedis } from "./support/redis.js"
@@ -259,6 +260,36 @@ describe.skipIf(skip)("RedisLease under faults", () => {
       const taken = yield* b.acquire(name, { timeout: Duration.seconds(5) })
       expect(taken.token > lease.token).toBe(true)
       yield* command(inspector, "config", "set", "requirepass", "")
+    }), 20_000)
+
+  it.scopedLive("a release Redis refuses (the holder's command connection killed and AUTH now required) is repeated in the background: the lease is free soon after Redis answers again, not at its 30 s ttl", () =>
+    Effect.gen(function*() {
+      const server = yield* ownServer()
+      const inspector = yield* clientOf(server.url)
+      const a = yield* processOn(server.url, "faults-release-a", { ttl: HOLD_THROUGH, statementTimeout: Duration.millis(500) })
+      const b = yield* processOn(server.url, "faults-release-b")
+      const name = freshName("redis-release")
+      // b's connections are open (and authenticated) before the password is set.
+      yield* tokenOf(b, freshName("redis-release-warm"))
+      const scope = yield* Scope.make()
+      yield* Scope.extend(a.acquire(name), scope)
+      // Dangerous: a password on this test's own server; connections already open stay authenticated.
+      yield* command(inspector, "config", "set", "requirepass", "fault-test")
+      // CLIENT KILL of the holder's command connection alone, on this test's own server: it comes back unauthenticated.
+      const killed = yield* Effect.flatMap(connectionsOf(inspector, "faults-release-a"), (c) =>
+        Effect.forEach(c.filter((x) => x.name.endsWith(":commands")), ({ id }) => command(inspector, "client", "kill", "id", id)))
+      expect(killed.length).toBe(1)
+      // The release is refused (NOAUTH) or unanswered within its bound: told failed, the lease still held.
+      yield* Scope.close(scope, Exit.void)
+      expect(yield* Effect.scoped(b.tryAcquire(name))).toMatchObject({ _tag: "None" })
+      yield* command(inspector, "config", "set", "requirepass", "")
+      const answeredAt = performance.now()
+      yield* waitFor(
+        "the lease free for another layer",
+        Effect.scoped(Effect.map(b.tryAcquire(name), (lease) => lease._tag === "Some")),
+        Duration.seconds(8)
+      )
+      expect(performance.now() - answeredAt).toBeLessThan(8_000)
     }), 20_000)
 
   it.scopedLive("an event-loop stall past the lease's safe time: LockLost before the body's next step; the server let the lease run out and the next holder's lease is left alone", () =>
