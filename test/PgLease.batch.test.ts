@@ -15,9 +15,9 @@ import * as Make from "effect-lock/internal/lease/pg/make"
 import * as PgLease from "effect-lock/PgLease"
 import pg from "pg"
 import { expect } from "vitest"
-import { freshName, HOLD_THROUGH } from "./support/contract.js"
+import { freshName, HOLD_THROUGH, untilFree } from "./support/contract.js"
 import { eventually, waitFor } from "./support/eventually.js"
-import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { lockWaitsOf, PgTest, useTestDatabase, withClient } from "./support/pg.js"
 
 // First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_batch")
@@ -67,17 +67,7 @@ const blockConnection = (
     yield* Effect.promise(() => client.query("begin"))
     yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = $1 for update`, [name]))
     const blocked = yield* Effect.forkScoped(Effect.scoped(Effect.zipRight(lock.acquire(name, { timeout: Duration.seconds(30) }), holding)))
-    yield* waitFor(
-      "the layer's lock connection waiting for the row lock",
-      Effect.map(
-        query<{ n: number }>(
-          "select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'",
-          [application]
-        ),
-        (rows) => rows[0]!.n === 1
-      ),
-      Duration.seconds(10)
-    )
+    yield* waitFor("the layer's lock connection waiting for the row lock", Effect.map(lockWaitsOf(db.url, application), (n) => n === 1), Duration.seconds(10))
     return { unblock: Effect.asVoid(Effect.promise(() => client.query("commit"))), done: Fiber.join(blocked) }
   })
 
@@ -139,22 +129,17 @@ const batchWaitingForInsert = <A>(
     return { pid: waiting!.pid, rollback: Effect.asVoid(Effect.promise(() => client.query("rollback"))), blocked, started, before }
   })
 
-/** Waits (bounded) until another process takes each of `names` at once: nothing of them is left held or queued. */
+/** Nothing of `names` left held or queued: another process takes each at once (bounded), and no place is left. */
 const freeForAnother = (
   lock: Effect.Effect.Success<ReturnType<typeof DistributedLock.make>>,
   names: ReadonlyArray<string>
 ) =>
   Effect.gen(function*() {
     // The give-backs of failed requests run in the background, bounded.
-    for (const name of names) {
-      yield* waitFor(
-        `${name} free for another process`,
-        Effect.scoped(Effect.map(lock.tryAcquire(name), (lease) => lease._tag === "Some")),
-        Duration.seconds(10)
-      )
-    }
+    for (const name of names) yield* untilFree(lock, name)
     expect(yield* query<{ n: number }>(`select count(*)::int as n from ${QUEUE} where name = any($1)`, [names])).toEqual([{ n: 0 }])
   })
+
 
 layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) => {
   it.scoped("acquires of different names waiting for the lock connection go out as one statement, each with a token of its own; their give-backs too", () =>
@@ -326,13 +311,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* Effect.promise(() => client.query(`select 1 from ${TABLE} where name = any($1) for update`, [[heldRow, freeRow]]))
       const rowOwner = (name: string) =>
         Effect.map(query<{ owner: string | null }>(`select owner from ${TABLE} where name = $1`, [name]), (rows) => rows[0]?.owner ?? null)
-      const stillLocked = Effect.map(
-        query<{ n: number }>(
-          "select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'",
-          [application]
-        ),
-        (rows) => rows[0]!.n
-      )
+      const stillLocked = lockWaitsOf(db.url, application)
 
       // Give-backs: `fresh`'s in the batch at once, `heldRow`'s alone, waiting for the transaction.
       const first = yield* blockConnection(lock, application)

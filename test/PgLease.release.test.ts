@@ -13,15 +13,12 @@ import * as Make from "effect-lock/internal/lease/pg/make"
 import * as PgLease from "effect-lock/PgLease"
 import pg from "pg"
 import { expect } from "vitest"
-import { freshName, HOLD_THROUGH } from "./support/contract.js"
+import { freshName, HOLD_THROUGH, untilFree } from "./support/contract.js"
 import { waitFor } from "./support/eventually.js"
-import { PgTest, useTestDatabase, withClient } from "./support/pg.js"
+import { lockWaitsOf, PgTest, useTestDatabase } from "./support/pg.js"
 
 // First, so that its afterAll (no held lease rows, no advisory locks; drop) runs after every layer is closed.
 const db = useTestDatabase("pglease_release")
-
-const query = <R extends pg.QueryResultRow>(text: string, values: ReadonlyArray<unknown> = []) =>
-  Effect.promise(() => withClient(db.url, (client) => client.query<R>(text, [...values]).then((r) => r.rows)))
 
 /** A layer's lock service (leases of 30 s), each statement bounded by `statementTimeout`. */
 const lockService = (application: string, statementTimeout?: Duration.Duration) =>
@@ -58,25 +55,11 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease releases", (it) 
       expect(yield* Effect.scoped(b.tryAcquire(name))).toMatchObject({ _tag: "None" })
       // The server has abandoned the release's statement (its connection was destroyed at the
       // bound; `client_connection_check_interval`): once the row is free nothing of it can commit.
-      yield* waitFor(
-        "no statement of the layer waiting for the row",
-        Effect.map(
-          query<{ n: number }>(
-            "select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'",
-            [application]
-          ),
-          (rows) => rows[0]!.n === 0
-        ),
-        Duration.seconds(10)
-      )
+      yield* waitFor("no statement of the layer waiting for the row", Effect.map(lockWaitsOf(db.url, application), (n) => n === 0), Duration.seconds(10))
       yield* Effect.promise(() => client.query("commit"))
       const committedAt = performance.now()
       // The repeats are spaced 50 ms doubling to 1 s: the next one after the commit frees it.
-      yield* waitFor(
-        "the lease free for another process",
-        Effect.scoped(Effect.map(b.tryAcquire(name), (lease) => lease._tag === "Some")),
-        Duration.seconds(5)
-      )
+      yield* untilFree(b, name, Duration.seconds(5))
       expect(performance.now() - committedAt).toBeLessThan(5_000)
     }))
 })

@@ -14,7 +14,7 @@ import type * as Lease from "effect-lock/Lease"
 import * as RedisLease from "effect-lock/RedisLease"
 import * as Keys from "effect-lock/internal/redis/keys"
 import { Redis } from "ioredis"
-import { freshName, HOLD_THROUGH, stall } from "./support/contract.js"
+import { freshName, HOLD_THROUGH, stall, untilFree } from "./support/contract.js"
 import { eventually, waitFor } from "./support/eventually.js"
 import { frozen } from "./support/freeze.js"
 import { noRedisServer, type ServerOptions, startRedisServer, type TestRedis } from "./support/redis.js"
@@ -284,11 +284,7 @@ describe.skipIf(skip)("RedisLease under faults", () => {
       expect(yield* Effect.scoped(b.tryAcquire(name))).toMatchObject({ _tag: "None" })
       yield* command(inspector, "config", "set", "requirepass", "")
       const answeredAt = performance.now()
-      yield* waitFor(
-        "the lease free for another layer",
-        Effect.scoped(Effect.map(b.tryAcquire(name), (lease) => lease._tag === "Some")),
-        Duration.seconds(8)
-      )
+      yield* untilFree(b, name, Duration.seconds(8))
       expect(performance.now() - answeredAt).toBeLessThan(8_000)
     }), 20_000)
 

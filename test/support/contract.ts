@@ -15,6 +15,7 @@ import * as Scope from "effect/Scope"
 import * as DistributedLock from "effect-lock/DistributedLock"
 import type { Lease, LockMode } from "effect-lock/Lease"
 import type { LockBackend } from "effect-lock/LockBackend"
+import { waitFor } from "./eventually.js"
 import { type Faults, makeFaults, waitingFor, withFaults, yieldTimes } from "./faults.js"
 import { seededRandom, somewhen, testSeed } from "./random.js"
 import { blockThread } from "../../tools/blockThread.js"
@@ -105,6 +106,17 @@ export const LIVE_CONTRACT_TTL = Duration.seconds(3)
  * row swept; a case about renewal or expiry keeps its short ttl.
  */
 export const HOLD_THROUGH = Duration.seconds(30)
+
+/**
+ * Waits, at most `bound`, until `lock` (another process's service) takes `name` at once: nothing of
+ * it is left held (a give-back in the background, say, has landed).
+ */
+export const untilFree = (
+  lock: Pick<DistributedLock.Service, "tryAcquire">,
+  name: string,
+  bound: Duration.Duration = Duration.seconds(10)
+): Effect.Effect<void> =>
+  waitFor(`${name} free for another process`, Effect.scoped(Effect.map(lock.tryAcquire(name), Option.isSome)), bound)
 
 let counter = 0
 /** A name no other test (or earlier run against the same store) uses. */

@@ -105,6 +105,16 @@ export const withClient = async <A>(url: string, f: (client: pg.Client) => Promi
   }
 }
 
+/** How many statements of the connections named `application` wait for a lock (a row's, a transaction's) right now. */
+export const lockWaitsOf = (url: string, application: string): Effect.Effect<number> =>
+  Effect.promise(() =>
+    withClient(url, (client) =>
+      client.query<{ n: number }>(
+        "select count(*)::int as n from pg_stat_activity where application_name = $1 and wait_event_type = 'Lock'",
+        [application]
+      ).then((result) => result.rows[0]!.n))
+  )
+
 const databaseUrl = (base: string, database: string): string => {
   const url = new URL(base)
   url.pathname = `/${encodeURIComponent(database)}`

@@ -141,8 +141,16 @@ export const make = (
         : background(self)
 
     const totalMillis = Duration.toMillis(statementTimeout)
-    /** A give-back retried within one statement bound in all. */
-    const retried = (name: string, grantOwner: string | null, waiter: string | null): Effect.Effect<void, LockBackendError> =>
+    /**
+     * A give-back retried within one statement bound in all; with `ttlMillis` (a holder's release),
+     * repeated in the background after that (`repeatRelease`) when every try failed.
+     */
+    const retried = (
+      name: string,
+      grantOwner: string | null,
+      waiter: string | null,
+      ttlMillis?: number
+    ): Effect.Effect<void, LockBackendError> =>
       Effect.gen(function*() {
         const deadline = (yield* monotonicMillis) + totalMillis
         for (let attempt = 0;; attempt++) {
@@ -152,7 +160,10 @@ export const make = (
           const outcome = yield* Effect.either(giveBack(name, grantOwner, waiter, Duration.millis(Math.max(1, left))))
           if (outcome._tag === "Right") return
           const spent = deadline - (yield* monotonicMillis) <= Duration.toMillis(RELEASE_RETRY_SPACING)
-          if (attempt >= RELEASE_RETRIES || spent) return yield* outcome.left
+          if (attempt >= RELEASE_RETRIES || spent) {
+            if (ttlMillis !== undefined && grantOwner !== null) repeatRelease(name, grantOwner, ttlMillis)
+            return yield* outcome.left
+          }
           yield* Effect.sleep(RELEASE_RETRY_SPACING)
         }
       })
@@ -178,14 +189,14 @@ export const make = (
           if (again._tag === "Right" && enough(again.right)) return
         }
       })
-    /** A failed release's repeats: until any answer (it freed the lease, or it was no longer the owner's). */
-    const releaseRepeats = (name: string, grantOwner: string, ttlMillis: number) =>
-      // The lease was renewed last before the release began: it expires within its ttl from now.
-      Effect.flatMap(monotonicMillis, (now) => repeated(name, grantOwner, null, now + ttlMillis, () => true))
-    const release = (name: string, owner: string, ttlMillis?: number): Effect.Effect<void, LockBackendError> =>
-      ttlMillis === undefined
-        ? retried(name, owner, null)
-        : Effect.tapError(retried(name, owner, null), () => Effect.sync(() => repeatNow(releaseRepeats(name, owner, ttlMillis))))
+    /**
+     * A release told failed, repeated in the background until any answer (it freed the lease, or
+     * it was no longer the owner's) or the lease would have expired: the lease was renewed last
+     * before the release began, so it expires within its ttl from now.
+     */
+    const repeatRelease = (name: string, grantOwner: string, ttlMillis: number): void =>
+      repeatNow(Effect.flatMap(monotonicMillis, (now) => repeated(name, grantOwner, null, now + ttlMillis, () => true)))
+    const release: GiveBack["release"] = (name, owner, ttlMillis) => retried(name, owner, null, ttlMillis)
 
     const runNow = lane.runNow
     const spacingMillis = Duration.toMillis(RELEASE_RETRY_SPACING)
@@ -202,7 +213,7 @@ export const make = (
           }
           if (attempt >= RELEASE_RETRIES || deadline - performance.now() <= spacingMillis) {
             // Told failed within its bound; the lease is still this owner's: given back once the store answers.
-            if (ttlMillis !== undefined) repeatNow(releaseRepeats(name, grantOwner, ttlMillis))
+            if (ttlMillis !== undefined) repeatRelease(name, grantOwner, ttlMillis)
             return done(error)
           }
           attempt++
