@@ -176,27 +176,7 @@ export const rawAdvisoryFenced = (
  */
 export const effectAdvisoryFloor = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const statements = advisoryStatements(workerNames("effect-fenced", concurrency))
-  return {
-    id: `effect-advisory-floor-${concurrency}`,
-    open: async () => {
-      const clients = await connectMany(database.url, concurrency, `bench-effect-advisory-floor-${concurrency}`)
-      await clients[0]!.query(fencingDdl)
-      const queries = clients.map(serializedPrepared)
-      const runtime = await openRuntime(Layer.empty)
-      const cycle = (w: number) =>
-        Effect.scoped(Effect.acquireRelease(
-          Effect.promise(() => statements.acquire(queries[w]!, w)),
-          () => Effect.promise(() => statements.release(queries[w]!, w))
-        ))
-      return {
-        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), cycle)),
-        close: async () => {
-          await runtime.close()
-          await closeAll(clients)
-        }
-      }
-    }
-  }
+  return effectFloor("effect-advisory-floor", database, concurrency, durationMs, fencingDdl, statements.acquire, (query, w) => statements.release(query, w))
 }
 
 /** Sends a statement with parameters and answers its rows (node-postgres's `query`, however it is queued or prepared). */
@@ -255,28 +235,51 @@ export const rawLease = (database: Database, concurrency: number, durationMs: nu
 export const effectLeaseFloor = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
   const names = workerNames("effect-lease", concurrency)
   const statements = leaseStatements(RAW_LEASE_TABLE, "bench-effect-lease")
-  return {
-    id: `effect-lease-floor-${concurrency}`,
-    open: async () => {
-      const clients = await connectMany(database.url, concurrency, `bench-effect-lease-floor-${concurrency}`)
-      await clients[0]!.query(statements.createTable)
-      const queries = clients.map(serializedPrepared)
-      const runtime = await openRuntime(Layer.empty)
-      const cycle = (w: number) =>
-        Effect.scoped(Effect.acquireRelease(
-          Effect.promise(() => statements.acquire(queries[w]!, names[w]!)),
-          (owner) => Effect.promise(() => statements.release(queries[w]!, names[w]!, owner))
-        ))
-      return {
-        run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), cycle)),
-        close: async () => {
-          await runtime.close()
-          await closeAll(clients)
-        }
+  return effectFloor(
+    "effect-lease-floor",
+    database,
+    concurrency,
+    durationMs,
+    statements.createTable,
+    (query, w) => statements.acquire(query, names[w]!),
+    (query, w, owner) => statements.release(query, names[w]!, owner)
+  )
+}
+
+/**
+ * An Effect floor: worker `w`'s `acquire` and `release` (prepared statements on a session of its
+ * own) as `Effect.scoped(Effect.acquireRelease(Effect.promise(…), …))` on the library rows' fiber
+ * loop, after `ddl` once.
+ */
+const effectFloor = <A>(
+  id: string,
+  database: Database,
+  concurrency: number,
+  durationMs: number,
+  ddl: string,
+  acquire: (query: Query, w: number) => Promise<A>,
+  release: (query: Query, w: number, acquired: A) => Promise<unknown>
+): Subject<ThroughputSample> => ({
+  id: `${id}-${concurrency}`,
+  open: async () => {
+    const clients = await connectMany(database.url, concurrency, `bench-${id}-${concurrency}`)
+    await clients[0]!.query(ddl)
+    const queries = clients.map(serializedPrepared)
+    const runtime = await openRuntime(Layer.empty)
+    const cycle = (w: number) =>
+      Effect.scoped(Effect.acquireRelease(
+        Effect.promise(() => acquire(queries[w]!, w)),
+        (acquired) => Effect.promise(() => release(queries[w]!, w, acquired))
+      ))
+    return {
+      run: (round) => runtime.run(effectLoop(concurrency, lengthOf(round, durationMs), cycle)),
+      close: async () => {
+        await runtime.close()
+        await closeAll(clients)
       }
     }
   }
-}
+})
 
 /** Raw pg: the smallest transaction-lock cycle, BEGIN; pg_advisory_xact_lock; COMMIT. */
 export const rawXactMinimal = (database: Database, concurrency: number, durationMs: number): Subject<ThroughputSample> => {
