@@ -32,6 +32,8 @@ const redis = useRedis()
 const { inspector, keysOf } = useInspector(redis)
 
 const TTL = Duration.seconds(1)
+/** More shared waiters than a release looks at (16). */
+const SHARED_CROWD = 20
 
 /** A process: a lock service on its own RedisLease backend, closed with the test's scope. */
 const node = (options?: RedisLease.Options) =>
@@ -440,6 +442,34 @@ describeWithRedis("RedisLease", () => {
         yield* Fiber.join(r2)
         const last = yield* Fiber.join(w).pipe(Effect.timeout(Duration.seconds(3)))
         expect(last > t1 && last > t2).toBe(true)
+        expect(yield* sharedEntries(name)).toEqual({})
+      }))
+
+    it.scopedLive(`more shared requests at the head than a release looks at (16): the 16 oldest are handed their leases, and every waiter of the name is woken (r<name>), so the other ${SHARED_CROWD - 16} are granted by an attempt at once, not at their retry 1.5 s later`, () =>
+      Effect.gen(function*() {
+        const name = freshName("redis-shared-crowd")
+        const holder = yield* node({ ttl: Duration.seconds(30) })
+        // Polling far apart: a reader nobody wakes attempts again only at its place's retry (1.5 s).
+        const readers = yield* node({ ttl: Duration.seconds(5), pollInterval: Duration.seconds(10) })
+        const heard = yield* published
+        const letGoHolder = yield* holdFor(holder, name)
+        const letGo = yield* Deferred.make<void>()
+        let granted = 0
+        const fibers = yield* Effect.forEach(Array.from({ length: SHARED_CROWD }), () =>
+          Effect.fork(Effect.scoped(Effect.zipRight(
+            readers.acquire(name, { mode: "shared", timeout: Duration.seconds(10) }),
+            Effect.zipRight(Effect.sync(() => granted++), Deferred.await(letGo))
+          ))))
+        yield* waitFor(`${SHARED_CROWD} places`, Effect.map(command<number>("ZCARD", keysFor(name).queue), (n) => n === SHARED_CROWD), Duration.seconds(5))
+        const releasedAt = yield* monotonicMillis
+        yield* letGoHolder
+        yield* waitFor("every reader granted", Effect.sync(() => granted === SHARED_CROWD), Duration.seconds(5))
+        // Measured on this process's monotonic clock, which times the readers' retries too.
+        expect((yield* monotonicMillis) - releasedAt).toBeLessThan(1_000)
+        yield* waitFor("the name's wake-up", Effect.sync(() => heard.includes(`r${name}`)), Duration.seconds(2))
+        expect(heard.filter((payload) => payload.startsWith("h")).length).toBeGreaterThanOrEqual(16)
+        yield* Deferred.succeed(letGo, undefined)
+        yield* Fiber.joinAll(fibers)
         expect(yield* sharedEntries(name)).toEqual({})
       }))
 

@@ -22,6 +22,7 @@ import { blockThread } from "../../tools/blockThread.js"
 import { timeoutOption } from "effect-lock/internal/runtime/stallSafe"
 import { monotonicMillis, sleepMillis } from "effect-lock/internal/core/clock"
 import { safetyDeadlineOf } from "effect-lock/internal/core/registry"
+import { PLACE_RETRY_MILLIS } from "effect-lock/internal/lease/place"
 import { monitorEventLoopDelay } from "node:perf_hooks"
 
 export interface ContractTarget {
@@ -207,6 +208,13 @@ const PLACE_WATCH_MS = 5_000
  * 1.5 s apart), so a retry held back 2 s lost it; written again once a fifth is gone, 3.5–4 s.
  */
 export const PLACE_LEFT_AT_WRITE_MS = 3_000
+
+/** More shared waiters than a lease store's release looks at (its 16 oldest places). */
+const SHARED_CROWD = 20
+/** A waiting request retries within this long of its last attempt (a lease store's place retry). */
+const PLACE_RETRY_MS = PLACE_RETRY_MILLIS
+/** Two thirds of the retry interval: every reader granted within it after the release was not left to its retry. */
+const CROWD_BOUND_MS = Math.round(PLACE_RETRY_MILLIS * 2 / 3)
 
 /** The place case's title in the lock and the semaphore contracts, and the reason it is skipped where there are no places. */
 export const PLACE_CASE = "a waiting request's place is written again once a fifth of it is gone, not half: it keeps 2.5 s or more between retries"
@@ -967,6 +975,44 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         expect(Option.isNone(joined)).toBe(true)
         yield* letGo
         expect((yield* Fiber.join(exclusive)) > 0n).toBe(true)
+      }))
+
+    // A lease store's release looks at its 16 oldest places: a crowd of readers larger than that
+    // still all fit at once, and none may be left to find out at its next retry (1.5 s apart).
+    const crowdTest = target.sessionBound === true
+      ? (name: string, body: () => Effect.Effect<unknown, unknown, Scope.Scope>) =>
+        base.skip(`${name} (session locks: readers wait in the server's own lock queue, each on a wait session of its own)`, body)
+      : sharedTest
+    crowdTest(`${SHARED_CROWD} shared requests waiting behind an exclusive holder are all granted at its release, none left to its next retry`, () =>
+      Effect.gen(function*() {
+        const a = yield* node()
+        const faults = [makeFaults(), makeFaults()] as const
+        const readers = [yield* node(faults[0]), yield* node(faults[1])] as const
+        const name = freshName("shared-crowd")
+        const letGo = yield* holdFor(a, name, { ttl: HOLD_THROUGH })
+        // Each reader keeps its shared lease until every one is granted (none leaves early).
+        const done = yield* Effect.makeLatch(false)
+        let granted = 0
+        const fibers = yield* Effect.forEach(
+          Array.from({ length: SHARED_CROWD }, (_, i) => readers[i % 2]),
+          (reader) =>
+            Effect.fork(Effect.scoped(Effect.zipRight(
+              reader.acquire(name, { mode: "shared", ttl: HOLD_THROUGH }),
+              Effect.zipRight(Effect.sync(() => granted++), done.await)
+            )))
+        )
+        yield* until(
+          `${SHARED_CROWD} shared requests wait`,
+          Effect.sync(() => waitingFor(faults[0], name) + waitingFor(faults[1], name) === SHARED_CROWD)
+        )
+        // On the TestClock no time passes at all: a reader left to its retry timer is never granted.
+        yield* step(
+          `the holder's release and then every shared request's grant, within ${CROWD_BOUND_MS} ms (a retry comes ${PLACE_RETRY_MS} ms after the last)`,
+          Effect.zipRight(letGo, until(`${SHARED_CROWD} shared requests granted`, Effect.sync(() => granted === SHARED_CROWD))),
+          Duration.millis(CROWD_BOUND_MS)
+        )
+        yield* done.open
+        yield* Fiber.joinAll(fibers)
       }))
 
     // Every way a lock changes hands at once (handed over by a release, woken, polled, shared

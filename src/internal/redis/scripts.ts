@@ -293,6 +293,8 @@ return { false, false, false, false, nowMs }
  * ttl from now), its place goes, and `h<place>:<token>:<expiry ms>` is published: the waiter
  * holds the lease with no command of its own. Otherwise, when this frees the lock (or leaves a
  * place while no exclusive lease is live), the same waiters are woken on the channel (`w<place>`).
+ * With `HEAD_CANDIDATES` shared heads, every waiter of the name is woken too (`r<name>`): shared
+ * ones behind them may fit as well.
  * KEYS: lease, queue, places, shared. ARGV: 1 name, 2 owner ('' for none), 3 waiter ('' for none), 4 channel.
  * Answer: { released (0/1), woken (count) }.
  */
@@ -408,6 +410,9 @@ if freed then
       end
     end
   end
+  -- Every place looked at is a shared head: more behind them may fit too, and would otherwise
+  -- wait for their next retry. Every waiter of the name retries now.
+  if #heads >= ${HEAD_CANDIDATES} then redis.call('PUBLISH', channel, 'r' .. name) end
 end
 -- No key outlives its use: when a release (or the last waiter's leave) leaves the name with no
 -- holder and no waiter, its lease hash (the last token) is kept only until the server's µs clock

@@ -503,7 +503,9 @@ const recent = (p: string): string => `${p}.expires_at > now() + ${ms(String(PLA
  * exclusive lease is live, the waiters now at the head that fit are notified (`w<place>`; an exclusive
  * head only when no shared lease is live either; behind a head not written lately, which may be a
  * crashed waiter's, the waiters up to the first surely waiting one too), in the same
- * statement (sent on commit): only they retry. Queue rows expired for over a minute (crashed
+ * statement (sent on commit): only they retry. When every one of the `HEAD_CANDIDATES` places it
+ * looks at is a shared head, every waiter of the name is notified too (`r<name>`): shared ones
+ * behind them may fit as well. Queue rows expired for over a minute (crashed
  * waiters and shared holders) are removed in passing.
  *
  * The lease row is locked first, as a granting acquire locks it; then the places, in `seq` order.
@@ -633,7 +635,10 @@ select (select count(*) from exclusive) + (select count(*) from shared) as relea
   (select count(pg_notify($4::text, '${HANDED_PREFIX}' || owner::text || ':' || token::text || ':' ||
      (extract(epoch from expires_at) * 1000)::float8::text)) from all_handed)
   + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from (select owner from heads union all select owner from stale_behind) woken
-     where not exists (select 1 from all_handed)) as woken`
+     where not exists (select 1 from all_handed))
+  -- Every one of the places looked at is a shared head: more behind them may fit too, and would
+  -- otherwise wait for their next retry. Every waiter of the name retries now.
+  + (select count(pg_notify($4::text, '${RELEASED_PREFIX}' || $1::text)) where (select count(*) from heads) >= ${HEAD_CANDIDATES}) as woken`
 }
 
 /**
