@@ -1710,6 +1710,39 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       })
     ))
 
+  it.effect("a release that hands the 16 shared heads it looks at their leases also wakes the shared places right behind them (they fit too), up to the first exclusive one: not that one, nor a shared place behind it", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const channel = "effect_lock_test_shared_crowd"
+        const name = freshName("shared-crowd")
+        const listener = await listenOn(channel)
+        try {
+          const { acquire, release } = await lockStatementsOn(client, channel, name)
+          const holder = Crypto.randomUUID()
+          expect(await acquire(holder, Crypto.randomUUID())).not.toBeNull()
+          // 20 shared places, then an exclusive one, then a shared one behind it.
+          const readers = Array.from({ length: 20 }, () => Crypto.randomUUID())
+          for (const place of readers) expect(await acquire(Crypto.randomUUID(), place, "shared")).toBeNull()
+          const [writer, late] = [Crypto.randomUUID(), Crypto.randomUUID()]
+          expect(await acquire(Crypto.randomUUID(), writer)).toBeNull()
+          expect(await acquire(Crypto.randomUUID(), late, "shared")).toBeNull()
+          // 16 handed (the places looked at), 4 woken: one notification each.
+          expect(await release(holder, null)).toEqual({ released: 1, woken: 20 })
+          await Promise.all(readers.slice(16).map((place) => listener.heard(`w${place}`)))
+          expect(listener.payloads.filter((payload) => payload.startsWith("h")).map((payload) => payload.slice(1, 37)).sort())
+            .toEqual(readers.slice(0, 16).sort())
+          expect(listener.payloads.filter((payload) => payload.startsWith("w"))).toEqual(readers.slice(16).map((place) => `w${place}`))
+          // Each woken reader's attempt is granted its shared lease beside the handed ones.
+          const owners = readers.slice(16).map(() => Crypto.randomUUID())
+          for (const [i, place] of readers.slice(16).entries()) expect(await acquire(owners[i]!, place, "shared")).not.toBeNull()
+          for (const owner of [...owners, ...readers.slice(0, 16)]) await release(owner, null)
+        } finally {
+          await listener.end()
+          await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+        }
+      })
+    ))
+
   it.effect("a waiter leaving while a shared lease is live wakes no exclusive head (it could not fit), only the shared requests now at the head; the last shared holder's release wakes the exclusive head", () =>
     Effect.promise(() =>
       withClient(db.url, async (client) => {

@@ -445,31 +445,40 @@ describeWithRedis("RedisLease", () => {
         expect(yield* sharedEntries(name)).toEqual({})
       }))
 
-    it.scopedLive(`more shared requests at the head than a release looks at (16): the 16 oldest are handed their leases, and every waiter of the name is woken (r<name>), so the other ${SHARED_CROWD - 16} are granted by an attempt at once, not at their retry 1.5 s later`, () =>
+    it.scopedLive(`more shared requests at the head than a release looks at (16): the 16 oldest are handed their leases and the shared places right behind them are woken (they fit too), so the other ${SHARED_CROWD - 16} are granted by an attempt at once, not at their retry 1.5 s later; the exclusive request behind them is not woken`, () =>
       Effect.gen(function*() {
         const name = freshName("redis-shared-crowd")
         const holder = yield* node({ ttl: Duration.seconds(30) })
-        // Polling far apart: a reader nobody wakes attempts again only at its place's retry (1.5 s).
+        // Polling far apart: a waiter nobody wakes attempts again only at its place's retry (1.5 s).
         const readers = yield* node({ ttl: Duration.seconds(5), pollInterval: Duration.seconds(10) })
+        const writers = yield* node({ ttl: Duration.seconds(5), pollInterval: Duration.seconds(10) })
         const heard = yield* published
         const letGoHolder = yield* holdFor(holder, name)
         const letGo = yield* Deferred.make<void>()
+        const places = (n: number) => Effect.map(command<number>("ZCARD", keysFor(name).queue), (count) => count === n)
         let granted = 0
         const fibers = yield* Effect.forEach(Array.from({ length: SHARED_CROWD }), () =>
           Effect.fork(Effect.scoped(Effect.zipRight(
             readers.acquire(name, { mode: "shared", timeout: Duration.seconds(10) }),
             Effect.zipRight(Effect.sync(() => granted++), Deferred.await(letGo))
           ))))
-        yield* waitFor(`${SHARED_CROWD} places`, Effect.map(command<number>("ZCARD", keysFor(name).queue), (n) => n === SHARED_CROWD), Duration.seconds(5))
+        yield* waitFor(`${SHARED_CROWD} places`, places(SHARED_CROWD), Duration.seconds(5))
+        const writer = yield* Effect.fork(Effect.scoped(Effect.map(writers.acquire(name, { timeout: Duration.seconds(10) }), (lease) => lease.token)))
+        yield* waitFor("the writer's place", places(SHARED_CROWD + 1), Duration.seconds(5))
+        const queue = yield* command<Array<string>>("ZRANGE", keysFor(name).queue, 0, -1)
         const releasedAt = yield* monotonicMillis
         yield* letGoHolder
         yield* waitFor("every reader granted", Effect.sync(() => granted === SHARED_CROWD), Duration.seconds(5))
         // Measured on this process's monotonic clock, which times the readers' retries too.
         expect((yield* monotonicMillis) - releasedAt).toBeLessThan(1_000)
-        yield* waitFor("the name's wake-up", Effect.sync(() => heard.includes(`r${name}`)), Duration.seconds(2))
-        expect(heard.filter((payload) => payload.startsWith("h")).length).toBeGreaterThanOrEqual(16)
+        const behind = queue.slice(16, SHARED_CROWD)
+        yield* waitFor("the wake-ups of the places behind the heads", Effect.sync(() => behind.every((place) => heard.includes(`w${place}`))), Duration.seconds(2))
+        expect(heard.filter((payload) => payload.startsWith("h")).map((payload) => payload.slice(1).split(":")[0]).sort()).toEqual(queue.slice(0, 16).sort())
+        expect(heard).not.toContain(`w${queue[SHARED_CROWD]}`)
+        expect(Option.isNone(yield* Fiber.poll(writer))).toBe(true)
         yield* Deferred.succeed(letGo, undefined)
         yield* Fiber.joinAll(fibers)
+        expect((yield* Fiber.join(writer)) > 0n).toBe(true)
         expect(yield* sharedEntries(name)).toEqual({})
       }))
 

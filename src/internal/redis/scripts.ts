@@ -106,6 +106,8 @@ const HEAD_SCAN = HEAD_CANDIDATES * 4
 const MAX_DEAD_SCAN = 1_024
 /** Dead places at the front an attempt behind a live exclusive lease drops at most. */
 const DEAD_FRONT_DROP = 64
+/** How many places behind 16 shared heads a release looks at for shared ones to wake (the rest retry within 1.5 s). */
+const SHARED_BEHIND_MAX = 1_024
 /** How many waiters behind a head that may be dead a release wakes at most (up to the first surely waiting). */
 const BEHIND_STALE = HEAD_CANDIDATES
 
@@ -293,8 +295,8 @@ return { false, false, false, false, nowMs }
  * ttl from now), its place goes, and `h<place>:<token>:<expiry ms>` is published: the waiter
  * holds the lease with no command of its own. Otherwise, when this frees the lock (or leaves a
  * place while no exclusive lease is live), the same waiters are woken on the channel (`w<place>`).
- * With `HEAD_CANDIDATES` shared heads, every waiter of the name is woken too (`r<name>`): shared
- * ones behind them may fit as well.
+ * With `HEAD_CANDIDATES` shared heads, the shared places right behind them (up to the first
+ * exclusive one, among at most `SHARED_BEHIND_MAX` places) fit as well and are woken too (`w<place>`).
  * KEYS: lease, queue, places, shared. ARGV: 1 name, 2 owner ('' for none), 3 waiter ('' for none), 4 channel.
  * Answer: { released (0/1), woken (count) }.
  */
@@ -410,9 +412,26 @@ if freed then
       end
     end
   end
-  -- Every place looked at is a shared head: more behind them may fit too, and would otherwise
-  -- wait for their next retry. Every waiter of the name retries now.
-  if #heads >= ${HEAD_CANDIDATES} then redis.call('PUBLISH', channel, 'r' .. name) end
+  -- Every place looked at is a shared head: the shared places right behind them (up to the first
+  -- exclusive one) fit as well, and are woken to take theirs by an attempt, not at their next retry.
+  -- Handed heads have left the queue; woken ones are still at its front.
+  if #heads >= ${HEAD_CANDIDATES} then
+    local from, scanned, stop = handed and 0 or #heads, 0, false
+    repeat
+      local ids = redis.call('ZRANGE', queueKey, from, from + ${HEAD_SCAN - 1})
+      for _, id in ipairs(ids) do
+        scanned = scanned + 1
+        local p = placeOf(id)
+        if p and p.expires > nowMs and id ~= owner and id ~= waiter then
+          if p.mode == 'exclusive' then stop = true break end
+          redis.call('PUBLISH', channel, 'w' .. id)
+          woken = woken + 1
+        end
+        if scanned >= ${SHARED_BEHIND_MAX} then stop = true break end
+      end
+      from = from + #ids
+    until stop or #ids < ${HEAD_SCAN}
+  end
 end
 -- No key outlives its use: when a release (or the last waiter's leave) leaves the name with no
 -- holder and no waiter, its lease hash (the last token) is kept only until the server's µs clock

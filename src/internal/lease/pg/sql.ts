@@ -189,6 +189,8 @@ export const commitsUnflushed = (condition: string): string =>
 
 /** How many of the oldest places a release looks at to find whom to wake. */
 const HEAD_CANDIDATES = 16
+/** How many shared places behind 16 shared heads a release wakes at most (the rest retry within 1.5 s). */
+export const SHARED_BEHIND_MAX = 1_024
 
 /**
  * One grant attempt. A request with no live waiter ahead of it takes the lock if the lease row
@@ -504,8 +506,8 @@ const recent = (p: string): string => `${p}.expires_at > now() + ${ms(String(PLA
  * head only when no shared lease is live either; behind a head not written lately, which may be a
  * crashed waiter's, the waiters up to the first surely waiting one too), in the same
  * statement (sent on commit): only they retry. When every one of the `HEAD_CANDIDATES` places it
- * looks at is a shared head, every waiter of the name is notified too (`r<name>`): shared ones
- * behind them may fit as well. Queue rows expired for over a minute (crashed
+ * looks at is a shared head, the shared places right behind them (up to the first exclusive one,
+ * at most `SHARED_BEHIND_MAX`) fit as well and are notified too (`w<place>`). Queue rows expired for over a minute (crashed
  * waiters and shared holders) are removed in passing.
  *
  * The lease row is locked first, as a granting acquire locks it; then the places, in `seq` order.
@@ -628,6 +630,17 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   returning q.owner, q.token, q.expires_at
 ), all_handed as (
   select owner, token, expires_at from handed union all select owner, token, expires_at from shared_handed
+), shared_behind as (
+  -- Every place looked at is a shared head: the shared places right behind them (up to the first
+  -- exclusive one) fit as well, and are woken to take theirs by an attempt, not at their next
+  -- retry. Read only then, unlocked (a wake-up grants nothing).
+  select q.owner from ${queue.sql} q, (select max(seq) as last from waiting) h
+  where (select count(*) from heads) >= ${HEAD_CANDIDATES}
+    and q.name = $1::text and q.seq > h.last and q.token is null and q.expires_at > now() and q.mode = 'shared'
+    and q.owner is distinct from $2::uuid and q.owner is distinct from $3::uuid
+    and q.seq < coalesce((select min(x.seq) from ${queue.sql} x
+      where x.name = $1::text and x.seq > h.last and x.token is null and x.expires_at > now() and x.mode = 'exclusive'), 9223372036854775807)
+  order by q.seq limit ${SHARED_BEHIND_MAX}
 )
 select (select count(*) from exclusive) + (select count(*) from shared) as released,
   -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
@@ -636,9 +649,7 @@ select (select count(*) from exclusive) + (select count(*) from shared) as relea
      (extract(epoch from expires_at) * 1000)::float8::text)) from all_handed)
   + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from (select owner from heads union all select owner from stale_behind) woken
      where not exists (select 1 from all_handed))
-  -- Every one of the places looked at is a shared head: more behind them may fit too, and would
-  -- otherwise wait for their next retry. Every waiter of the name retries now.
-  + (select count(pg_notify($4::text, '${RELEASED_PREFIX}' || $1::text)) where (select count(*) from heads) >= ${HEAD_CANDIDATES}) as woken`
+  + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from shared_behind) as woken`
 }
 
 /**
