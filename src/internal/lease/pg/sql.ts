@@ -634,13 +634,13 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   -- Every place looked at is a shared head: the shared places right behind them (up to the first
   -- exclusive one) fit as well, and are woken to take theirs by an attempt, not at their next
   -- retry. Read only then, unlocked (a wake-up grants nothing).
-  select q.owner from ${queue.sql} q, (select max(seq) as last from waiting) h
-  where (select count(*) from heads) >= ${HEAD_CANDIDATES}
-    and q.name = $1::text and q.seq > h.last and q.token is null and q.expires_at > now() and q.mode = 'shared'
-    and q.owner is distinct from $2::uuid and q.owner is distinct from $3::uuid
-    and q.seq < coalesce((select min(x.seq) from ${queue.sql} x
-      where x.name = $1::text and x.seq > h.last and x.token is null and x.expires_at > now() and x.mode = 'exclusive'), 9223372036854775807)
-  order by q.seq limit ${SHARED_BEHIND_MAX}
+  select owner from (
+    select q.owner, bool_or(q.mode = 'exclusive') over (order by q.seq) as blocked from ${queue.sql} q
+    where q.name = $1::text and q.seq > (select max(seq) from waiting) and q.token is null and q.expires_at > now()
+      and q.owner is distinct from $2::uuid and q.owner is distinct from $3::uuid
+      and (select count(*) from heads) >= ${HEAD_CANDIDATES}
+    order by q.seq limit ${SHARED_BEHIND_MAX}
+  ) behind where not blocked
 )
 select (select count(*) from exclusive) + (select count(*) from shared) as released,
   -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
