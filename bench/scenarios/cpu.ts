@@ -5,7 +5,7 @@
  * every thread: `process.cpuUsage` around the round, no profiler running) compared with the
  * floor's: issue 23's target "CPU per cycle ≤ 2× the raw row's, for each backend".
  *
- * Then one round of each with V8's CPU profiler on gives where the library's CPU goes (by place)
+ * Then rounds of each with V8's CPU profiler on (three, alternating, the median kept) give where the library's CPU goes (by place)
  * and the profile's own count, shown beside: samples of the main thread that are not idle. That
  * count is no clock of CPU: it misses the kernel's work for the process's sockets and its other
  * threads, and it counts a main thread preempted inside a system call (a loopback write that woke
@@ -97,8 +97,18 @@ const profileOf = (trial: ProfilingTrial<ThroughputSample>, id: string) =>
   trial.profile?.() ?? profileRound(id, () => trial.run({ warmup: false }), throughputCycles)
 
 /**
+ * Profiled rounds per side, alternating with the other side's: one round read 45 µs against the
+ * CPU clock's 258 on a loaded host (12-06), so the side's figures are those of its median round.
+ */
+const PROFILED_ROUNDS = 3
+
+/** The round whose busy samples per cycle are the median of `rounds`. */
+const medianRound = (rounds: ReadonlyArray<Profiled>): Profiled =>
+  [...rounds].sort((a, b) => perCycle(cpuMs(a), a.cycles) - perCycle(cpuMs(b), b.cycles))[Math.floor(rounds.length / 2)]!
+
+/**
  * Floor and library, each in a process of its own, opened side by side, warmed up, clocked in
- * alternating order, then each profiled once. Subjects that run in this process
+ * alternating order, then each profiled `PROFILED_ROUNDS` times (alternating). Subjects that run in this process
  * (`BENCH_IN_PROCESS=1`) are measured one after the other instead: one process clock would count
  * both sides' background work (renewals, keepalives, collections) in each side's rounds.
  */
@@ -120,7 +130,9 @@ const measurePair = async (floorSubject: Subject<ThroughputSample>, subject: Sub
         await trial.run({ warmup: true })
         const clock: Array<Clock> = []
         for (let r = 0; r < rounds; r++) clock.push(await clocked(trial))
-        const side = profiledSide(id, clock, await profileOf(trial, id))
+        const profiles: Array<Profiled> = []
+        for (let r = 0; r < PROFILED_ROUNDS; r++) profiles.push(await profileOf(trial, id))
+        const side = profiledSide(id, clock, medianRound(profiles))
         await close(trial)
         return side
       }
@@ -135,9 +147,14 @@ const measurePair = async (floorSubject: Subject<ThroughputSample>, subject: Sub
       // No side always first: a round's background load falls on both.
       for (const i of r % 2 === 0 ? [0, 1] : [1, 0]) clocks[i]!.push(await clocked(trials[i]!))
     }
+    const ids = [floorSubject.id, subject.id] as const
+    const profiles: [Array<Profiled>, Array<Profiled>] = [[], []]
+    for (let r = 0; r < PROFILED_ROUNDS; r++) {
+      for (const i of r % 2 === 0 ? [0, 1] : [1, 0]) profiles[i]!.push(await profileOf(trials[i]!, ids[i]!))
+    }
     return {
-      floor: profiledSide(floorSubject.id, clocks[0], await profileOf(floor, floorSubject.id)),
-      subject: profiledSide(subject.id, clocks[1], await profileOf(library, subject.id))
+      floor: profiledSide(floorSubject.id, clocks[0], medianRound(profiles[0])),
+      subject: profiledSide(subject.id, clocks[1], medianRound(profiles[1]))
     }
   } finally {
     for (const trial of opened.splice(0)) await trial.close()
@@ -152,7 +169,7 @@ const run = async (context: Context): Promise<CpuResult> => {
   try {
     const rows: Array<CpuRow> = []
     for (const pair of PAIRS) {
-      log(`cpu: ${pair.backend} and its floor, ${rounds} clocked rounds of ${roundMs} ms each side by side, then one profiled round each`)
+      log(`cpu: ${pair.backend} and its floor, ${rounds} clocked rounds of ${roundMs} ms each side by side, then ${PROFILED_ROUNDS} profiled rounds each`)
       const measured = await measurePair(pair.floor(database, roundMs), pair.subject(database, roundMs), rounds)
       rows.push({ backend: pair.backend, floorLabel: pair.floorLabel, ...measured })
     }
@@ -189,7 +206,7 @@ const render = (result: CpuResult): string => {
     `One worker, each row in a process of its own, ${result.rounds} rounds of ${result.roundMs} ms per row after a warm-up, ` +
     "a row and its floor back to back (the order alternating; with BENCH_IN_PROCESS=1 one after the other); medians per cycle. " +
     "CPU is the process's CPU clock (user + system, every thread, by the kernel's account; no profiler running). " +
-    "Then one round of each with V8's profiler on: its count of main-thread samples that are not idle (no clock of CPU: " +
+    `Then ${PROFILED_ROUNDS} rounds of each with V8's profiler on, alternating, the median one kept: its count of main-thread samples that are not idle (no clock of CPU: ` +
     "it misses the kernel's socket work and other threads, and counts a main thread preempted inside a system call as busy) " +
     "and the library's split by place. `npx tsx bench/profile.ts` prints the same with the top functions and writes the profiles.",
     "",
