@@ -42,6 +42,8 @@ const db = useTestDatabase("pglease")
 
 const repoRoot = fileURLToPath(new URL("..", import.meta.url))
 const TTL = Duration.seconds(1)
+/** More shared waiters than a release looks at (16). */
+const SHARED_CROWD = 20
 
 // --- helpers ------------------------------------------------------------------------------------
 
@@ -572,6 +574,40 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const last = yield* Fiber.join(w).pipe(Effect.timeout(Duration.seconds(3)))
       expect(last > t1 && last > t2).toBe(true)
       expect(yield* sharedRows(name)).toEqual([])
+    }))
+
+  it.scoped(`more shared requests at the head than a release looks at (16): the 16 oldest are handed their leases and the releasing process wakes the shared places behind them (they fit too), so the other ${SHARED_CROWD - 16} are granted by an attempt at once, not at their retry 1.5 s later; the exclusive request behind them waits on`, () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const holder = yield* processOn(env)
+      const counted = countingLane()
+      // Polling far apart: a reader nobody wakes attempts again only at its place's retry (1.5 s).
+      const readers = yield* Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(10) }, counted.wrap), DistributedLock.make)
+      const writer = yield* processOn(env, { pollInterval: Duration.seconds(10) })
+      const name = freshName("shared-crowd")
+      const holderScope = yield* Scope.make()
+      yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
+      const letGo = yield* Deferred.make<void>()
+      let granted = 0
+      const fibers = yield* Effect.forEach(Array.from({ length: SHARED_CROWD }), () =>
+        Effect.fork(Effect.scoped(Effect.zipRight(
+          readers.acquire(name, { mode: "shared", ttl: HOLD_THROUGH }),
+          Effect.zipRight(Effect.sync(() => granted++), Deferred.await(letGo))
+        ))))
+      yield* waitFor(`${SHARED_CROWD} places`, Effect.map(placesOf(name), (n) => n === SHARED_CROWD), Duration.seconds(5))
+      // Each reader has sent its first attempt and its look-again: nothing more until its retry.
+      yield* waitFor("every reader's look-again", Effect.sync(() => counted.byOperation("acquire") >= 2 * SHARED_CROWD), Duration.seconds(5))
+      const w = yield* Effect.fork(Effect.scoped(Effect.map(writer.acquire(name, { timeout: Duration.seconds(20) }), (lease) => lease.token)))
+      yield* waitFor("the writer's place", Effect.map(placesOf(name), (n) => n === SHARED_CROWD + 1), Duration.seconds(5))
+      const releasedAt = yield* monotonicMillis
+      yield* Scope.close(holderScope, Exit.void)
+      yield* waitFor("every reader granted", Effect.sync(() => granted === SHARED_CROWD), Duration.seconds(5))
+      // Measured on this process's monotonic clock, which times the readers' retries too.
+      expect((yield* monotonicMillis) - releasedAt).toBeLessThan(1_000)
+      expect(Option.isNone(yield* Fiber.poll(w))).toBe(true)
+      yield* Deferred.succeed(letGo, undefined)
+      yield* Fiber.joinAll(fibers)
+      expect((yield* Fiber.join(w)) > 0n).toBe(true)
     }))
 
   it.scoped("a shared waiter that misses the handover's notification finds the shared lease handed to it at its next attempt, and holds it like a grant of its own: renewed past its ttl, released", () =>
@@ -1710,14 +1746,14 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       })
     ))
 
-  it.effect("a release that hands the 16 shared heads it looks at their leases also wakes the shared places right behind them (they fit too), up to the first exclusive one: not that one, nor a shared place behind it", () =>
+  it.effect("a release that hands the 16 shared heads it looks at their leases answers so (16 notifications), and the releasing process's wakeSharedHeads then wakes the shared places right behind them (they fit too), up to the first exclusive one: not that one, nor a shared place behind it", () =>
     Effect.promise(() =>
       withClient(db.url, async (client) => {
         const channel = "effect_lock_test_shared_crowd"
         const name = freshName("shared-crowd")
         const listener = await listenOn(channel)
         try {
-          const { acquire, release } = await lockStatementsOn(client, channel, name)
+          const { acquire, decodeRelease, release, wakeSharedHeads } = await lockStatementsOn(client, channel, name)
           const holder = Crypto.randomUUID()
           expect(await acquire(holder, Crypto.randomUUID())).not.toBeNull()
           // 20 shared places, then an exclusive one, then a shared one behind it.
@@ -1726,8 +1762,12 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           const [writer, late] = [Crypto.randomUUID(), Crypto.randomUUID()]
           expect(await acquire(Crypto.randomUUID(), writer)).toBeNull()
           expect(await acquire(Crypto.randomUUID(), late, "shared")).toBeNull()
-          // 16 handed (the places looked at), 4 woken: one notification each.
-          expect(await release(holder, null)).toEqual({ released: 1, woken: 20 })
+          // 16 handed (all the places a release looks at): one notification each, and so a crowd.
+          expect(await release(holder, null)).toEqual({ released: 1, woken: 16 })
+          expect(decodeRelease([{ released: 1, woken: 16 }]).crowd).toBe(true)
+          expect(decodeRelease([{ released: 1, woken: 15 }]).crowd).toBe(false)
+          // The 4 shared places behind them, not the exclusive one nor the shared one behind it.
+          expect(await wakeSharedHeads()).toBe(4)
           await Promise.all(readers.slice(16).map((place) => listener.heard(`w${place}`)))
           expect(listener.payloads.filter((payload) => payload.startsWith("h")).map((payload) => payload.slice(1, 37)).sort())
             .toEqual(readers.slice(0, 16).sort())
@@ -2446,7 +2486,10 @@ const lockStatementsOn = async (client: pg.Client, channel: string, name: string
     const row = (await client.query<{ released: string; woken: string }>(locks.release.text, [...locks.release.encode({ name, owner, waiter })])).rows[0]!
     return { released: Number(row.released), woken: Number(row.woken) }
   }
-  return { attempt, acquire, release }
+  /** What the releasing process sends after a release that served 16 shared heads: how many it woke. */
+  const wakeSharedHeads = async () =>
+    Number((await client.query<{ woken: string }>(locks.wakeSharedHeads!.text, [...locks.wakeSharedHeads!.encode({ name })])).rows[0]!.woken)
+  return { attempt, acquire, release, wakeSharedHeads, decodeRelease: locks.release.decode }
 }
 
 /** A LISTEN session on `channel`: every payload it heard, in order, and a wait for one (5 s at most). */

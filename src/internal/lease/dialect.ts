@@ -121,6 +121,16 @@ export interface ReleaseAnswer {
   readonly released: boolean
   /** Places it found at the head, to wake in this process (none where the statement notifies itself). */
   readonly wake: ReadonlyArray<string>
+  /**
+   * It served every place it looked at (16 shared heads): shared places behind them may fit too,
+   * and the statements' `wakeSharedHeads` (where there is one) wakes them.
+   */
+  readonly crowd?: boolean | undefined
+}
+
+/** Which lock the shared places at the head of whose queue to wake. */
+export interface WakeSharedInput {
+  readonly name: string
 }
 
 /** What renewal sends of a grant (a semaphore's permits have no mode; its token is its first). */
@@ -139,6 +149,12 @@ export type RenewAnswer = "renewed" | "stolen" | "expired" | "revoked"
 export interface GrantStatements<I, A> {
   readonly acquire: Statement<I, A>
   readonly release: Statement<ReleaseInput, ReleaseAnswer>
+  /**
+   * Wakes the shared places at the head of a name's queue, up to the first exclusive one: sent
+   * after a release that answered `crowd`. Absent where the release wakes them itself (RedisLease's
+   * script) or waiters poll often (SqliteLease).
+   */
+  readonly wakeSharedHeads?: Statement<WakeSharedInput, void> | undefined
   /** A whole batch in one statement; answers in batch order. */
   readonly renew: Statement<ReadonlyArray<RenewInput>, ReadonlyArray<RenewAnswer>>
   /** Creates the tables if needed: idempotent statements, run in order on first use. */
@@ -240,10 +256,15 @@ export const decode = {
     wait: numberOrNull(first(rows)?.["wait"]),
     behind: false
   }),
-  /** `wake`: the places to wake in process, read from the answer (a dialect that notifies reads none). */
-  release: (wake: (rows: ReadonlyArray<Row>) => ReadonlyArray<string>) => (rows: ReadonlyArray<Row>): ReleaseAnswer => ({
+  /**
+   * `wake`: the places to wake in process, read from the answer (a dialect that notifies reads
+   * none); `crowdAt`: the count of notifications (`woken`) from which the release served every
+   * place it looked at (absent: never).
+   */
+  release: (wake: (rows: ReadonlyArray<Row>) => ReadonlyArray<string>, crowdAt?: number) => (rows: ReadonlyArray<Row>): ReleaseAnswer => ({
     released: Number(first(rows)?.["released"] ?? 0) > 0,
-    wake: wake(rows)
+    wake: wake(rows),
+    crowd: crowdAt !== undefined && Number(first(rows)?.["woken"] ?? 0) >= crowdAt
   }),
   /** In batch order, whatever order the database returned them in. */
   renew: (rows: ReadonlyArray<Row>): ReadonlyArray<RenewAnswer> =>

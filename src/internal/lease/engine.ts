@@ -74,7 +74,7 @@ export const make = (
 ): Effect.Effect<LockAndSemaphoreBackend<Attempt.LeaseGrant, Permits.PermitLeaseGrant>, never, Scope.Scope> =>
   Effect.gen(function*() {
     const { locks, permits } = dialect
-    const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, locks.release, hub, owner)
+    const giveBack = yield* GiveBack.make(lane, settings.statementTimeout, locks.release, hub, owner, locks.wakeSharedHeads)
     const { ready, isReady } = yield* tableReadiness(lane, settings, locks.ensureTable, dialect.retryCreate)
     const attempt = Attempt.lockAttempts(settings, { lane, giveBack, ready, isReady, owner }, locks.acquire)
     // A lock handed to the place of a request that ended (its leave failed or is on its way):

@@ -24,7 +24,7 @@ import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import type { LockBackendError } from "../../LockError.js"
 import { monotonicMillis, sleepMillis } from "../core/clock.js"
-import type { ReleaseAnswer, ReleaseInput, Statement } from "./dialect.js"
+import type { ReleaseAnswer, ReleaseInput, Statement, WakeSharedInput } from "./dialect.js"
 import * as Lane from "./lane.js"
 import type { WakeHub } from "./waiters.js"
 import * as Owner from "../runtime/owner.js"
@@ -83,15 +83,27 @@ export const make = (
   statementTimeout: Duration.Duration,
   statement: Statement<ReleaseInput, ReleaseAnswer>,
   hub: WakeHub | undefined,
-  owner: Owner.Owner
+  owner: Owner.Owner,
+  wakeSharedHeads?: Statement<WakeSharedInput, void>
 ): Effect.Effect<GiveBack, never, Scope.Scope> =>
   Effect.gen(function*() {
+    /** What a give-back's answer asks of this process: wake-ups. */
+    const answered = (name: string, value: ReleaseAnswer): void => {
+      // Waiters of this process that the release found at the head are woken without a round trip.
+      if (hub !== undefined && value.wake.length > 0) hub.wake(value.wake)
+      // The readers behind 16 shared heads fit too: woken by a statement of their own, as the
+      // layer's work (a wake-up only: a failure leaves them to their next retry, within 1.5 s).
+      if (value.crowd === true && wakeSharedHeads !== undefined) {
+        owner.unsafeFork(Effect.ignore(Lane.send(lane, name, wakeSharedHeads, { name }, statementTimeout)))
+      }
+    }
     /** One give-back statement; true when it freed a lease. */
     const giveBack = (name: string, grantOwner: string | null, waiter: string | null, bound = statementTimeout) =>
       Lane.send(lane, name, statement, { name, owner: grantOwner, waiter }, bound).pipe(
-        // Waiters of this process that the release found at the head are woken without a round trip.
-        Effect.tap(({ value }) => hub === undefined ? Effect.void : Effect.sync(() => hub.wake(value.wake))),
-        Effect.map(({ value }) => value.released)
+        Effect.map(({ value }) => {
+          answered(name, value)
+          return value.released
+        })
       )
 
     // Background give-backs are awaited (bounded) when the layer closes: cut short, they would
@@ -207,8 +219,7 @@ export const make = (
       const once = () =>
         Lane.sendNow(runNow, name, statement, { name, owner: grantOwner, waiter: null }, Duration.millis(Math.max(1, deadline - performance.now())), (error, value) => {
           if (error === undefined) {
-            // Waiters of this process that the release found at the head are woken without a round trip.
-            hub?.wake(value!.wake)
+            answered(name, value!)
             return done(undefined)
           }
           if (attempt >= RELEASE_RETRIES || deadline - performance.now() <= spacingMillis) {

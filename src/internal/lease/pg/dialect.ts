@@ -66,17 +66,23 @@ export const operator = (tables: Sql.Tables, channel: string): OperatorStatement
 /** The statements of the tables `tables`, notifying on `channel`. */
 export const dialect = (tables: Sql.Tables, channel: string): Dialect => {
   // The release statement notifies the heads itself; they hear it through LISTEN, this process too.
-  const release = (text: string) => ({
+  const release = (text: string, crowdAt?: number) => ({
     operation: "release",
     text,
     encode: (i: Parameters<typeof params.release>[0]) => [...params.release(i), channel],
-    decode: decode.release(() => [])
+    decode: decode.release(() => [], crowdAt)
   })
   return {
     backend: "pg-lease",
     locks: {
       acquire: { operation: "acquire", text: Sql.acquire(tables), encode: params.lockAcquire, decode: decode.lockAcquire, batch: acquireBatch(tables) },
-      release: { ...release(Sql.release(tables)), batch: releaseBatch(tables) },
+      release: { ...release(Sql.release(tables), Sql.WOKEN_CROWD), batch: releaseBatch(tables) },
+      wakeSharedHeads: {
+        operation: "wake",
+        text: Sql.wakeSharedHeads(tables),
+        encode: ({ name }) => [name, channel],
+        decode: decode.nothing
+      },
       renew: { operation: "renew", text: Sql.renew(tables), encode: params.renew, decode: decode.renew },
       ensureTable: ddl([Sql.ensureTable(tables), Sql.ensureLockTokens(tables)], asIs),
       sweep: { operation: "sweep", text: Sql.sweep(tables), encode: params.sweep, decode: decode.swept }

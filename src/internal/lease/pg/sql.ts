@@ -189,8 +189,10 @@ export const commitsUnflushed = (condition: string): string =>
 
 /** How many of the oldest places a release looks at to find whom to wake. */
 const HEAD_CANDIDATES = 16
-/** How many shared places behind 16 shared heads a release wakes at most (the rest retry within 1.5 s). */
-export const SHARED_BEHIND_MAX = 1_024
+/** How many shared places `wakeSharedHeads` wakes at most (the rest retry within 1.5 s). */
+export const SHARED_HEADS_MAX = 1_024
+/** A release that sent this many notifications may have left shared places behind them that fit too. */
+export const WOKEN_CROWD = HEAD_CANDIDATES
 
 /**
  * One grant attempt. A request with no live waiter ahead of it takes the lock if the lease row
@@ -505,9 +507,10 @@ const recent = (p: string): string => `${p}.expires_at > now() + ${ms(String(PLA
  * exclusive lease is live, the waiters now at the head that fit are notified (`w<place>`; an exclusive
  * head only when no shared lease is live either; behind a head not written lately, which may be a
  * crashed waiter's, the waiters up to the first surely waiting one too), in the same
- * statement (sent on commit): only they retry. When every one of the `HEAD_CANDIDATES` places it
- * looks at is a shared head, the shared places right behind them (up to the first exclusive one,
- * at most `SHARED_BEHIND_MAX`) fit as well and are notified too (`w<place>`). Queue rows expired for over a minute (crashed
+ * statement (sent on commit): only they retry. `woken` counts the notifications: when it
+ * reaches `HEAD_CANDIDATES` (every place it looked at was a head: 16 shared requests), shared
+ * places behind them may fit as well, and the releasing process sends `wakeSharedHeads`.
+ * Queue rows expired for over a minute (crashed
  * waiters and shared holders) are removed in passing.
  *
  * The lease row is locked first, as a granting acquire locks it; then the places, in `seq` order.
@@ -630,17 +633,6 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   returning q.owner, q.token, q.expires_at
 ), all_handed as (
   select owner, token, expires_at from handed union all select owner, token, expires_at from shared_handed
-), shared_behind as (
-  -- Every place looked at is a shared head: the shared places right behind them (up to the first
-  -- exclusive one) fit as well, and are woken to take theirs by an attempt, not at their next
-  -- retry. Read only then, unlocked (a wake-up grants nothing).
-  select owner from (
-    select q.owner, bool_or(q.mode = 'exclusive') over (order by q.seq) as blocked from ${queue.sql} q
-    where q.name = $1::text and q.seq > (select max(seq) from waiting) and q.token is null and q.expires_at > now()
-      and q.owner is distinct from $2::uuid and q.owner is distinct from $3::uuid
-      and (select count(*) from heads) >= ${HEAD_CANDIDATES}
-    order by q.seq limit ${SHARED_BEHIND_MAX}
-  ) behind where not blocked
 )
 select (select count(*) from exclusive) + (select count(*) from shared) as released,
   -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
@@ -648,8 +640,26 @@ select (select count(*) from exclusive) + (select count(*) from shared) as relea
   (select count(pg_notify($4::text, '${HANDED_PREFIX}' || owner::text || ':' || token::text || ':' ||
      (extract(epoch from expires_at) * 1000)::float8::text)) from all_handed)
   + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from (select owner from heads union all select owner from stale_behind) woken
-     where not exists (select 1 from all_handed))
-  + (select count(pg_notify($4::text, '${WAITER_PREFIX}' || owner::text)) from shared_behind) as woken`
+     where not exists (select 1 from all_handed)) as woken`
+}
+
+/**
+ * Wakes the shared places at the head of `name`'s queue, up to the first exclusive one (at most
+ * `SHARED_HEADS_MAX`): sent by the releasing process after a release that served 16 shared heads
+ * (all the places a release looks at), whose readers behind them fit too and would otherwise wait
+ * for their next retry. A statement of its own, not a part of the release: that would cost every
+ * handover the setting up of its scan (20–30 µs, bench/README). A wake-up grants nothing: read
+ * without locks; a place woken for nothing only retries early.
+ *
+ * Parameters: $1 name, $2 channel.
+ */
+export const wakeSharedHeads = (table: Tables | TableRef): string => {
+  const { queue } = tablesOf(table)
+  return `select count(pg_notify($2::text, '${WAITER_PREFIX}' || owner::text)) as woken from (
+  select q.owner, bool_or(q.mode = 'exclusive') over (order by q.seq) as blocked from ${queue.sql} q
+  where q.name = $1::text and q.token is null and q.expires_at > now()
+  order by q.seq limit ${SHARED_HEADS_MAX}
+) heads where not blocked`
 }
 
 /**
