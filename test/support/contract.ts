@@ -210,11 +210,12 @@ const PLACE_WATCH_MS = 5_000
 export const PLACE_LEFT_AT_WRITE_MS = 3_000
 
 /** More shared waiters than a lease store's release looks at (its 16 oldest places). */
-const SHARED_CROWD = 20
-/** A waiting request retries within this long of its last attempt (a lease store's place retry). */
-const PLACE_RETRY_MS = PLACE_RETRY_MILLIS
-/** Two thirds of the retry interval: every reader granted within it after the release was not left to its retry. */
-const CROWD_BOUND_MS = Math.round(PLACE_RETRY_MILLIS * 2 / 3)
+export const SHARED_CROWD = 20
+/**
+ * Two thirds of a lease store's place retry (`PLACE_RETRY_MILLIS`: a waiter retries within it of
+ * its last attempt): every reader granted within it after the release was not left to its retry.
+ */
+export const CROWD_BOUND_MS = Math.round(PLACE_RETRY_MILLIS * 2 / 3)
 
 /** The place case's title in the lock and the semaphore contracts, and the reason it is skipped where there are no places. */
 export const PLACE_CASE = "a waiting request's place is written again once a fifth of it is gone, not half: it keeps 2.5 s or more between retries"
@@ -1007,7 +1008,7 @@ const cases = (label: string, target: ContractTarget, budget: number | undefined
         )
         // On the TestClock no time passes at all: a reader left to its retry timer is never granted.
         yield* step(
-          `the holder's release and then every shared request's grant, within ${CROWD_BOUND_MS} ms (a retry comes ${PLACE_RETRY_MS} ms after the last)`,
+          `the holder's release and then every shared request's grant, within ${CROWD_BOUND_MS} ms (a retry comes ${PLACE_RETRY_MILLIS} ms after the last)`,
           Effect.zipRight(letGo, until(`${SHARED_CROWD} shared requests granted`, Effect.sync(() => granted === SHARED_CROWD))),
           Duration.millis(CROWD_BOUND_MS)
         )
