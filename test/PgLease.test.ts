@@ -575,37 +575,13 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
     }))
 
   it.scoped(`more shared requests at the head than a release looks at (16): the 16 oldest are handed their leases and the releasing process wakes the shared places behind them (they fit too), so the other ${SHARED_CROWD - 16} are granted by an attempt at once, not at their retry 1.5 s later; the exclusive request behind them waits on`, () =>
+    sharedCrowdBehindAWriter())
+
+  it.scoped(`a release whose first try committed but whose answer was lost (a fault injected on the holder's lane) still wakes the shared places behind the 16 it handed: its retry frees nothing and sends the wake-up, so all ${SHARED_CROWD} readers are granted at once, not at their retry 1.5 s later`, () =>
     Effect.gen(function*() {
-      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      const holder = yield* processOn(env)
-      const counted = countingLane()
-      // Polling far apart: a reader nobody wakes attempts again only at its place's retry (1.5 s).
-      const readers = yield* Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(10) }, counted.wrap), DistributedLock.make)
-      const writer = yield* processOn(env, { pollInterval: Duration.seconds(10) })
-      const name = freshName("shared-crowd")
-      const holderScope = yield* Scope.make()
-      yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
-      const letGo = yield* Deferred.make<void>()
-      let granted = 0
-      const fibers = yield* Effect.forEach(Array.from({ length: SHARED_CROWD }), () =>
-        Effect.fork(Effect.scoped(Effect.zipRight(
-          readers.acquire(name, { mode: "shared", ttl: HOLD_THROUGH }),
-          Effect.zipRight(Effect.sync(() => granted++), Deferred.await(letGo))
-        ))))
-      yield* waitFor(`${SHARED_CROWD} places`, Effect.map(placesOf(name), (n) => n === SHARED_CROWD), Duration.seconds(5))
-      // Each reader has sent its first attempt and its look-again: nothing more until its retry.
-      yield* waitFor("every reader's look-again", Effect.sync(() => counted.byOperation("acquire") >= 2 * SHARED_CROWD), Duration.seconds(5))
-      const w = yield* Effect.fork(Effect.scoped(Effect.map(writer.acquire(name, { timeout: Duration.seconds(20) }), (lease) => lease.token)))
-      yield* waitFor("the writer's place", Effect.map(placesOf(name), (n) => n === SHARED_CROWD + 1), Duration.seconds(5))
-      const releasedAt = yield* monotonicMillis
-      yield* Scope.close(holderScope, Exit.void)
-      yield* waitFor("every reader granted", Effect.sync(() => granted === SHARED_CROWD), Duration.seconds(5))
-      // Measured on this process's monotonic clock, which times the readers' retries too.
-      expect((yield* monotonicMillis) - releasedAt).toBeLessThan(CROWD_BOUND_MS)
-      expect(Option.isNone(yield* Fiber.poll(w))).toBe(true)
-      yield* Deferred.succeed(letGo, undefined)
-      yield* Fiber.joinAll(fibers)
-      expect((yield* Fiber.join(w)) > 0n).toBe(true)
+      const lost = answerLostOnce("release")
+      yield* sharedCrowdBehindAWriter(lost.wrap)
+      expect(lost.lost()).toBe(1)
     }))
 
   it.scoped("a shared waiter that misses the handover's notification finds the shared lease handed to it at its next attempt, and holds it like a grant of its own: renewed past its ttl, released", () =>
@@ -2612,6 +2588,63 @@ const handoverHeard = (gate: HandoverGate, name: string, after: bigint) =>
     )
     return found!
   })
+
+/**
+ * SHARED_CROWD readers polling 10 s apart queue behind a writer's lease, an exclusive request
+ * behind them; the holder (on a lane `holderLane` wraps) releases: every reader must be granted
+ * within CROWD_BOUND_MS (so by a wake-up, not its retry 1.5 s later), the exclusive one not yet.
+ */
+const sharedCrowdBehindAWriter = (holderLane?: (lane: Lane.Lane) => Lane.Lane) =>
+  Effect.gen(function*() {
+    const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+    const holder = yield* Effect.flatMap(backendOn(env, undefined, holderLane), DistributedLock.make)
+    const counted = countingLane()
+    // Polling far apart: a reader nobody wakes attempts again only at its place's retry (1.5 s).
+    const readers = yield* Effect.flatMap(backendOn(env, { pollInterval: Duration.seconds(10) }, counted.wrap), DistributedLock.make)
+    const writer = yield* processOn(env, { pollInterval: Duration.seconds(10) })
+    const name = freshName("shared-crowd")
+    const holderScope = yield* Scope.make()
+    yield* Scope.extend(holder.acquire(name, { ttl: HOLD_THROUGH }), holderScope)
+    const letGo = yield* Deferred.make<void>()
+    let granted = 0
+    const fibers = yield* Effect.forEach(Array.from({ length: SHARED_CROWD }), () =>
+      Effect.fork(Effect.scoped(Effect.zipRight(
+        readers.acquire(name, { mode: "shared", ttl: HOLD_THROUGH }),
+        Effect.zipRight(Effect.sync(() => granted++), Deferred.await(letGo))
+      ))))
+    yield* waitFor(`${SHARED_CROWD} places`, Effect.map(placesOf(name), (n) => n === SHARED_CROWD), Duration.seconds(5))
+    // Each reader has sent its first attempt and its look-again: nothing more until its retry.
+    yield* waitFor("every reader's look-again", Effect.sync(() => counted.byOperation("acquire") >= 2 * SHARED_CROWD), Duration.seconds(5))
+    const w = yield* Effect.fork(Effect.scoped(Effect.map(writer.acquire(name, { timeout: Duration.seconds(20) }), (lease) => lease.token)))
+    yield* waitFor("the writer's place", Effect.map(placesOf(name), (n) => n === SHARED_CROWD + 1), Duration.seconds(5))
+    const releasedAt = yield* monotonicMillis
+    yield* Scope.close(holderScope, Exit.void)
+    yield* waitFor("every reader granted", Effect.sync(() => granted === SHARED_CROWD), Duration.seconds(5))
+    // Measured on this process's monotonic clock, which times the readers' retries too.
+    expect((yield* monotonicMillis) - releasedAt).toBeLessThan(CROWD_BOUND_MS)
+    expect(Option.isNone(yield* Fiber.poll(w))).toBe(true)
+    yield* Deferred.succeed(letGo, undefined)
+    yield* Fiber.joinAll(fibers)
+    expect((yield* Fiber.join(w)) > 0n).toBe(true)
+  })
+
+/**
+ * A lane on which the first statement of `operation` runs at the server and is then reported
+ * failed, as if its answer was lost on the way back: a fault a real server cannot make on demand.
+ */
+function answerLostOnce(operation: string) {
+  let lost = 0
+  const wrap = (lane: Lane.Lane): Lane.Lane =>
+    withRun(lane, <A extends object>(op: string, name: string | undefined, text: string, params: ReadonlyArray<unknown>, bound: Duration.Duration) =>
+      Effect.suspend(() => {
+        const run = lane.run<A>(op, name, text, params, bound)
+        if (op !== operation || lost > 0) return run
+        lost++
+        return Effect.flatMap(run, () =>
+          Effect.fail(new LockBackendError({ operation: op, ...(name === undefined ? {} : { name }), cause: new Error("the answer was lost on the way back (test fault)") })))
+      }))
+  return { wrap, lost: () => lost }
+}
 
 /** A lane wrapper that counts the statements of each kind the backend sends. */
 function countingLane() {

@@ -87,21 +87,27 @@ export const make = (
   wakeSharedHeads?: Statement<WakeSharedInput, void>
 ): Effect.Effect<GiveBack, never, Scope.Scope> =>
   Effect.gen(function*() {
-    /** What a give-back's answer asks of this process: wake-ups. */
-    const answered = (name: string, value: ReleaseAnswer): void => {
+    /**
+     * What a give-back's answer asks of this process: wake-ups. `afterFailure`: an earlier try of
+     * this give-back failed, so it may have committed with its answer lost.
+     */
+    const answered = (name: string, value: ReleaseAnswer, afterFailure: boolean): void => {
       // Waiters of this process that the release found at the head are woken without a round trip.
       if (hub !== undefined && value.wake.length > 0) hub.wake(value.wake)
       // The readers behind 16 shared heads fit too: woken by a statement of their own, as the
       // layer's work (a wake-up only: a failure leaves them to their next retry, within 1.5 s).
-      if (value.crowd === true && wakeSharedHeads !== undefined) {
+      // A try that frees nothing after a failed one may follow a first try that did commit, its
+      // crowd signal lost with its answer: the wake is sent then too (it wakes only shared heads).
+      const crowd = value.crowd === true || (afterFailure && !value.released)
+      if (crowd && wakeSharedHeads !== undefined) {
         owner.unsafeFork(Effect.ignore(Lane.send(lane, name, wakeSharedHeads, { name }, statementTimeout)))
       }
     }
-    /** One give-back statement; true when it freed a lease. */
-    const giveBack = (name: string, grantOwner: string | null, waiter: string | null, bound = statementTimeout) =>
+    /** One give-back statement; true when it freed a lease. `afterFailure`: see `answered`. */
+    const giveBack = (name: string, grantOwner: string | null, waiter: string | null, bound = statementTimeout, afterFailure = false) =>
       Lane.send(lane, name, statement, { name, owner: grantOwner, waiter }, bound).pipe(
         Effect.map(({ value }) => {
-          answered(name, value)
+          answered(name, value, afterFailure)
           return value.released
         })
       )
@@ -169,7 +175,7 @@ export const make = (
           // Each try gets what is left of the whole bound; owner-scoped and idempotent, so a
           // retry after an ambiguous failure is safe.
           const left = deadline - (yield* monotonicMillis)
-          const outcome = yield* Effect.either(giveBack(name, grantOwner, waiter, Duration.millis(Math.max(1, left))))
+          const outcome = yield* Effect.either(giveBack(name, grantOwner, waiter, Duration.millis(Math.max(1, left)), attempt > 0))
           if (outcome._tag === "Right") return
           const spent = deadline - (yield* monotonicMillis) <= Duration.toMillis(RELEASE_RETRY_SPACING)
           if (attempt >= RELEASE_RETRIES || spent) {
@@ -188,17 +194,21 @@ export const make = (
       grantOwner: string | null,
       waiter: string | null,
       expiresBy: number,
-      enough: (freed: boolean) => boolean
+      enough: (freed: boolean) => boolean,
+      /** Whether the give-back before the first repeat failed (see `answered`). */
+      failedBefore: boolean
     ): Effect.Effect<void> =>
       Effect.gen(function*() {
         let spacing = ABANDON_FIRST_SPACING_MS
+        let afterFailure = failedBefore
         while (true) {
           const left = expiresBy - (yield* monotonicMillis)
           if (left <= 0) return
           yield* sleepMillis(Math.min(spacing, left))
           spacing = Math.min(ABANDON_MAX_SPACING_MS, spacing * 2)
-          const again = yield* Effect.either(giveBack(name, grantOwner, waiter))
+          const again = yield* Effect.either(giveBack(name, grantOwner, waiter, statementTimeout, afterFailure))
           if (again._tag === "Right" && enough(again.right)) return
+          afterFailure = again._tag === "Left"
         }
       })
     /**
@@ -207,7 +217,7 @@ export const make = (
      * before the release began, so it expires within its ttl from now.
      */
     const repeatRelease = (name: string, grantOwner: string, ttlMillis: number): void =>
-      repeatNow(Effect.flatMap(monotonicMillis, (now) => repeated(name, grantOwner, null, now + ttlMillis, () => true)))
+      repeatNow(Effect.flatMap(monotonicMillis, (now) => repeated(name, grantOwner, null, now + ttlMillis, () => true, true)))
     const release: GiveBack["release"] = (name, owner, ttlMillis) => retried(name, owner, null, ttlMillis)
 
     const runNow = lane.runNow
@@ -219,7 +229,7 @@ export const make = (
       const once = () =>
         Lane.sendNow(runNow, name, statement, { name, owner: grantOwner, waiter: null }, Duration.millis(Math.max(1, deadline - performance.now())), (error, value) => {
           if (error === undefined) {
-            answered(name, value!)
+            answered(name, value!, attempt > 0)
             return done(undefined)
           }
           if (attempt >= RELEASE_RETRIES || deadline - performance.now() <= spacingMillis) {
@@ -256,7 +266,7 @@ export const make = (
         const freed = yield* Effect.either(giveBack(name, grantOwner, waiter))
         if (freed._tag === "Right" && (freed.right || !unknown)) return
         // Repeats in a fiber of their own: an awaiting caller waits for the first give-back only.
-        yield* background(repeated(name, grantOwner, waiter, expiresBy, (again) => again || !unknown))
+        yield* background(repeated(name, grantOwner, waiter, expiresBy, (again) => again || !unknown, freed._tag === "Left"))
       }), awaited, abandonWaitMillis)
 
     return { release, releaseNow, leave, abandon }
