@@ -1720,7 +1720,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       })
     ))
 
-  it.effect("a release that hands the 16 shared heads it looks at their leases answers so (16 notifications), and the releasing process's wakeSharedHeads then wakes the shared places right behind them (they fit too), up to the first exclusive one: not that one, nor a shared place behind it", () =>
+  it.effect("a release that hands the 16 shared heads it looks at their leases answers so (16 notifications), and the releasing process's wakeSharedHeads then wakes the shared places right behind them (they fit too), up to the first exclusive one: not that one, nor a shared place behind it; while an exclusive lease is live it wakes nobody", () =>
     Effect.promise(() =>
       withClient(db.url, async (client) => {
         const channel = "effect_lock_test_shared_crowd"
@@ -1736,6 +1736,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           const [writer, late] = [Crypto.randomUUID(), Crypto.randomUUID()]
           expect(await acquire(Crypto.randomUUID(), writer)).toBeNull()
           expect(await acquire(Crypto.randomUUID(), late, "shared")).toBeNull()
+          // While the exclusive lease is live none of them fits: nobody is woken (as after a retried release that finds it so).
+          expect(await wakeSharedHeads()).toBe(0)
           // 16 handed (all the places a release looks at): one notification each, and so a crowd.
           expect(await release(holder, null)).toEqual({ released: 1, woken: 16 })
           expect(decodeRelease([{ released: 1, woken: 16 }]).crowd).toBe(true)

@@ -648,16 +648,21 @@ select (select count(*) from exclusive) + (select count(*) from shared) as relea
  * `SHARED_HEADS_MAX`): sent by the releasing process after a release that served 16 shared heads
  * (all the places a release looks at), whose readers behind them fit too and would otherwise wait
  * for their next retry. A statement of its own, not a part of the release: that would cost every
- * handover the setting up of its scan (20–30 µs, bench/README). A wake-up grants nothing: read
- * without locks; a place woken for nothing only retries early.
+ * handover the setting up of its scan (20–30 µs, bench/README). Also sent after a release retried
+ * because its first try failed and that freed nothing (`giveBack`): the first try may have
+ * committed a crowd's handover, its answer lost. Nobody is woken while an exclusive lease is live
+ * (none would fit). A wake-up grants nothing: read without locks; a place woken for nothing only
+ * retries early.
  *
  * Parameters: $1 name, $2 channel.
  */
 export const wakeSharedHeads = (table: Tables | TableRef): string => {
-  const { queue } = tablesOf(table)
+  const { leases, queue } = tablesOf(table)
   return `select count(pg_notify($2::text, '${WAITER_PREFIX}' || owner::text)) as woken from (
   select q.owner, bool_or(q.mode = 'exclusive') over (order by q.seq) as blocked from ${queue.sql} q
   where q.name = $1::text and q.token is null and q.expires_at > now()
+    -- None fits beside a live exclusive lease (a release retried after a failure may find one).
+    and not exists (select 1 from ${leases.sql} l where l.name = $1::text and l.owner is not null and l.expires_at > now())
   order by q.seq limit ${SHARED_HEADS_MAX}
 ) heads where not blocked`
 }
