@@ -403,7 +403,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* batch.blocked.done
       yield* freeForAnother(other.lock, [raced!, plain!])
     }))
-  it.scoped("a batch whose statement bound runs out (its first request's) fails every request with that timeout, and leaves nothing held", () =>
+  it.scoped("a batch whose requests' statement bounds all run out fails every request with that timeout, and leaves nothing held", () =>
     Effect.gen(function*() {
       const application = freshName("batch-bound")
       // A short bound, long enough for the set-up below to queue the batch before the blocker's runs out.
@@ -420,8 +420,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
         Effect.forkAll([raced!, plain!].map((name) => Effect.either(Effect.scoped(lock.acquire(name, { timeout: Duration.seconds(20) }))))),
         Deferred.await(batchEnded)
       )
-      // The first request's bound ends the batch (its connection is destroyed): the other request,
-      // whose own bound had a few ms left, fails with that timeout too, not with "the session was destroyed".
+      // Each request fails at its own bound; the last one's ends the batch (its connection is
+      // destroyed): the timeout, not "the session was destroyed".
       const outcomes = yield* Fiber.join(batch.started)
       for (const outcome of outcomes) {
         expect(outcome).toMatchObject({ _tag: "Left", left: { _tag: "LockBackendError" } })
@@ -432,5 +432,42 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       yield* batch.rollback
       yield* batch.blocked.done
       yield* freeForAnother(other.lock, [raced!, plain!])
+    }))
+  it.scoped("a request whose bound runs out while its batch still runs leaves it: the batch goes on, and a request in it whose own bound has time left is answered (granted), not failed with the first one's timeout", () =>
+    Effect.gen(function*() {
+      const application = freshName("batch-own-bound")
+      const { lane, lock } = yield* process1(application, Duration.seconds(2))
+      const other = yield* process1(freshName("batch-own-bound-other"))
+      const [early, late] = ["own-bound-early", "own-bound-late"].map(freshName)
+      const batchEnded = yield* Deferred.make<void>()
+      const acquireOf = (name: string) =>
+        Effect.fork(Effect.either(Effect.scoped(Effect.map(lock.acquire(name, { timeout: Duration.seconds(20) }), (lease) => lease.token))))
+      const batch = yield* batchWaitingForInsert(
+        { lane, lock },
+        application,
+        [early!, late!],
+        Effect.gen(function*() {
+          const first = yield* acquireOf(early!)
+          yield* waitFor("the first acquire queued", Effect.sync(() => lane.queuedStatements() === 1), Duration.seconds(5))
+          // Not a synchronisation: the window that makes the two requests' bounds end 0.9 s apart.
+          yield* Effect.sleep(Duration.millis(900))
+          return [first, yield* acquireOf(late!)] as const
+        }),
+        Deferred.await(batchEnded)
+      )
+      const [first, second] = batch.started
+      // The first request's bound passes while the batch waits for the other transaction's insert.
+      const firstOutcome = yield* Fiber.join(first)
+      expect(firstOutcome).toMatchObject({ _tag: "Left", left: { _tag: "LockBackendError" } })
+      expect(String(firstOutcome._tag === "Left" ? firstOutcome.left.cause : undefined)).toMatch(/did not complete within 2s/)
+      // The insert is let go within the second request's bound: the batch answers it.
+      yield* batch.rollback
+      const secondOutcome = yield* Fiber.join(second)
+      expect(secondOutcome).toMatchObject({ _tag: "Right" })
+      expect(secondOutcome._tag === "Right" && secondOutcome.right > 0n).toBe(true)
+      yield* Deferred.succeed(batchEnded, undefined)
+      yield* batch.blocked.done
+      // The first request's grant, committed by the batch after it was told the timeout, is given back.
+      yield* freeForAnother(other.lock, [early!, late!])
     }))
 })

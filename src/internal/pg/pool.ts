@@ -189,8 +189,11 @@ interface Waiting {
   /** Its parameters, and the kind of batch it may go in while it may (`BatchSpec.key` says whether). */
   readonly params: ReadonlyArray<unknown>
   readonly batch: () => BatchSpec | undefined
-  /** It goes out in a batch on `connection` (undefined once the batch answered). */
-  readonly sendingOn: (connection: Connection | undefined) => void
+  /**
+   * It goes out in a batch on `connection` (undefined once the batch answered), with `live`: the
+   * batch's members still waiting for its answer.
+   */
+  readonly sendingOn: (connection: Connection | undefined, live?: Set<Waiting>) => void
   readonly settle: (error: unknown, rows?: ReadonlyArray<unknown>) => void
   /** The batch did not decide it: it sends its own statement. */
   readonly alone: () => void
@@ -255,7 +258,8 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
   /** One statement for every member, on `connection`; each member settles from its own rows, or sends its own statement. */
   const sendBatch = (connection: Connection, spec: BatchSpec, members: ReadonlyArray<Waiting>) => {
     batches++
-    for (const member of members) member.sendingOn(connection)
+    const live = new Set(members)
+    for (const member of members) member.sendingOn(connection, live)
     run(connection, spec.text, spec.encode(members.map((member) => member.params)), undefined, (error, rows) => {
       for (const member of members) member.sendingOn(undefined)
       // The server refused the batch as a whole (a deadlock where its first insert of a name met
@@ -281,6 +285,8 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
   const statementNow: Pool["statementNow"] = (text, params, boundMillis, done, batchSpec) => {
     let settled = false
     let sending: Connection | undefined
+    /** While it goes out in a batch: the batch's members still waiting for the answer. */
+    let batchLive: Set<Waiting> | undefined
     let batch = batchSpec
     const settle = (error: unknown, rows?: ReadonlyArray<unknown>) => {
       if (settled) return
@@ -288,20 +294,29 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
       cancelTimer()
       done(error, rows)
     }
+    /** Whether leaving now ends what it was sent in: alone, or the last member of its batch still waiting. */
+    const endsItsSend = () =>
+      sending !== undefined && (batchLive === undefined || (batchLive.size === 1 && batchLive.has(waiting)))
     /** Nobody reads this statement any more. */
     const leave = () => {
       settled = true
       const index = waiters.indexOf(waiting)
       if (index >= 0) waiters.splice(index, 1)
+      if (sending === undefined) return
+      // In a batch others still wait for: it goes on for them (a member's bound is its own, not
+      // the batch's). This member's outcome is unknown, as with a destroyed session: its owner
+      // gives back whatever the batch may grant it (`lease/giveBack`).
+      if (!endsItsSend()) return void batchLive!.delete(waiting)
       // A statement in flight may still run and commit: its session is destroyed, never reused
-      // (the edge then fails the statement — the whole batch it went in — which hands the slot back).
-      if (sending !== undefined) destroyNow(sending)
+      // (the edge then fails the statement — the batch it went in — which hands the slot back).
+      destroyNow(sending)
     }
     const cancelTimer = stallSafeTimer(boundMillis, () => {
       if (settled) return
       const timeout = new StatementTimeout(boundMillis)
-      // A batch this statement is in ends with it (its connection is destroyed below): the batch's bound ran out.
-      if (sending !== undefined) sending.endedBy = timeout
+      // Ends the batch it is in when no other member still waits (the connection is destroyed below):
+      // its bound ran out last, and the batch fails with that timeout.
+      if (endsItsSend()) sending!.endedBy = timeout
       leave()
       done(timeout)
     })
@@ -338,8 +353,9 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
       take,
       params,
       batch: () => (settled ? undefined : batch),
-      sendingOn: (connection) => {
+      sendingOn: (connection, live) => {
         sending = connection
+        batchLive = connection === undefined ? undefined : live
       },
       settle,
       alone: () => {
