@@ -436,7 +436,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
   it.scoped("a request whose bound runs out while its batch still runs leaves it: the batch goes on, and a request in it whose own bound has time left is answered (granted), not failed with the first one's timeout", () =>
     Effect.gen(function*() {
       const application = freshName("batch-own-bound")
-      const { lane, lock } = yield* process1(application, Duration.seconds(2))
+      // 3 s bounds: the blocker's must not run out before the second request is queued 1.5 s in.
+      const { lane, lock } = yield* process1(application, Duration.seconds(3))
       const other = yield* process1(freshName("batch-own-bound-other"))
       const [early, late] = ["own-bound-early", "own-bound-late"].map(freshName)
       const batchEnded = yield* Deferred.make<void>()
@@ -449,8 +450,10 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
         Effect.gen(function*() {
           const first = yield* acquireOf(early!)
           yield* waitFor("the first acquire queued", Effect.sync(() => lane.queuedStatements() === 1), Duration.seconds(5))
-          // Not a synchronisation: the window that makes the two requests' bounds end 0.9 s apart.
-          yield* Effect.sleep(Duration.millis(900))
+          const queuedAt = performance.now()
+          // The second request goes once half of the first's bound is gone, on the clock the bounds
+          // run on: their bounds then end 1.5 s apart, the window in which the batch is let go.
+          yield* waitFor("half of the first request's bound gone", Effect.sync(() => performance.now() - queuedAt >= 1_500), Duration.seconds(10))
           return [first, yield* acquireOf(late!)] as const
         }),
         Deferred.await(batchEnded)
@@ -459,7 +462,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease batches", (it) =
       // The first request's bound passes while the batch waits for the other transaction's insert.
       const firstOutcome = yield* Fiber.join(first)
       expect(firstOutcome).toMatchObject({ _tag: "Left", left: { _tag: "LockBackendError" } })
-      expect(String(firstOutcome._tag === "Left" ? firstOutcome.left.cause : undefined)).toMatch(/did not complete within 2s/)
+      expect(String(firstOutcome._tag === "Left" ? firstOutcome.left.cause : undefined)).toMatch(/did not complete within 3s/)
       // The insert is let go within the second request's bound: the batch answers it.
       yield* batch.rollback
       const secondOutcome = yield* Fiber.join(second)
