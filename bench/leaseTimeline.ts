@@ -38,8 +38,9 @@ const done: Array<Handoff> = []
 let releases = 0
 let others = 0
 
-// The release statement is the one that hands over (its text names the handed prefix's notify).
-const isRelease = (text: string) => text.includes("pg_notify($4::text")
+// The release statement is the one that hands over (its text names the handed prefix's notify):
+// `release`, or `releaseBatch`, which a holder's lone give-back goes as.
+const isRelease = (text: string) => text.includes("pg_notify($4::text") || text.includes("pg_notify($3::text, 'h'")
 const clientProto = pg.Client.prototype as unknown as { query: (...args: Array<unknown>) => unknown; emit: (event: string, ...args: Array<unknown>) => boolean }
 const query = clientProto.query
 clientProto.query = function(this: unknown, ...args: Array<unknown>) {

@@ -156,6 +156,9 @@ runMain(() =>
     if (!redisAvailable()) return console.log(`RedisLease handoff skipped: ${INSTALL_HINT}`)
     const redis = await startRedis()
     try {
+      await perCycle("RedisLease", RedisLease.layer({ url: redis.url, prefix: "bench-ops:" }))
+      // The least an Effect program taking a lease does: two async calls in a scoped acquireRelease.
+      await perCycle("Effect floor", Layer.empty, Effect.scoped(Effect.acquireRelease(Effect.promise(() => Promise.resolve(1)), () => Effect.promise(() => Promise.resolve()))))
       await handoff("RedisLease", () => RedisLease.layer({ url: redis.url, prefix: "bench-ops:" }))
     } finally {
       await redis.stop()

@@ -1795,6 +1795,87 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       })
     ))
 
+  it.effect("a holder's lone give-back (the batch statement, which sets up a fraction of release's plan) decides what release would where it can: it frees a name nobody waits for and hands the lease to a live exclusive head past dead places (a token above the last, its place gone, notified h…); it answers nothing, changing nothing, for shared heads, a head not written lately, a head another transaction holds, or a place of the holder's own", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const channel = "effect_lock_test_release_alone"
+        const name = freshName("release-alone")
+        const listener = await listenOn(channel)
+        const other = new pg.Client({ connectionString: db.url })
+        await other.connect()
+        try {
+          const { acquire, release, releaseAlone } = await lockStatementsOn(client, channel, name)
+          const row = async () =>
+            (await client.query<{ owner: string | null; token: string; expiry: string | null }>(
+              `select owner, token::text, (extract(epoch from expires_at) * 1000)::float8::text as expiry from ${PgLease.DEFAULT_TABLE} where name = $1`,
+              [name]
+            )).rows[0]!
+          const placeOf = async (owner: string) =>
+            (await client.query(`select 1 from ${PgLease.DEFAULT_TABLE}_queue where owner = $1`, [owner])).rowCount
+          // Nobody waits: freed, nobody notified.
+          const first = Crypto.randomUUID()
+          expect(await acquire(first, Crypto.randomUUID())).not.toBeNull()
+          expect(await releaseAlone(first)).toEqual({ released: 1, woken: 0 })
+          expect((await row()).owner).toBeNull()
+
+          // A live exclusive head behind 8 places that ran out: handed the lease, as release hands it.
+          const holder = Crypto.randomUUID()
+          const held = BigInt((await acquire(holder, Crypto.randomUUID()))!)
+          await client.query(
+            `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
+             select gen_random_uuid(), $1, 'exclusive', now() - interval '1 second', now() - interval '6 seconds', 10000
+             from generate_series(1, 8)`,
+            [name]
+          )
+          const head = Crypto.randomUUID()
+          expect(await acquire(Crypto.randomUUID(), head)).toBeNull()
+          expect(await releaseAlone(holder)).toEqual({ released: 1, woken: 1 })
+          const handed = await row()
+          expect(handed.owner).toBe(head)
+          expect(BigInt(handed.token) > held).toBe(true)
+          expect(await placeOf(head)).toBe(0)
+          await listener.heard(`h${head}:${handed.token}:${handed.expiry}`)
+
+          // Each case below: the batch answers nothing and the lease stays the head's; release then decides.
+          const untouched = async (why: string) => {
+            const before = await row()
+            expect(await releaseAlone(head), why).toBeUndefined()
+            expect(await row(), why).toEqual(before)
+          }
+          // A shared head (release hands shared leases to every shared head: not this statement's to decide).
+          const reader = Crypto.randomUUID()
+          expect(await acquire(Crypto.randomUUID(), reader, "shared")).toBeNull()
+          await untouched("shared head")
+          await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where owner = $1`, [reader])
+          // A head not written lately (its waiter may have crashed: release wakes it and those behind).
+          const quiet = Crypto.randomUUID()
+          expect(await acquire(Crypto.randomUUID(), quiet)).toBeNull()
+          await client.query(`update ${PgLease.DEFAULT_TABLE}_queue set expires_at = now() + interval '1 second' where owner = $1`, [quiet])
+          await untouched("head not written lately")
+          await client.query(`update ${PgLease.DEFAULT_TABLE}_queue set expires_at = now() + interval '5 seconds' where owner = $1`, [quiet])
+          // The head's row locked by another transaction: skipped, not waited for.
+          await other.query("begin")
+          await other.query(`select 1 from ${PgLease.DEFAULT_TABLE}_queue where owner = $1 for update`, [quiet])
+          await untouched("head locked elsewhere")
+          await other.query("rollback")
+          // A place of the holder's own (an attempt that missed its handover took one again).
+          await client.query(
+            `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms) values ($1, $2, 'exclusive', now() + interval '5 seconds', now(), 10000)`,
+            [head, name]
+          )
+          await untouched("a place of its own")
+          // release does the rest: hands the lease to the live head, \`quiet\`.
+          expect(await release(head, null)).toEqual({ released: 1, woken: 1 })
+          expect((await row()).owner).toBe(quiet)
+          expect(await releaseAlone(quiet)).toEqual({ released: 1, woken: 0 })
+        } finally {
+          await other.end().catch(() => {})
+          await listener.end()
+          await client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+        }
+      })
+    ))
+
   it.scoped("a lease handed to the place of a request that ended (its leave failed) is given back by its process at once, not held for its ttl", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
@@ -2462,10 +2543,19 @@ const lockStatementsOn = async (client: pg.Client, channel: string, name: string
     const row = (await client.query<{ released: string; woken: string }>(locks.release.text, [...locks.release.encode({ name, owner, waiter })])).rows[0]!
     return { released: Number(row.released), woken: Number(row.woken) }
   }
+  /**
+   * A holder's give-back as a lone one goes (`releaseBatch` with one member): what it gave back and
+   * notified, or undefined where it decided nothing (the holder then sends \`release\`).
+   */
+  const releaseAlone = async (owner: string) => {
+    const batch = locks.release.batch!
+    const rows = (await client.query<{ released: string; woken: string }>(batch.text, [...batch.encode([locks.release.encode({ name, owner, waiter: null })])])).rows
+    return rows[0] === undefined ? undefined : { released: Number(rows[0].released), woken: Number(rows[0].woken) }
+  }
   /** What the releasing process sends after a release that served 16 shared heads: how many it woke. */
   const wakeSharedHeads = async () =>
     Number((await client.query<{ woken: string }>(locks.wakeSharedHeads!.text, [...locks.wakeSharedHeads!.encode({ name })])).rows[0]!.woken)
-  return { attempt, acquire, release, wakeSharedHeads, decodeRelease: locks.release.decode }
+  return { attempt, acquire, release, releaseAlone, wakeSharedHeads, decodeRelease: locks.release.decode }
 }
 
 /** A LISTEN session on `channel`: every payload it heard, in order, and a wait for one (5 s at most). */

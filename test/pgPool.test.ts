@@ -136,6 +136,34 @@ describe("PgLease's own connections", () => {
       expect(pool.size()).toBe(1)
     }))
 
+  it.scopedLive("an idle pool sends a lone statement as its batch's statement when the batch is the cheaper one alone (alone), falling back to its own where the batch decides nothing; without alone, as its own", () =>
+    Effect.gen(function*() {
+      const pool = yield* poolOf(1)
+      // The batch decides members whose parameter is "decide" (one row each, idx 1-based), none other.
+      const spec = (alone: boolean) => ({
+        key: (params: ReadonlyArray<unknown>) => String(params[0]),
+        text: "select i::int as idx, 'batch' as sent from unnest($1::text[]) with ordinality as t(v, i) where v = 'decide'",
+        max: 8,
+        alone,
+        encode: (members: ReadonlyArray<ReadonlyArray<unknown>>) => [members.map((p) => p[0])],
+        split: (rows: ReadonlyArray<Record<string, unknown>>, members: number) => {
+          const own: Array<ReadonlyArray<Record<string, unknown>> | undefined> = new Array(members).fill(undefined)
+          for (const row of rows) own[Number(row["idx"]) - 1] = [row]
+          return own
+        }
+      })
+      const send = (value: string, alone: boolean) =>
+        Effect.async<string, unknown>((resume) => {
+          pool.statementNow("select 'own' as sent, $1::text as v", [value], BOUND_MS, (error, rows) =>
+            resume(error === undefined ? Effect.succeed(String((rows as ReadonlyArray<{ sent: string }>)[0]!.sent)) : Effect.fail(error)), spec(alone))
+        })
+      expect(yield* send("decide", true)).toBe("batch")
+      expect(yield* send("other", true)).toBe("own")
+      expect(yield* send("decide", false)).toBe("own")
+      // Only statements standing for two or more count as batches.
+      expect(pool.batches()).toBe(0)
+    }))
+
   it.scopedLive("closing the pool fails the statements waiting for a connection, and any later one", () =>
     Effect.gen(function*() {
       const pool = yield* poolOf(1)

@@ -184,11 +184,14 @@ export type LeaseQuery = <R extends pg.QueryResultRow>(text: string, values: Rea
 
 /**
  * PgLease's acquire and owner-scoped release (+ notify) on `table`, with the parameters PgLease
- * sends: what the raw floor, the Effect floor and `bench/gaps.ts` all send.
+ * sends: what the raw floor, the Effect floor and `bench/gaps.ts` all send. A holder's release
+ * goes as PgLease sends it alone: `releaseBatch` with one member, then `release` where that
+ * decided nothing (never here: nobody waits for a worker's own name).
  */
 export const leaseStatements = (table: LeaseSql.TableRef, application: string) => {
   const acquire = LeaseSql.acquire(table)
   const release = LeaseSql.release(table)
+  const releaseAlone = LeaseSql.releaseBatch(table)
   const host = Os.hostname()
   return {
     createTable: LeaseSql.createTable(table),
@@ -203,7 +206,10 @@ export const leaseStatements = (table: LeaseSql.TableRef, application: string) =
       if (granted.rows[0]?.token == null) throw new Error(`${application}: lease ${name} was not granted`)
       return owner
     },
-    release: (query: LeaseQuery, name: string, owner: string) => query(release, [name, owner, null, table.relname])
+    release: async (query: LeaseQuery, name: string, owner: string) => {
+      const alone = await query(releaseAlone, [[name], [owner], table.relname])
+      return alone.rows.length > 0 ? alone : query(release, [name, owner, null, table.relname])
+    }
   }
 }
 

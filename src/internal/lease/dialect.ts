@@ -52,6 +52,11 @@ export interface BatchSpec {
   readonly text: string
   /** The most members of one batch. */
   readonly max: number
+  /**
+   * Sent for a member alone too, when no other waits to go with it: the batch's statement costs
+   * less than the member's own wherever it decides (the member's own still follows where not).
+   */
+  readonly alone?: boolean | undefined
   readonly encode: (members: ReadonlyArray<ReadonlyArray<unknown>>) => ReadonlyArray<unknown>
   readonly split: (rows: ReadonlyArray<Row>, members: number) => ReadonlyArray<ReadonlyArray<Row> | undefined>
 }

@@ -257,7 +257,7 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
 
   /** One statement for every member, on `connection`; each member settles from its own rows, or sends its own statement. */
   const sendBatch = (connection: Connection, spec: BatchSpec, members: ReadonlyArray<Waiting>) => {
-    batches++
+    if (members.length > 1) batches++
     const live = new Set(members)
     for (const member of members) member.sendingOn(connection, live)
     run(connection, spec.text, spec.encode(members.map((member) => member.params)), undefined, (error, rows) => {
@@ -322,11 +322,12 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
     })
     const use = (connection: Connection) => {
       if (settled) return checkin(connection)
-      // Only statements that waited for a connection are batched: an idle pool sends each alone.
-      const key = batch !== undefined && waiters.length > 0 ? batch.key(params) : undefined
+      // Only statements that waited for a connection are batched: an idle pool sends each alone,
+      // as its own statement unless its batch's is the cheaper one alone too (`BatchSpec.alone`).
+      const key = batch !== undefined && (waiters.length > 0 || batch.alone === true) ? batch.key(params) : undefined
       if (key !== undefined) {
-        const others = gather(batch!, key)
-        if (others.length > 0) return sendBatch(connection, batch!, [waiting, ...others])
+        const others = waiters.length > 0 ? gather(batch!, key) : []
+        if (others.length > 0 || batch!.alone === true) return sendBatch(connection, batch!, [waiting, ...others])
       }
       sending = connection
       run(connection, text, params, undefined, (error, rows) => {

@@ -30,14 +30,16 @@ const acquireBatch = (tables: Sql.Tables): BatchSpec => ({
 
 /**
  * Give-backs of exclusive leases (an owner, no waiter: `params.release`'s 0 name, 1 owner, 2
- * waiter) of different names that wait for a lock connection together go out as one
- * `releaseBatch`; one it did not make sends its own `release`.
+ * waiter, 3 channel) go out as one `releaseBatch`: those of different names that wait for a lock
+ * connection together, and one alone as well (`alone`: cheaper at the server than `release`,
+ * which it falls back to). One it did not make sends its own `release`.
  */
 const releaseBatch = (tables: Sql.Tables): BatchSpec => ({
   key: (p) => (p[1] !== null && p[2] === null ? p[0] as string : undefined),
   text: Sql.releaseBatch(tables),
   max: Sql.BATCH_MAX,
-  encode: (members) => [members.map((p) => p[0]), members.map((p) => p[1])],
+  alone: true,
+  encode: (members) => [members.map((p) => p[0]), members.map((p) => p[1]), members[0]![3]],
   split: byIndex
 })
 

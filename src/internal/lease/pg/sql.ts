@@ -387,38 +387,84 @@ order by i.idx`
 }
 
 /**
- * Give-backs of exclusive leases of different names, queued together for a lock connection, as
- * one statement (as `acquireBatch`). It decides only a name nobody queues for (no place, no
- * shared holder, no row of the queue at all): there `release` would free the lease row and wake
- * nobody, and so does this, owner-scoped, its commit not waiting for the disk. Every other
- * give-back — a name with waiters, whose release may hand the lease over — is answered nothing,
- * and sends `release` on its own, and so is one whose lease row another transaction holds right
- * now: a batch never waits for a row lock. The rows are re-checked on their newest version.
+ * Give-backs of exclusive leases of different names, as one statement: those queued together for
+ * a lock connection (as `acquireBatch`), and a holder's give-back sent alone too, since it sets up
+ * a fraction of `release`'s plan (its executor start-up is most of a release's time at the server,
+ * bench/README). It decides a give-back whose name nobody waits for (no live place in this
+ * snapshot): there `release` would free the lease row and wake nobody, and so does this, its
+ * commit not waiting for the disk. And one whose first live place is an exclusive request that
+ * surely waits (`handable`), locked here: there `release` would **hand the lease over**, and so
+ * does this, alike — the head's place becomes the holder (a token drawn under the guard, its own
+ * ttl from now), its place is deleted, it is notified `h<place>:<token>:<expiry epoch ms>`, and
+ * the commit waits for the disk. Every other give-back — shared heads, a head not written lately,
+ * a live shared bound, a place of the giver's own, a lease row or head another transaction holds
+ * right now (a batch never waits for a row lock) — is answered nothing, and sends `release` on
+ * its own. The rows are re-checked on their newest version when locked. The lease row is locked
+ * before the place, as `release` locks them.
  *
- * Parameters (parallel arrays): $1 names, $2 owners. Answers a row (`idx`, 1-based, `released`)
- * per give-back it made.
+ * Parameters (parallel arrays): $1 names, $2 owners; $3 channel. Answers a row (`idx`, 1-based,
+ * `released`, `woken`: its notifications) per give-back it made.
  */
 export const releaseBatch = (table: Tables | TableRef): string => releaseBatchSql(tablesOf(table))
 
-const releaseBatchSql = ({ leases, queue }: Tables): string =>
-  `with input as (
+const releaseBatchSql = ({ leases, queue }: Tables): string => {
+  const seq = Tokens.tokenSequence(leases)
+  const ns = Tokens.sweepGuardNamespace(leases)
+  return `with input as (
   select * from unnest($1::text[], $2::uuid[]) with ordinality as i(name, owner, idx)
 ), locked as materialized (
   -- In name order; a row another transaction holds (a renewal, say) is skipped, its give-back left
   -- to go alone: a batch never waits for a row lock, so never in a cycle and never behind one row.
   select l.name from ${leases.sql} l join input i on l.name = i.name and l.owner = i.owner
-  where not exists (select 1 from ${queue.sql} q where q.name = i.name)
+  where (l.shared_until is null or l.shared_until <= now())
+    and not exists (select 1 from ${queue.sql} m where m.owner = i.owner)
   order by l.name
   for no key update of l skip locked
+), firsts as materialized (
+  -- Each name's first live place in this snapshot (a place that commits later takes its own look).
+  select distinct on (q.name) q.name, q.owner from ${queue.sql} q
+  where q.name in (select name from locked) and q.token is null and q.expires_at > now()
+  order by q.name, q.seq
+), heads as materialized (
+  -- Exclusive heads that surely wait, locked (and re-checked) as \`release\` locks its places.
+  select q.name, q.owner, q.ttl_ms, q.holder_application, q.holder_host, q.holder_pid from ${queue.sql} q
+  where q.owner in (select owner from firsts) and q.token is null and q.expires_at > now()
+    and q.mode = 'exclusive' and ${handable("q")}
+  order by q.name
+  for update of q skip locked
+), decided as materialized (
+  select l.name from locked l
+  where not exists (select 1 from firsts f where f.name = l.name) or exists (select 1 from heads h where h.name = l.name)
+), guard as materialized (
+  -- Taken before the draw, as a grant takes it: the sweep cannot delete the row meanwhile.
+  select h.*, ${Tokens.holdGuard(ns, "h.name")} as guarded from heads h where h.name in (select name from decided)
+), drawn as materialized (
+  select g.*, ${Tokens.draw(seq)} as token from guard g order by g.name
 ), freed as (
-  update ${leases.sql} as l set owner = null, expires_at = null
-  from input i
-  where l.name = i.name and l.owner = i.owner and l.name in (select name from locked)
-  returning l.name
+  update ${leases.sql} as l set
+    owner = d.owner,
+    expires_at = now() + ${ms("d.ttl_ms")},
+    -- Above the row's last token even when a previous version's per-name count ran ahead of the sequence.
+    token = case when d.owner is null then l.token else greatest(l.token + 1, d.token) end,
+    acquired_at = case when d.owner is null then l.acquired_at else now() end,
+    holder_application = coalesce(d.holder_application, l.holder_application),
+    holder_host = coalesce(d.holder_host, l.holder_host),
+    holder_pid = coalesce(d.holder_pid, l.holder_pid)
+  from input i left join drawn d on d.name = i.name
+  where l.name = i.name and l.owner = i.owner and l.name in (select name from decided)
+  returning l.name, l.owner, l.token, l.expires_at, d.owner is not null as handed
+), dequeued as (
+  delete from ${queue.sql} where owner in (select owner from freed where handed) and token is null
 )
-select i.idx::integer as idx, 1 as released, 0 as woken, ${commitsUnflushed("true")}
+select i.idx::integer as idx, 1 as released,
+  -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
+  ${commitsUnflushed("not exists (select 1 from freed where handed)")},
+  -- count(*) of a subquery of its own: an aggregate over outer columns only would be this query's.
+  case when f.handed then (select count(*) from (select pg_notify($3::text, '${HANDED_PREFIX}' || f.owner::text || ':' ||
+    f.token::text || ':' || (extract(epoch from f.expires_at) * 1000)::float8::text)) notified) else 0 end as woken
 from input i join freed f on f.name = i.name
 order by i.idx`
+}
 
 /**
  * Renews a whole batch in one statement: every exclusive lease still ours and unexpired gets
