@@ -1795,7 +1795,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       })
     ))
 
-  it.effect("a holder's lone give-back (the batch statement, which sets up a fraction of release's plan) decides what release would where it can: it frees a name nobody waits for and hands the lease to a live exclusive head past dead places (a token above the last, its place gone, notified h…); it answers nothing, changing nothing, for shared heads, a head not written lately, a head another transaction holds, or a place of the holder's own", () =>
+  it.effect("a holder's lone give-back (the batch statement, which sets up a fraction of release's plan) decides what release would where it can: it frees a name nobody waits for and hands the lease to a live exclusive head past dead places (a token above the last, its place gone, notified h…); it answers nothing, changing nothing, for shared heads, a head not written lately, a head another transaction holds, or a place of the holder's own — locking nothing where its snapshot shows it so", () =>
     Effect.promise(() =>
       withClient(db.url, async (client) => {
         const channel = "effect_lock_test_release_alone"
@@ -1837,9 +1837,14 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           await listener.heard(`h${head}:${handed.token}:${handed.expiry}`)
 
           // Each case below: the batch answers nothing and the lease stays the head's; release then decides.
-          const untouched = async (why: string) => {
+          // `locks`: whether it had to lock rows to find that out (else its transaction wrote nothing: no xid).
+          const untouched = async (why: string, locks = false) => {
             const before = await row()
+            await client.query("begin")
             expect(await releaseAlone(head), why).toBeUndefined()
+            const { xid } = (await client.query<{ xid: string | null }>("select txid_current_if_assigned()::text as xid")).rows[0]!
+            await client.query("rollback")
+            expect(xid !== null, `${why}: rows locked`).toBe(locks)
             expect(await row(), why).toEqual(before)
           }
           // A shared head (release hands shared leases to every shared head: not this statement's to decide).
@@ -1856,7 +1861,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           // The head's row locked by another transaction: skipped, not waited for.
           await other.query("begin")
           await other.query(`select 1 from ${PgLease.DEFAULT_TABLE}_queue where owner = $1 for update`, [quiet])
-          await untouched("head locked elsewhere")
+          await untouched("head locked elsewhere", true)
           await other.query("rollback")
           // A place of the holder's own (an attempt that missed its handover took one again).
           await client.query(

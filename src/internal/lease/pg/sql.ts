@@ -399,8 +399,10 @@ order by i.idx`
  * the commit waits for the disk. Every other give-back — shared heads, a head not written lately,
  * a live shared bound, a place of the giver's own, a lease row or head another transaction holds
  * right now (a batch never waits for a row lock) — is answered nothing, and sends `release` on
- * its own. The rows are re-checked on their newest version when locked. The lease row is locked
- * before the place, as `release` locks them.
+ * its own; where this snapshot already shows it cannot decide, it locks nothing, so a statement
+ * that decides nothing writes nothing and its commit waits for no disk. The rows are re-checked
+ * on their newest version when locked. The lease row is locked before the place, as `release`
+ * locks them.
  *
  * Parameters (parallel arrays): $1 names, $2 owners; $3 channel. Answers a row (`idx`, 1-based,
  * `released`, `woken`: its notifications) per give-back it made.
@@ -412,29 +414,36 @@ const releaseBatchSql = ({ leases, queue }: Tables): string => {
   const ns = Tokens.sweepGuardNamespace(leases)
   return `with input as (
   select * from unnest($1::text[], $2::uuid[]) with ordinality as i(name, owner, idx)
+), candidates as materialized (
+  -- What this statement may decide, by this snapshot alone (nothing locked yet, so a give-back it
+  -- leaves to \`release\` took no lock and writes nothing): nobody waits, or the first live place
+  -- is an exclusive request that surely waits. A place that commits later takes its own look.
+  select i.name, i.owner, f.owner as head from input i
+  left join lateral (
+    select q.owner, q.mode, q.ttl_ms, q.expires_at from ${queue.sql} q
+    where q.name = i.name and q.token is null and q.expires_at > now()
+    order by q.seq limit 1
+  ) f on true
+  where f.owner is null or (f.mode = 'exclusive' and ${handable("f")})
 ), locked as materialized (
   -- In name order; a row another transaction holds (a renewal, say) is skipped, its give-back left
   -- to go alone: a batch never waits for a row lock, so never in a cycle and never behind one row.
-  select l.name from ${leases.sql} l join input i on l.name = i.name and l.owner = i.owner
+  select l.name from ${leases.sql} l join candidates c on l.name = c.name and l.owner = c.owner
   where (l.shared_until is null or l.shared_until <= now())
-    and not exists (select 1 from ${queue.sql} m where m.owner = i.owner)
+    and not exists (select 1 from ${queue.sql} m where m.owner = c.owner)
   order by l.name
   for no key update of l skip locked
-), firsts as materialized (
-  -- Each name's first live place in this snapshot (a place that commits later takes its own look).
-  select distinct on (q.name) q.name, q.owner from ${queue.sql} q
-  where q.name in (select name from locked) and q.token is null and q.expires_at > now()
-  order by q.name, q.seq
 ), heads as materialized (
-  -- Exclusive heads that surely wait, locked (and re-checked) as \`release\` locks its places.
+  -- The exclusive heads of the names locked, locked (and re-checked) as \`release\` locks its places.
   select q.name, q.owner, q.ttl_ms, q.holder_application, q.holder_host, q.holder_pid from ${queue.sql} q
-  where q.owner in (select owner from firsts) and q.token is null and q.expires_at > now()
+  join candidates c on q.owner = c.head
+  where c.name in (select name from locked) and q.name = c.name and q.token is null and q.expires_at > now()
     and q.mode = 'exclusive' and ${handable("q")}
   order by q.name
   for update of q skip locked
 ), decided as materialized (
-  select l.name from locked l
-  where not exists (select 1 from firsts f where f.name = l.name) or exists (select 1 from heads h where h.name = l.name)
+  select c.name from candidates c
+  where c.name in (select name from locked) and (c.head is null or exists (select 1 from heads h where h.name = c.name))
 ), guard as materialized (
   -- Taken before the draw, as a grant takes it: the sweep cannot delete the row meanwhile.
   select h.*, ${Tokens.holdGuard(ns, "h.name")} as guarded from heads h where h.name in (select name from decided)
