@@ -11,6 +11,7 @@
 import * as Crypto from "node:crypto"
 import pg from "pg"
 import * as LeaseSql from "../src/internal/lease/pg/sql.js"
+import { queuedName } from "./lib/leaseQueue.js"
 import { runMain, withScratchDatabase } from "./lib/postgres.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
@@ -30,27 +31,18 @@ runMain(() =>
     try {
       await client.query(LeaseSql.createTable(table))
       await client.query(LeaseSql.ensureLockTokens(table))
-      const acquire = LeaseSql.acquire(table)
       const release = LeaseSql.release(table)
       const alone = LeaseSql.releaseBatch(table)
       const name = "release-alone"
-      // A waiting acquire: granted when the name is free, else it takes a place (its owner is its place's id).
-      const ask = (owner: string) =>
-        client.query({ name: "acquire", text: acquire, values: [name, owner, owner, "exclusive", 60_000, 60_000, "bench", "host", process.pid, true] })
       const giveBack = (which: Which, owner: string) =>
         which === "release"
           ? client.query({ name: "release", text: release, values: [name, owner, null, TABLE] })
           : client.query({ name: "alone", text: alone, values: [[name], [owner], TABLE] })
       const ownerNow = async () => (await client.query<{ owner: string | null }>(`select owner from ${TABLE} where name = $1`, [name])).rows[0]!.owner
 
-      let holder: string = Crypto.randomUUID()
-      await ask(holder)
-      const queue: Array<string> = []
-      for (let i = 0; i < 7; i++) {
-        const owner = Crypto.randomUUID()
-        await ask(owner)
-        queue.push(owner)
-      }
+      const queued = await queuedName(client, table, name, 7)
+      const { ask, queue } = queued
+      let holder = queued.holder
       /** `n` give-backs, each handing the lease to the head; the old holder queues again. Median ms. */
       const handovers = async (which: Which, n: number) => {
         const walls: Array<number> = []

@@ -9,9 +9,9 @@
  * channel (none is sent one). Also the release's server time from `EXPLAIN ANALYZE` in a
  * rolled-back transaction. A diagnostic: nothing is written to the report.
  */
-import * as Crypto from "node:crypto"
 import pg from "pg"
 import * as LeaseSql from "../src/internal/lease/pg/sql.js"
+import { queuedName } from "./lib/leaseQueue.js"
 import { runMain, withScratchDatabase } from "./lib/postgres.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
@@ -28,20 +28,11 @@ runMain(() =>
     await client.connect()
     try {
       await client.query(LeaseSql.createTable(table))
-      const acquire = LeaseSql.acquire(table)
       const release = LeaseSql.release(table)
       const name = "release-cost"
-      // A waiting acquire: granted when the name is free, else it takes a place (its owner is its place's id).
-      const ask = (owner: string) =>
-        client.query({ name: "acquire", text: acquire, values: [name, owner, owner, "exclusive", 60_000, 60_000, "bench", "host", process.pid, true] })
-      let holder: string = Crypto.randomUUID()
-      await ask(holder)
-      const queue: Array<string> = []
-      for (let i = 0; i < 7; i++) {
-        const owner = Crypto.randomUUID()
-        await ask(owner)
-        queue.push(owner)
-      }
+      const queued = await queuedName(client, table, name, 7)
+      const { ask, queue } = queued
+      let holder = queued.holder
       await client.query(`prepare release_cost as ${release}`)
       const explained: Array<string> = []
       for (let i = 0; i < 12; i++) {

@@ -1703,12 +1703,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
         const holder = Crypto.randomUUID()
         expect(await acquire(holder, Crypto.randomUUID())).not.toBeNull()
         // 64 places (4x the release's 16 candidates) that ran out a second ago, ahead of a live one.
-        await client.query(
-          `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
-           select gen_random_uuid(), $1, 'exclusive', now() - interval '1 second', now() - interval '6 seconds', 10000
-           from generate_series(1, 64)`,
-          [name]
-        )
+        await deadPlaces(client, name, 64)
         const live = Crypto.randomUUID()
         expect(await acquire(Crypto.randomUUID(), live)).toBeNull()
         // Its place was written just now: the release hands it the lease (one notification).
@@ -1821,12 +1816,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           // A live exclusive head behind 8 places that ran out: handed the lease, as release hands it.
           const holder = Crypto.randomUUID()
           const held = BigInt((await acquire(holder, Crypto.randomUUID()))!)
-          await client.query(
-            `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
-             select gen_random_uuid(), $1, 'exclusive', now() - interval '1 second', now() - interval '6 seconds', 10000
-             from generate_series(1, 8)`,
-            [name]
-          )
+          await deadPlaces(client, name, 8)
           const head = Crypto.randomUUID()
           expect(await acquire(Crypto.randomUUID(), head)).toBeNull()
           expect(await releaseAlone(holder)).toEqual({ released: 1, woken: 1 })
@@ -2562,6 +2552,15 @@ const lockStatementsOn = async (client: pg.Client, channel: string, name: string
     Number((await client.query<{ woken: string }>(locks.wakeSharedHeads!.text, [...locks.wakeSharedHeads!.encode({ name })])).rows[0]!.woken)
   return { attempt, acquire, release, releaseAlone, wakeSharedHeads, decodeRelease: locks.release.decode }
 }
+
+/** `n` exclusive places of `name` that ran out a second ago (a crashed process's waiters), in the default queue table. */
+const deadPlaces = (client: pg.Client, name: string, n: number) =>
+  client.query(
+    `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
+     select gen_random_uuid(), $1, 'exclusive', now() - interval '1 second', now() - interval '6 seconds', 10000
+     from generate_series(1, $2::int)`,
+    [name, n]
+  )
 
 /** A LISTEN session on `channel`: every payload it heard, in order, and a wait for one (5 s at most). */
 const listenOn = async (channel: string) => {
