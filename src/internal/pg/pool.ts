@@ -258,7 +258,8 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
   /** One statement for every member, on `connection`; each member settles from its own rows, or sends its own statement. */
   const sendBatch = (connection: Connection, spec: BatchSpec, members: ReadonlyArray<Waiting>) => {
     if (members.length > 1) batches++
-    const live = new Set(members)
+    // A batch of one (`BatchSpec.alone`) ends with its member, as a statement alone: no set to keep.
+    const live = members.length > 1 ? new Set(members) : undefined
     for (const member of members) member.sendingOn(connection, live)
     run(connection, spec.text, spec.encode(members.map((member) => member.params)), undefined, (error, rows) => {
       for (const member of members) member.sendingOn(undefined)
@@ -326,7 +327,7 @@ export const makePool = (driver: Driver, config: pg.ClientConfig, max: number): 
       // as its own statement unless its batch's is the cheaper one alone too (`BatchSpec.alone`).
       const key = batch !== undefined && (waiters.length > 0 || batch.alone === true) ? batch.key(params) : undefined
       if (key !== undefined) {
-        const others = waiters.length > 0 ? gather(batch!, key) : []
+        const others = gather(batch!, key)
         if (others.length > 0 || batch!.alone === true) return sendBatch(connection, batch!, [waiting, ...others])
       }
       sending = connection
