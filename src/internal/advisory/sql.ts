@@ -152,6 +152,9 @@ export const joinBumpSql = perTable((table) =>
   `select (select token::text from bumped) as token, pg_backend_pid() as pid`
 )
 
+/** The wait slice's token draw, built once per table: the slice's text is built for every wait. */
+const drawOf = perTable((table) => Tokens.draw(Tokens.tokenSequence(table)))
+
 /**
  * One slice of a blocking wait, one simple-protocol round trip: bounded wait, grant, bump. The
  * implicit transaction aborts as a whole on 55P03 (the slice's lock_timeout), leaving nothing.
@@ -172,7 +175,7 @@ export const waitSql = (
     `SET LOCAL lock_timeout = ${lockTimeoutMillis}`,
     `SELECT pg_advisory_lock${suffix(mode)}('${key}'::bigint)`,
     `SET LOCAL lock_timeout = ${Math.max(1, Math.min(FENCING_LOCK_TIMEOUT_MS, Math.floor(bumpLockTimeoutMillis)))}`,
-    `INSERT INTO ${table.sql} AS f (key, name, token) VALUES ('${key}'::bigint, ${literal(name)}, ${Tokens.draw(Tokens.tokenSequence(table))}) ` +
+    `INSERT INTO ${table.sql} AS f (key, name, token) VALUES ('${key}'::bigint, ${literal(name)}, ${drawOf(table)}) ` +
     `ON CONFLICT (key) DO UPDATE SET token = ${NEXT}, name = excluded.name ` +
     `RETURNING f.token::text AS token, pg_backend_pid() AS pid`
   ].join("; ")
