@@ -1871,6 +1871,52 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       })
     ))
 
+  it.effect("a layer whose sweep is off removes in passing, at every give-back, the name's places that ran out over a minute ago (crashed waiters) and keeps those that ran out lately — as the lone batch statement (freeing the name, or handing it over) and as release; with the sweep on, the batch statement leaves them to the sweep, which removes them", () =>
+    Effect.promise(() =>
+      withClient(db.url, async (client) => {
+        const name = freshName("tidy")
+        const places = async () =>
+          (await client.query<{ old: number; recent: number }>(
+            `select (count(*) filter (where expires_at < now() - interval '1 minute'))::int as old,
+                    (count(*) filter (where expires_at >= now() - interval '1 minute'))::int as recent
+             from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null`,
+            [name]
+          )).rows[0]!
+        /** Holds the name, writes 5 long-dead and 3 lately dead places (and a live head), gives back: the places left. */
+        const giveBackOver = async (giveBack: (owner: string) => Promise<unknown>, acquire: (owner: string, waiter: string) => Promise<unknown>, head?: string) => {
+          const holder = Crypto.randomUUID()
+          expect(await acquire(holder, Crypto.randomUUID())).not.toBeNull()
+          await deadPlaces(client, name, 5, "2 minutes")
+          await deadPlaces(client, name, 3)
+          if (head !== undefined) expect(await acquire(Crypto.randomUUID(), head)).toBeNull()
+          expect(await giveBack(holder)).toEqual({ released: 1, woken: head === undefined ? 0 : 1 })
+          return places()
+        }
+        const cleanUp = () => client.query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+        try {
+          const off = await lockStatementsOn(client, "effect_lock_test_tidy", name, { sweeping: false })
+          const on = await lockStatementsOn(client, "effect_lock_test_tidy", name, { sweeping: true })
+          // Sweep off: each kind of give-back tidies.
+          expect(await giveBackOver(off.releaseAlone, off.acquire), "batch, nobody waiting").toEqual({ old: 0, recent: 3 })
+          await cleanUp()
+          const head = Crypto.randomUUID()
+          expect(await giveBackOver(off.releaseAlone, off.acquire, head), "batch, handing over").toEqual({ old: 0, recent: 3 })
+          expect(await off.release(head, null)).toEqual({ released: 1, woken: 0 })
+          await cleanUp()
+          expect(await giveBackOver((owner) => off.release(owner, null), off.acquire), "release").toEqual({ old: 0, recent: 3 })
+          await cleanUp()
+          // Sweep on: the batch statement leaves them; the sweep's statement removes every place that ran out.
+          expect(await giveBackOver(on.releaseAlone, on.acquire), "batch, sweep on").toEqual({ old: 5, recent: 3 })
+          const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE) as LeaseSql.Tables
+          const { locks } = LeaseDialect.dialect(tables, "effect_lock_test_tidy")
+          await client.query(locks.sweep.text, [...locks.sweep.encode({ limit: 1_000 })])
+          expect(await places(), "after a sweep").toEqual({ old: 0, recent: 0 })
+        } finally {
+          await cleanUp()
+        }
+      })
+    ))
+
   it.scoped("a lease handed to the place of a request that ended (its leave failed) is given back by its process at once, not held for its ttl", () =>
     Effect.gen(function*() {
       const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
@@ -2518,11 +2564,11 @@ const statementsOn = async (client: pg.Client, channel: string, name: string, tt
  * a lease of `name` (10 s) with a place (5 s) in either mode and answers its token; `release`
  * answers what it gave back and how many notifications it sent (wake-ups and handovers alike).
  */
-const lockStatementsOn = async (client: pg.Client, channel: string, name: string) => {
+const lockStatementsOn = async (client: pg.Client, channel: string, name: string, options?: { readonly sweeping: boolean }) => {
   const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE)
   if (typeof tables === "string") throw new Error(tables)
   await client.query(LeaseSql.createTable(tables))
-  const { locks } = LeaseDialect.dialect(tables, channel)
+  const { locks } = LeaseDialect.dialect(tables, channel, options)
   /** The whole answer of one attempt (a 10 s lease and a 5 s place unless told). */
   const attempt = async (
     owner: string,
@@ -2553,13 +2599,13 @@ const lockStatementsOn = async (client: pg.Client, channel: string, name: string
   return { attempt, acquire, release, releaseAlone, wakeSharedHeads, decodeRelease: locks.release.decode }
 }
 
-/** `n` exclusive places of `name` that ran out a second ago (a crashed process's waiters), in the default queue table. */
-const deadPlaces = (client: pg.Client, name: string, n: number) =>
+/** `n` exclusive places of `name` that ran out `ago` (a second unless told; a crashed process's waiters), in the default queue table. */
+const deadPlaces = (client: pg.Client, name: string, n: number, ago = "1 second") =>
   client.query(
     `insert into ${PgLease.DEFAULT_TABLE}_queue (owner, name, mode, expires_at, enqueued_at, ttl_ms)
-     select gen_random_uuid(), $1, 'exclusive', now() - interval '1 second', now() - interval '6 seconds', 10000
+     select gen_random_uuid(), $1, 'exclusive', now() - $3::interval, now() - $3::interval - interval '5 seconds', 10000
      from generate_series(1, $2::int)`,
-    [name, n]
+    [name, n, ago]
   )
 
 /** A LISTEN session on `channel`: every payload it heard, in order, and a wait for one (5 s at most). */

@@ -34,9 +34,9 @@ const acquireBatch = (tables: Sql.Tables): BatchSpec => ({
  * connection together, and one alone as well (`alone`: cheaper at the server than `release`,
  * which it falls back to). One it did not make sends its own `release`.
  */
-const releaseBatch = (tables: Sql.Tables): BatchSpec => ({
+const releaseBatch = (tables: Sql.Tables, tidy: boolean): BatchSpec => ({
   key: (p) => (p[1] !== null && p[2] === null ? p[0] as string : undefined),
-  text: Sql.releaseBatch(tables),
+  text: Sql.releaseBatch(tables, tidy),
   max: Sql.BATCH_MAX,
   alone: true,
   encode: (members) => [members.map((p) => p[0]), members.map((p) => p[1]), members[0]![3]],
@@ -65,8 +65,8 @@ export const operator = (tables: Sql.Tables, channel: string): OperatorStatement
   revokePermits: { operation: "revoke", text: PermitSql.revoke(tables), encode: ({ name }) => [name, channel], decode: decode.revoked }
 })
 
-/** The statements of the tables `tables`, notifying on `channel`. */
-export const dialect = (tables: Sql.Tables, channel: string): Dialect => {
+/** The statements of the tables `tables`, notifying on `channel`; `sweeping`: the layer's sweep is on. */
+export const dialect = (tables: Sql.Tables, channel: string, { sweeping = true }: { readonly sweeping?: boolean } = {}): Dialect => {
   // The release statement notifies the heads itself; they hear it through LISTEN, this process too.
   const release = (text: string, crowdAt?: number) => ({
     operation: "release",
@@ -78,7 +78,8 @@ export const dialect = (tables: Sql.Tables, channel: string): Dialect => {
     backend: "pg-lease",
     locks: {
       acquire: { operation: "acquire", text: Sql.acquire(tables), encode: params.lockAcquire, decode: decode.lockAcquire, batch: acquireBatch(tables) },
-      release: { ...release(Sql.release(tables), Sql.WOKEN_CROWD), batch: releaseBatch(tables) },
+      // Without a sweep, the batch give-back removes long-dead places in passing, as release does.
+      release: { ...release(Sql.release(tables), Sql.WOKEN_CROWD), batch: releaseBatch(tables, !sweeping) },
       wakeSharedHeads: {
         operation: "wake",
         text: Sql.wakeSharedHeads(tables),

@@ -101,5 +101,5 @@ export const makeBackend = (
       application,
       host: Os.hostname(),
       createTable: input?.createTable !== false
-    }, Dialect.dialect(tables, channel), hub, owner)
+    }, Dialect.dialect(tables, channel, { sweeping: Duration.toMillis(timings.sweepInterval) > 0 }), hub, owner)
   })

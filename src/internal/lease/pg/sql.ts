@@ -402,14 +402,27 @@ order by i.idx`
  * its own; where this snapshot already shows it cannot decide, it locks nothing, so a statement
  * that decides nothing writes nothing and its commit waits for no disk. The rows are re-checked
  * on their newest version when locked. The lease row is locked before the place, as `release`
- * locks them.
+ * locks them. With `tidy` (a layer whose sweep is off), a give-back it decides also removes the
+ * name's rows that ran out over a minute ago, as `release` does in passing.
  *
  * Parameters (parallel arrays): $1 names, $2 owners; $3 channel. Answers a row (`idx`, 1-based,
  * `released`, `woken`: its notifications) per give-back it made.
  */
-export const releaseBatch = (table: Tables | TableRef): string => releaseBatchSql(tablesOf(table))
+export const releaseBatch = (table: Tables | TableRef, tidy = false): string => releaseBatchSql(tablesOf(table), tidy)
 
-const releaseBatchSql = ({ leases, queue }: Tables): string => {
+/**
+ * \`releaseBatch\`'s step for a layer whose sweep is off: as \`release\` does in passing, the rows of
+ * crashed waiters and shared holders of a name given back here that ran out over a minute ago are
+ * removed (skipped when locked). With the sweep on, the sweep removes them, and every give-back
+ * is spared the step (about 8 % of an uncontended one at the server).
+ */
+const tidied = (queue: TableRef): string => `, tidied as (
+  delete from ${queue.sql} where owner in (
+    select q.owner from ${queue.sql} q where q.name in (select name from decided) and q.expires_at < now() - interval '1 minute'
+    for update skip locked)
+)`
+
+const releaseBatchSql = ({ leases, queue }: Tables, tidy: boolean): string => {
   const seq = Tokens.tokenSequence(leases)
   const ns = Tokens.sweepGuardNamespace(leases)
   return `with input as (
@@ -464,7 +477,7 @@ const releaseBatchSql = ({ leases, queue }: Tables): string => {
   returning l.name, l.owner, l.token, l.expires_at, d.owner is not null as handed
 ), dequeued as (
   delete from ${queue.sql} where owner in (select owner from freed where handed) and token is null
-)
+)${tidy ? tidied(queue) : ""}
 select i.idx::integer as idx, 1 as released,
   -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
   ${commitsUnflushed("not exists (select 1 from freed where handed)")},
