@@ -12,11 +12,9 @@
  * A diagnostic: nothing is written to the report.
  */
 import * as Crypto from "node:crypto"
-import pg from "pg"
 import * as LeaseSql from "../src/internal/lease/pg/sql.js"
 import * as Tokens from "../src/internal/sql/tokens.js"
-import { queuedName } from "./lib/leaseQueue.js"
-import { runMain, withScratchDatabase } from "./lib/postgres.js"
+import { mainOnLeaseTables, queuedName } from "./lib/leaseQueue.js"
 
 const arg = (name: string): string | undefined => process.argv.find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3)
 const rounds = Number(arg("rounds") ?? "8")
@@ -59,68 +57,58 @@ end $$`
 
 type Which = "statement" | "function"
 
-runMain(() =>
-  withScratchDatabase("plpgsql-probe", async (database) => {
-    const client = new pg.Client({ connectionString: database.url })
-    await client.connect()
-    try {
-      await client.query(LeaseSql.createTable(table))
-      await client.query(LeaseSql.ensureLockTokens(table))
-      await client.query(giveBackFunction())
-      const batch = LeaseSql.releaseBatch(table)
-      /** One give-back of `name` by `owner`: its wall time, and what it answered (1 handed, 0 freed). */
-      const giveBack = async (which: Which, name: string, owner: string) => {
-        const start = performance.now()
-        const answer = which === "statement"
-          ? await client.query({ name: "statement", text: batch, values: [[name], [owner], TABLE] })
-          : await client.query({ name: "function", text: "select plpgsql_probe_give_back($1, $2, $3) as r", values: [name, owner, TABLE] })
-        const ms = performance.now() - start
-        const row = answer.rows[0]
-        const outcome = which === "statement" ? (row === undefined ? -1 : Number(row.woken)) : Number(row.r)
-        return { ms, outcome }
+mainOnLeaseTables("plpgsql-probe", table, async (client) => {
+  await client.query(giveBackFunction())
+  const batch = LeaseSql.releaseBatch(table)
+  /** One give-back of `name` by `owner`: its wall time, and what it answered (1 handed, 0 freed). */
+  const giveBack = async (which: Which, name: string, owner: string) => {
+    const start = performance.now()
+    const answer = which === "statement"
+      ? await client.query({ name: "statement", text: batch, values: [[name], [owner], TABLE] })
+      : await client.query({ name: "function", text: "select plpgsql_probe_give_back($1, $2, $3) as r", values: [name, owner, TABLE] })
+    const ms = performance.now() - start
+    const row = answer.rows[0]
+    const outcome = which === "statement" ? (row === undefined ? -1 : Number(row.woken)) : Number(row.r)
+    return { ms, outcome }
+  }
+  const acquire = LeaseSql.acquire(table)
+  const uncontended = async (which: Which, i: number) => {
+    const name = `free-${i % 16}`
+    const owner = Crypto.randomUUID()
+    const granted = await client.query({ name: "acquire", text: acquire, values: [name, owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, "bench", "host", process.pid, true] })
+    if (granted.rows[0]?.token == null) throw new Error(`${which}: ${name} not granted`)
+    const { ms, outcome } = await giveBack(which, name, owner)
+    if (outcome !== 0) throw new Error(`${which}: uncontended give-back answered ${outcome}`)
+    return ms
+  }
+  const name = "handed"
+  const queued = await queuedName(client, table, name, 7)
+  const { ask, queue } = queued
+  let holder = queued.holder
+  const handover = async (which: Which) => {
+    const { ms, outcome } = await giveBack(which, name, holder)
+    if (outcome !== 1) throw new Error(`${which}: handover answered ${outcome}`)
+    const old = holder
+    holder = queue.shift()!
+    const owner = (await client.query<{ owner: string | null }>(`select owner from ${TABLE} where name = $1`, [name])).rows[0]!.owner
+    if (owner !== holder) throw new Error(`${which}: the lease went to ${owner}, not to the head ${holder}`)
+    await ask(old)
+    queue.push(old)
+    return ms
+  }
+  for (const [label, run] of [["uncontended give-back", uncontended], ["handover", (which: Which) => handover(which)]] as const) {
+    for (let i = 0; i < 100; i++) for (const which of ["statement", "function"] as const) await run(which, i)
+    const shares: Array<number> = []
+    for (let round = 0; round < rounds; round++) {
+      const p50: Partial<Record<Which, number>> = {}
+      for (const which of (round % 2 === 0 ? ["function", "statement"] : ["statement", "function"]) as Array<Which>) {
+        const walls: Array<number> = []
+        for (let i = 0; i < PER_ROUND; i++) walls.push(await run(which, i))
+        p50[which] = median(walls)
       }
-      const acquire = LeaseSql.acquire(table)
-      const uncontended = async (which: Which, i: number) => {
-        const name = `free-${i % 16}`
-        const owner = Crypto.randomUUID()
-        const granted = await client.query({ name: "acquire", text: acquire, values: [name, owner, Crypto.randomUUID(), "exclusive", 30_000, 5_000, "bench", "host", process.pid, true] })
-        if (granted.rows[0]?.token == null) throw new Error(`${which}: ${name} not granted`)
-        const { ms, outcome } = await giveBack(which, name, owner)
-        if (outcome !== 0) throw new Error(`${which}: uncontended give-back answered ${outcome}`)
-        return ms
-      }
-      const name = "handed"
-      const queued = await queuedName(client, table, name, 7)
-      const { ask, queue } = queued
-      let holder = queued.holder
-      const handover = async (which: Which) => {
-        const { ms, outcome } = await giveBack(which, name, holder)
-        if (outcome !== 1) throw new Error(`${which}: handover answered ${outcome}`)
-        const old = holder
-        holder = queue.shift()!
-        const owner = (await client.query<{ owner: string | null }>(`select owner from ${TABLE} where name = $1`, [name])).rows[0]!.owner
-        if (owner !== holder) throw new Error(`${which}: the lease went to ${owner}, not to the head ${holder}`)
-        await ask(old)
-        queue.push(old)
-        return ms
-      }
-      for (const [label, run] of [["uncontended give-back", uncontended], ["handover", (which: Which) => handover(which)]] as const) {
-        for (let i = 0; i < 100; i++) for (const which of ["statement", "function"] as const) await run(which, i)
-        const shares: Array<number> = []
-        for (let round = 0; round < rounds; round++) {
-          const p50: Partial<Record<Which, number>> = {}
-          for (const which of (round % 2 === 0 ? ["function", "statement"] : ["statement", "function"]) as Array<Which>) {
-            const walls: Array<number> = []
-            for (let i = 0; i < PER_ROUND; i++) walls.push(await run(which, i))
-            p50[which] = median(walls)
-          }
-          shares.push(p50.function! / p50.statement!)
-          console.log(`${label}, round ${round}: releaseBatch alone p50 ${p50.statement!.toFixed(3)} ms, function p50 ${p50.function!.toFixed(3)} ms`)
-        }
-        console.log(`${label}: the function takes ${median(shares).toFixed(2)} of the statement's time (rounds ${Math.min(...shares).toFixed(2)}–${Math.max(...shares).toFixed(2)})`)
-      }
-    } finally {
-      await client.end()
+      shares.push(p50.function! / p50.statement!)
+      console.log(`${label}, round ${round}: releaseBatch alone p50 ${p50.statement!.toFixed(3)} ms, function p50 ${p50.function!.toFixed(3)} ms`)
     }
-  })
-)
+    console.log(`${label}: the function takes ${median(shares).toFixed(2)} of the statement's time (rounds ${Math.min(...shares).toFixed(2)}–${Math.max(...shares).toFixed(2)})`)
+  }
+})
