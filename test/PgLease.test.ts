@@ -1907,15 +1907,36 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
           await cleanUp()
           // Sweep on: the batch statement leaves them; the sweep's statement removes every place that ran out.
           expect(await giveBackOver(on.releaseAlone, on.acquire), "batch, sweep on").toEqual({ old: 5, recent: 3 })
-          const tables = LeaseSql.parseTables(PgLease.DEFAULT_TABLE) as LeaseSql.Tables
-          const { locks } = LeaseDialect.dialect(tables, "effect_lock_test_tidy")
-          await client.query(locks.sweep.text, [...locks.sweep.encode({ limit: 1_000 })])
+          await on.sweep()
           expect(await places(), "after a sweep").toEqual({ old: 0, recent: 0 })
         } finally {
           await cleanUp()
         }
       })
     ))
+
+  it.scoped("a layer with sweepInterval 0 removes, when a lease is given back, the name's places that ran out over a minute ago (crashed waiters) and keeps those that ran out lately", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const a = yield* processOn(env, { sweepInterval: 0 })
+      const name = freshName("tidy-layer")
+      const places = () =>
+        query<{ old: number; recent: number }>(
+          `select (count(*) filter (where expires_at < now() - interval '1 minute'))::int as old,
+                  (count(*) filter (where expires_at >= now() - interval '1 minute'))::int as recent
+           from ${PgLease.DEFAULT_TABLE}_queue where name = $1 and token is null`,
+          [name]
+        )
+      yield* Effect.scoped(Effect.gen(function*() {
+        yield* a.acquire(name)
+        yield* Effect.promise(() => withClient(db.url, async (client) => {
+          await deadPlaces(client, name, 5, "2 minutes")
+          await deadPlaces(client, name, 3)
+        }))
+      }))
+      expect((yield* places())[0]).toEqual({ old: 0, recent: 3 })
+      yield* query(`delete from ${PgLease.DEFAULT_TABLE}_queue where name = $1`, [name])
+    }))
 
   it.scoped("a lease handed to the place of a request that ended (its leave failed) is given back by its process at once, not held for its ttl", () =>
     Effect.gen(function*() {
@@ -2596,7 +2617,9 @@ const lockStatementsOn = async (client: pg.Client, channel: string, name: string
   /** What the releasing process sends after a release that served 16 shared heads: how many it woke. */
   const wakeSharedHeads = async () =>
     Number((await client.query<{ woken: string }>(locks.wakeSharedHeads!.text, [...locks.wakeSharedHeads!.encode({ name })])).rows[0]!.woken)
-  return { attempt, acquire, release, releaseAlone, wakeSharedHeads, decodeRelease: locks.release.decode }
+  /** One round of the sweep's statement. */
+  const sweep = () => client.query(locks.sweep.text, [...locks.sweep.encode({ limit: 1_000 })])
+  return { attempt, acquire, release, releaseAlone, wakeSharedHeads, sweep, decodeRelease: locks.release.decode }
 }
 
 /** `n` exclusive places of `name` that ran out `ago` (a second unless told; a crashed process's waiters), in the default queue table. */

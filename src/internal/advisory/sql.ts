@@ -71,6 +71,9 @@ const perTable = (build: (table: TableRef) => string) => {
   }
 }
 
+/** A new token for `table`'s rows, built once per table: the wait slice's text is built for every wait. */
+const drawOf = perTable((table) => Tokens.draw(Tokens.tokenSequence(table)))
+
 /**
  * A bumped row's token: the one drawn from the database's token sequence (`sql/tokens`), or one
  * above the row's when a previous version's per-name count ran ahead of the sequence.
@@ -130,7 +133,7 @@ export const tryBatchSql = perTable((table) =>
   `attempt as (select key, name, case when shared then pg_try_advisory_lock_shared(key) ` +
   `else pg_try_advisory_lock(key) end as granted from request), ` +
   // Drawn only for granted keys, after their lock: a key's draws follow each other in its holders' order.
-  `bumped as (insert into ${table.sql} as f (key, name, token) select key, name, ${Tokens.draw(Tokens.tokenSequence(table))} ` +
+  `bumped as (insert into ${table.sql} as f (key, name, token) select key, name, ${drawOf(table)} ` +
   `from attempt where granted on conflict (key) do update set token = ${NEXT}, name = excluded.name returning f.key, f.token) ` +
   `select key::text as key, token::text as token, null::int as pid from bumped ` +
   `union all select null, null, pg_backend_pid()`
@@ -144,16 +147,13 @@ export const tryBatchSql = perTable((table) =>
  * Parameters: $1 key, $2 name, $3 classid, $4 objid (the key's `pg_locks` halves).
  */
 export const joinBumpSql = perTable((table) =>
-  `with bumped as (insert into ${table.sql} as f (key, name, token) select $1::bigint, $2::text, ${Tokens.draw(Tokens.tokenSequence(table))} ` +
+  `with bumped as (insert into ${table.sql} as f (key, name, token) select $1::bigint, $2::text, ${drawOf(table)} ` +
   `where not exists (select 1 from pg_locks l where l.locktype = 'advisory' and l.objsubid = 1 ` +
   `and l.classid = $3::int8::oid and l.objid = $4::int8::oid and not l.granted and l.mode = 'ExclusiveLock' ` +
   `and l.database = (select oid from pg_database where datname = current_database())) ` +
   `on conflict (key) do update set token = ${NEXT}, name = excluded.name returning f.token) ` +
   `select (select token::text from bumped) as token, pg_backend_pid() as pid`
 )
-
-/** The wait slice's token draw, built once per table: the slice's text is built for every wait. */
-const drawOf = perTable((table) => Tokens.draw(Tokens.tokenSequence(table)))
 
 /**
  * One slice of a blocking wait, one simple-protocol round trip: bounded wait, grant, bump. The

@@ -411,14 +411,15 @@ order by i.idx`
 export const releaseBatch = (table: Tables | TableRef, tidy = false): string => releaseBatchSql(tablesOf(table), tidy)
 
 /**
- * \`releaseBatch\`'s step for a layer whose sweep is off: as \`release\` does in passing, the rows of
- * crashed waiters and shared holders of a name given back here that ran out over a minute ago are
- * removed (skipped when locked). With the sweep on, the sweep removes them, and every give-back
- * is spared the step (about 8 % of an uncontended one at the server).
+ * A give-back's step \`tidied\`: the rows of crashed waiters and shared holders of the names
+ * \`names\` (an SQL condition on \`q.name\`) that ran out over a minute ago, removed in passing,
+ * never waited for (skipped when locked). \`release\` always takes it; \`releaseBatch\` only for a
+ * layer whose sweep is off — with the sweep on, the sweep removes them, and every give-back is
+ * spared the step (about 8 % of an uncontended one at the server).
  */
-const tidied = (queue: TableRef): string => `, tidied as (
+const tidied = (queue: TableRef, names: string): string => `tidied as (
   delete from ${queue.sql} where owner in (
-    select q.owner from ${queue.sql} q where q.name in (select name from decided) and q.expires_at < now() - interval '1 minute'
+    select q.owner from ${queue.sql} q where ${names} and q.expires_at < now() - interval '1 minute'
     for update skip locked)
 )`
 
@@ -477,7 +478,7 @@ const releaseBatchSql = ({ leases, queue }: Tables, tidy: boolean): string => {
   returning l.name, l.owner, l.token, l.expires_at, d.owner is not null as handed
 ), dequeued as (
   delete from ${queue.sql} where owner in (select owner from freed where handed) and token is null
-)${tidy ? tidied(queue) : ""}
+)${tidy ? `, ${tidied(queue, "q.name in (select name from decided)")}` : ""}
 select i.idx::integer as idx, 1 as released,
   -- A give-back grants nothing: its commit need not wait for the disk. A handover grants: it waits.
   ${commitsUnflushed("not exists (select 1 from freed where handed)")},
@@ -612,12 +613,7 @@ const releaseSql = ({ leases, queue }: Tables): string => {
   -- With $2: a handed holder's place, taken again by an attempt that missed the handover.
   delete from ${queue.sql} where owner in ($2::uuid, $3::uuid) and token is null
   returning 1
-), tidied as (
-  -- Rows of crashed waiters and shared holders, long expired: removed in passing, never waited for.
-  delete from ${queue.sql} where owner in (
-    select owner from ${queue.sql} where name = $1::text and expires_at < now() - interval '1 minute'
-    for update skip locked)
-), freed as (
+), ${tidied(queue, "q.name = $1::text")}, freed as (
   select 1 where exists (select 1 from held) or exists (select 1 from counted where shared_count = 0)
     or (exists (select 1 from placed) and not exists (
       select 1 from ${leases.sql} h where h.name = $1::text and h.owner is not null and h.expires_at > now()))
