@@ -1,7 +1,7 @@
 /**
  * `npx tsx --import ./bench/lib/built.mjs bench/profile.ts [--seconds=S] [--only=<pair>[,<pair>]] [--allocations]`
  * (pairs: pg-advisory, pg-lease, xact, xact-16, pg-lease-16, memory, handoff-advisory,
- * handoff-lease, redis, redis-16, redis-effect, handoff-redis; default all)
+ * handoff-lease, redis, redis-16, redis-effect, redis-effect-16, handoff-redis; default all)
  *
  * Where a lock cycle's time goes. Each subject (a backend's uncontended loop by one worker, or by
  * 16 for the `-16` pairs — PgLease on its default 4 lock connections, as the bench judges it: its
@@ -73,6 +73,7 @@ const REDIS_PAIRS: ReadonlyArray<Pair<string>> = [
   { name: "redis-16", subject: (url, ms) => ownRedis("redisLeaseSubject", url, 16, ms), floor: (url, ms) => ownRedis("rawRedisLease", url, 16, ms), cycles: throughput },
   // The Effect floor (the raw row's two calls in Effect.scoped(acquireRelease), no lock logic) against raw.
   { name: "redis-effect", subject: (url, ms) => ownRedis("effectRedisFloor", url, 1, ms), floor: (url, ms) => ownRedis("rawRedisLease", url, 1, ms), cycles: throughput },
+  { name: "redis-effect-16", subject: (url, ms) => ownRedis("effectRedisFloor", url, 16, ms), floor: (url, ms) => ownRedis("rawRedisLease", url, 16, ms), cycles: throughput },
   { name: "handoff-redis", subject: (url, ms) => redisHandoff(url, ms, "redis-lease-8"), floor: (url, ms) => redisHandoff(url, ms, "raw"), cycles: grants }
 ]
 

@@ -901,6 +901,75 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       for (const t of recovered) expect(t).toBeLessThan(200)
     }))
 
+  it.scoped("a listener is proven by the wake-ups it hears: a first waiter after a quiet spell pings only when its wait outlasts the grace", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      // A channel of its own: only these two processes' pings are counted.
+      const channel = "effect_lock_test_pings"
+      const check = Duration.millis(600)
+      const a = yield* processOn(env, { channel, listenCheckInterval: check })
+      const b = yield* processOn(env, { channel, listenCheckInterval: check })
+      const pings = yield* pingsHeardOn(channel)
+      const handoff = handoffWith(a, b)
+      // Starts b's listener (its start-up pings) and proves it.
+      yield* handoff(freshName("ping-start"))
+      // Quiet spells longer than the check interval: each next waiter of b is a first waiter whose
+      // listener's last proof is stale. Its wait ends by the release's notification, which proves
+      // the listener within the grace (200 ms): no ping. Before, each sent one at once.
+      const quietSpells = 4
+      const before = pings.count()
+      for (let i = 0; i < quietSpells; i++) {
+        // The quiet spell is what is tested (time since the last proof), not a synchronisation.
+        yield* Effect.sleep(Duration.sum(check, Duration.millis(100)))
+        yield* handoff(freshName("ping-quick"))
+      }
+      const quick = pings.count() - before
+      console.log(`PgLease pings for ${quietSpells} handoffs after quiet spells: ${quick}`)
+      // One handoff slower than the grace on a loaded machine may still ping.
+      expect(quick).toBeLessThanOrEqual(1)
+      // A wait that outlasts the grace, with nothing heard for it, gets its ping.
+      yield* Effect.sleep(Duration.sum(check, Duration.millis(100)))
+      const beforeLong = pings.count()
+      yield* handoff(
+        freshName("ping-long"),
+        waitFor("b's ping during a long wait", Effect.sync(() => pings.count() > beforeLong), Duration.seconds(3))
+      )
+      expect(pings.count()).toBeGreaterThan(beforeLong)
+    }))
+
+  it.scoped("while its waiters' wake-ups keep coming, a listener needs no ping to stay trusted", () =>
+    Effect.gen(function*() {
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const channel = "effect_lock_test_pings_busy"
+      const check = Duration.millis(400)
+      const a = yield* processOn(env, { channel, listenCheckInterval: check })
+      const b = yield* processOn(env, { channel, listenCheckInterval: check })
+      const pings = yield* pingsHeardOn(channel)
+      // Starts both listeners (their start-up pings) and proves them.
+      yield* handoffWith(a, b)(freshName("busy-start"))
+      yield* handoffWith(b, a)(freshName("busy-start"))
+      const name = freshName("busy")
+      const before = pings.count()
+      // One contender in a, two in b: b has a waiter almost all the time, for 5 check intervals,
+      // each of its grants handed over by a release whose notification its listener hears.
+      const until = (yield* Clock.currentTimeMillis) + 5 * Duration.toMillis(check)
+      let grants = 0
+      const contender = (lock: DistributedLock.Service) =>
+        Effect.gen(function*() {
+          while ((yield* Clock.currentTimeMillis) < until) {
+            yield* Effect.scoped(Effect.zipRight(lock.acquire(name), Effect.sleep(Duration.millis(20))))
+            grants++
+          }
+        })
+      yield* Effect.all([contender(a), contender(b), contender(b)], { concurrency: "unbounded" })
+      const busy = pings.count() - before
+      console.log(`PgLease pings during ${grants} grants over 5 check intervals: ${busy}`)
+      expect(grants).toBeGreaterThan(20)
+      // Before, a ping every check interval while anyone waited (5–6 here). One is spared: a
+      // start-up ping sent again (the first went before the LISTEN was in) may land in the count.
+      expect(busy).toBeLessThanOrEqual(1)
+    }))
+
   it.scoped("an attempt's wait runs until the first live place ahead of it runs out: a place behind that one, running out sooner, changes nothing", () =>
     Effect.gen(function*() {
       const { attempt, ids: [holder, first, second, newcomer] } = yield* handRequests("first-ahead", 4)
@@ -2467,6 +2536,23 @@ const releaseNotifications = Effect.acquireRelease(
   }),
   ({ client }) => Effect.promise(() => client.end().catch(() => {}))
 ).pipe(Effect.map(({ names }) => names))
+
+/** How many pings (`p…` payloads) a raw LISTEN session hears on `channel` for the rest of the scope. */
+const pingsHeardOn = (channel: string) =>
+  Effect.acquireRelease(
+    Effect.promise(async () => {
+      const client = new pg.Client({ connectionString: db.url })
+      client.on("error", () => {})
+      await client.connect()
+      let count = 0
+      client.on("notification", (message) => {
+        if (message.channel === channel && message.payload?.startsWith("p") === true) count++
+      })
+      await client.query(`listen ${channel}`)
+      return { client, count: () => count }
+    }),
+    ({ client }) => Effect.promise(() => client.end().catch(() => {}))
+  )
 
 /**
  * A Clock that reads the real time shifted by `offsetMillis` — wall (`currentTimeMillis`) and

@@ -85,13 +85,14 @@ export interface Waiters {
   readonly subscribeNow: (name: string, waiter: string, onSubscribe: Effect.Effect<void>) => Effect.Effect<Unsubscribable>
   /** Registers a waiter in this call, for a hub whose `onSubscribe` has nothing left to do. */
   readonly register: (name: string, waiter: string) => Unsubscribable
-  /** Wakes the waiter with this id, if it is one of this process's. */
-  readonly wakeWaiter: (waiter: string) => void
+  /** Wakes the waiter with this id, if it is one of this process's (then true). */
+  readonly wakeWaiter: (waiter: string) => boolean
   /**
    * Tells the waiter with this id that its place was handed the lease, and wakes it; a request of
    * this process that ended lately has it given back (`onHandedToEnded`); others' are ignored.
+   * True when the id is one of this process's waiters.
    */
-  readonly handWaiter: (waiter: string, handed: Handed) => void
+  readonly handWaiter: (waiter: string, handed: Handed) => boolean
   /** See `WakeHub.onHandedToEnded`. */
   readonly onHandedToEnded: (giveBack: (name: string, waiter: string) => void) => void
   /** Wakes every waiter of the lock `name`. */
@@ -212,18 +213,22 @@ export const makeWaiters = (): Waiters => {
     register,
     wakeWaiter: (id) => {
       const waiter = byId.get(id)
-      if (waiter !== undefined) fire(waiter)
+      if (waiter === undefined) return false
+      fire(waiter)
+      return true
     },
     handWaiter: (id, handed) => {
       const waiter = byId.get(id)
       if (waiter !== undefined) {
         waiter.handed = handed
-        return fire(waiter)
+        fire(waiter)
+        return true
       }
       const gone = ended.get(id)
-      if (gone === undefined || gone.until <= performance.now()) return
+      if (gone === undefined || gone.until <= performance.now()) return false
       ended.delete(id)
       giveBackEnded?.(gone.name, id)
+      return false
     },
     onHandedToEnded: (giveBack) => {
       giveBackEnded = giveBack

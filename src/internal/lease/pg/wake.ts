@@ -7,7 +7,10 @@
  * Notifications are hints. A LISTEN connection can die unnoticed (sql-pg's stream hangs silently
  * when its backend dies), and behind PgBouncer in transaction mode LISTEN "succeeds" on a server
  * connection that is handed to someone else. So the listener is trusted only while it proves it
- * hears: while anyone waits, it sends itself a ping every check interval and expects the echo.
+ * hears: while anyone waits, it sends itself a ping every check interval and expects the echo —
+ * unless a release's notification naming one of this process's waiters came through meanwhile,
+ * which proves the same. A first waiter after a quiet spell is given a short grace before the
+ * ping (`IDLE_PING_GRACE`): most waits end within a few handoffs, each heard, and need none.
  * A missed echo, or the stream ending, marks it untrusted, wakes every waiter (they fall back to
  * polling), and restarts the listener with backoff. */
 import * as Cause from "effect/Cause"
@@ -18,7 +21,7 @@ import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Queue from "effect/Queue"
 import * as Crypto from "node:crypto"
-import { monotonicMillis } from "../../core/clock.js"
+import { clockMillis, monotonicMillis } from "../../core/clock.js"
 import { makeWaiters, type Subscription, type WakeHub } from "../waiters.js"
 import type { Owner } from "../../runtime/owner.js"
 import { HANDED_PREFIX, PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./sql.js"
@@ -32,6 +35,16 @@ const STARTUP_ECHO_TIMEOUT = Duration.millis(300)
 /** Backoff between listener restarts. */
 const RESTART_BASE = Duration.seconds(1)
 const RESTART_MAX = Duration.seconds(30)
+/**
+ * A first waiter after a quiet spell (the last proof older than a check interval): the ping waits
+ * this long (at most half the check interval), and is not sent at all when a wake-up of one of
+ * this process's waiters came through first. A ping is a statement, and a notification every
+ * listener of the channel hears; sent at once, every process's first waiter of a burst pays it
+ * at the burst's busiest moment (bench/README.md). Trust only sets how long waiters may sleep
+ * between looks, and a waiter's first sleep after a quiet spell is the untrusted one either way
+ * (a ping's echo takes a round trip), so the grace costs no waiter a look.
+ */
+const IDLE_PING_GRACE = Duration.millis(200)
 /** In `auto` mode, listeners that never heard themselves this many times in a row mean "no LISTEN here". */
 const AUTO_GIVE_UP_AFTER = 3
 
@@ -59,9 +72,12 @@ export type { Subscription, WakeHub } from "../waiters.js"
 export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
     const waiters = makeWaiters()
+    // The watch's clock, read synchronously where a notification is handled.
+    const clock = yield* Effect.clock
     const pings = new Map<string, Deferred.Deferred<void>>()
     const kick = yield* Queue.sliding<void>(1)
     const checkMillis = Duration.toMillis(options.checkInterval)
+    const graceMillis = Math.min(Duration.toMillis(IDLE_PING_GRACE), checkMillis / 2)
     const nonceBase = Crypto.randomBytes(6).toString("hex")
     let nonceCounter = 0
     let started = false
@@ -77,18 +93,27 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
       if (was) waiters.wakeAll()
     })
 
+    /**
+     * A release found one of this process's places at the head and its notification came through:
+     * the listener hears what the store that keeps this process's places sends, as a ping's echo
+     * would prove. It only renews trust a listener has earned (never restores a distrusted one).
+     */
+    const heardOwn = (own: boolean) => {
+      if (own && healthy) verifiedAt = clockMillis(clock)
+    }
+
     /** Handles a payload as it arrives, synchronously: a wake-up is never queued behind anything. */
     const onPayload = (payload: string) => {
       if (payload.startsWith(WAITER_PREFIX)) {
-        waiters.wakeWaiter(payload.slice(WAITER_PREFIX.length))
+        heardOwn(waiters.wakeWaiter(payload.slice(WAITER_PREFIX.length)))
       } else if (payload.startsWith(HANDED_PREFIX)) {
         const [waiter, token, expires] = payload.slice(HANDED_PREFIX.length).split(":")
         const expiresMs = Number(expires)
         // A malformed payload still wakes its waiter: its next attempt finds the lease handed to it.
         if (token !== undefined && /^[0-9]+$/.test(token) && Number.isFinite(expiresMs)) {
-          waiters.handWaiter(waiter!, { token: BigInt(token), expiresMs })
+          heardOwn(waiters.handWaiter(waiter!, { token: BigInt(token), expiresMs }))
         } else {
-          waiters.wakeWaiter(waiter!)
+          heardOwn(waiters.wakeWaiter(waiter!))
         }
       } else if (payload.startsWith(RELEASED_PREFIX)) {
         waiters.wakeName(payload.slice(RELEASED_PREFIX.length))
@@ -149,6 +174,12 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
           yield* Effect.ensuring(kick.take, Effect.sync(() => {
             idle = false
           }))
+          // A first waiter after a quiet spell: the ping only if no wake-up of its proves the
+          // listener within the grace, and only while anyone still waits (`IDLE_PING_GRACE`).
+          if (verifiedAt + checkMillis <= (yield* monotonicMillis)) {
+            yield* Effect.sleep(Duration.millis(graceMillis))
+            continue
+          }
         }
         const now = yield* monotonicMillis
         const due = verifiedAt + checkMillis - now
