@@ -156,7 +156,8 @@ import * as Make from "./internal/lease/pg/make.js"
  * - `pollInterval`: retry interval of waiters without notifications; default 500 ms, jittered
  *   to between half and all of it.
  * - `listenCheckInterval`: while anyone waits, how often the listener proves it still hears
- *   (default 5 s). A waiter retries at least every 1.5 s whatever it is told, to keep its place.
+ *   (default 5 s): a wake-up of one of this process's waiters proves it, else a ping (a NOTIFY
+ *   it must hear back). A waiter retries at least every 1.5 s whatever it is told, to keep its place.
  * - `statementTimeout`: client-side bound on every statement (acquire attempt, release,
  *   give-back, renewal, table creation, LISTEN); default 5 s. An own connection whose statement
  *   did not answer in time is destroyed.

@@ -120,7 +120,8 @@ import * as Operator from "./internal/redis/operator.js"
  *   strong consistency (README, "Redis: failover and WAIT"). Refused with a `Cluster` client.
  * - `sweepInterval`: keys expire by themselves, so there is nothing to sweep; default zero (off).
  * - `applicationName`: stored with each lease and in the connections' names; default `effect-lock`.
- * - `listenCheckInterval`: how often the subscription proves it hears while anyone waits; default 5 s.
+ * - `listenCheckInterval`: how often the subscription proves it hears while anyone waits (a
+ *   wake-up of one of this process's waiters proves it, else a PUBLISH it must hear back); default 5 s.
  *
  * @since 0.1.0
  * @category models
