@@ -247,6 +247,60 @@ describeWithRedis("RedisLease", () => {
         // Woken by the releases' wake-ups, not by a 10 s poll.
         expect(performance.now() - started).toBeLessThan(1_500)
       }))
+
+    it.scopedLive("while its waiters' wake-ups keep coming, a layer's subscription needs no ping to stay trusted", () =>
+      Effect.gen(function*() {
+        // A prefix of its own: only these two layers' pings are counted on its channel.
+        const prefix = "effect-lock-pings:"
+        const check = Duration.millis(400)
+        const pings: Array<string> = []
+        yield* Effect.acquireRelease(
+          Effect.promise(async () => {
+            const client = new Redis(redis.url(), { lazyConnect: true, maxRetriesPerRequest: 1 })
+            await client.connect()
+            client.on("message", (_channel: string, message: string) => {
+              if (message.startsWith("p")) pings.push(message)
+            })
+            await client.subscribe(Keys.channelOf(prefix))
+            return client
+          }),
+          (client) => Effect.promise(() => client.quit().catch(() => client.disconnect()))
+        )
+        const a = yield* node({ prefix, listenCheckInterval: check })
+        const b = yield* node({ prefix, listenCheckInterval: check })
+        const name = freshName("redis-pings")
+        // Each layer waits once first: its subscription's start-up ping is sent and heard.
+        const waitBehind = (holder: DistributedLock.Service, waiter: DistributedLock.Service) =>
+          Effect.gen(function*() {
+            const letGo = yield* holdFor(holder, name)
+            const waiting = yield* Effect.fork(Effect.scoped(waiter.acquire(name)))
+            const queue = Keys.lockKeys(prefix, name).queue
+            yield* waitFor("the waiter's place", Effect.map(command<number>("zcard", queue), (n) => n === 1), Duration.seconds(5))
+            yield* letGo
+            yield* Fiber.join(waiting)
+          })
+        yield* waitBehind(a, b)
+        yield* waitBehind(b, a)
+        yield* waitFor("both start-up pings heard", Effect.sync(() => new Set(pings.map((p) => p.split("-")[0])).size === 2), Duration.seconds(5))
+        const before = pings.length
+        // One contender in a, two in b, for 5 check intervals: each layer has a waiter almost all
+        // the time, woken by releases that hand it the lease.
+        const until = performance.now() + 5 * Duration.toMillis(check)
+        let grants = 0
+        const contender = (lock: DistributedLock.Service) =>
+          Effect.gen(function*() {
+            while (performance.now() < until) {
+              yield* Effect.scoped(Effect.zipRight(lock.acquire(name), Effect.sleep(Duration.millis(20))))
+              grants++
+            }
+          })
+        yield* Effect.all([contender(a), contender(b), contender(b)], { concurrency: "unbounded" })
+        const busy = pings.length - before
+        console.log(`RedisLease pings during ${grants} grants over 5 check intervals: ${busy}`)
+        expect(grants).toBeGreaterThan(20)
+        // Before, a ping every check interval while anyone waited; one is spared for a loaded machine.
+        expect(busy).toBeLessThanOrEqual(1)
+      }))
   })
 
   describe("handover", () => {
