@@ -901,21 +901,17 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       for (const t of recovered) expect(t).toBeLessThan(200)
     }))
 
-  it.scoped("a listener is proven by the wake-ups it hears: a first waiter after a quiet spell pings only when its wait outlasts the grace", () =>
+  it.scoped("a first waiter after a quiet spell pings its listener only when its wait outlasts the grace", () =>
     Effect.gen(function*() {
-      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      // A channel of its own: only these two processes' pings are counted.
-      const channel = "effect_lock_test_pings"
       const check = Duration.millis(600)
-      const a = yield* processOn(env, { channel, listenCheckInterval: check })
-      const b = yield* processOn(env, { channel, listenCheckInterval: check })
-      const pings = yield* pingsHeardOn(channel)
+      const { a, b, pings } = yield* pingingPair("effect_lock_test_pings", check)
       const handoff = handoffWith(a, b)
       // Starts b's listener (its start-up pings) and proves it.
       yield* handoff(freshName("ping-start"))
       // Quiet spells longer than the check interval: each next waiter of b is a first waiter whose
-      // listener's last proof is stale. Its wait ends by the release's notification, which proves
-      // the listener within the grace (200 ms): no ping. Before, each sent one at once.
+      // listener's last proof is stale. Its wait ends (the release's notification) within the
+      // grace (200 ms), and nobody of b waits any more when it is over: no ping. Before, each
+      // such waiter sent one at once (two per handoff were counted).
       const quietSpells = 4
       const before = pings.count()
       for (let i = 0; i < quietSpells; i++) {
@@ -925,8 +921,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       }
       const quick = pings.count() - before
       console.log(`PgLease pings for ${quietSpells} handoffs after quiet spells: ${quick}`)
-      // One handoff slower than the grace on a loaded machine may still ping.
-      expect(quick).toBeLessThanOrEqual(1)
+      // A handoff slower than the grace on a loaded machine may still ping: two of four are spared.
+      expect(quick).toBeLessThanOrEqual(2)
       // A wait that outlasts the grace, with nothing heard for it, gets its ping.
       yield* Effect.sleep(Duration.sum(check, Duration.millis(100)))
       const beforeLong = pings.count()
@@ -939,15 +935,14 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
 
   it.scoped("while its waiters' wake-ups keep coming, a listener needs no ping to stay trusted", () =>
     Effect.gen(function*() {
-      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
-      const channel = "effect_lock_test_pings_busy"
       const check = Duration.millis(400)
-      const a = yield* processOn(env, { channel, listenCheckInterval: check })
-      const b = yield* processOn(env, { channel, listenCheckInterval: check })
-      const pings = yield* pingsHeardOn(channel)
+      const { a, b, pings } = yield* pingingPair("effect_lock_test_pings_busy", check)
       // Starts both listeners (their start-up pings) and proves them.
       yield* handoffWith(a, b)(freshName("busy-start"))
       yield* handoffWith(b, a)(freshName("busy-start"))
+      // A start-up ping sent before the LISTEN was in goes again 300 ms later: counted from a
+      // stretch of 500 ms with none, so no start-up ping lands in the count.
+      yield* pingsQuiet(pings, Duration.millis(500))
       const name = freshName("busy")
       const before = pings.count()
       // One contender in a, two in b: b has a waiter almost all the time, for 5 check intervals,
@@ -965,8 +960,8 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const busy = pings.count() - before
       console.log(`PgLease pings during ${grants} grants over 5 check intervals: ${busy}`)
       expect(grants).toBeGreaterThan(20)
-      // Before, a ping every check interval while anyone waited (5–6 here). One is spared: a
-      // start-up ping sent again (the first went before the LISTEN was in) may land in the count.
+      // Before, a ping every check interval while anyone waited (5–6 here). One is spared for a
+      // loaded machine, where a wait may go a check interval without a wake-up of its own.
       expect(busy).toBeLessThanOrEqual(1)
     }))
 
@@ -2536,6 +2531,31 @@ const releaseNotifications = Effect.acquireRelease(
   }),
   ({ client }) => Effect.promise(() => client.end().catch(() => {}))
 ).pipe(Effect.map(({ names }) => names))
+
+/**
+ * Two processes notifying on `channel` (a channel of its own: only their pings are counted), their
+ * listeners checked every `check`, and the pings a raw LISTEN session hears on it.
+ */
+const pingingPair = (channel: string, check: Duration.Duration) =>
+  Effect.gen(function*() {
+    const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+    const a = yield* processOn(env, { channel, listenCheckInterval: check })
+    const b = yield* processOn(env, { channel, listenCheckInterval: check })
+    return { a, b, pings: yield* pingsHeardOn(channel) }
+  })
+
+/** Until `pings` has heard none for `stretch` (at most 5 s). */
+const pingsQuiet = (pings: { readonly count: () => number }, stretch: Duration.Duration) =>
+  Effect.gen(function*() {
+    const bound = (yield* Clock.currentTimeMillis) + 5_000
+    while (true) {
+      const seen = pings.count()
+      // The stretch is the condition observed (no ping within it), not a synchronisation.
+      yield* Effect.sleep(stretch)
+      if (pings.count() === seen) return
+      if ((yield* Clock.currentTimeMillis) > bound) return yield* Effect.dieMessage("pings did not quiet down within 5 s")
+    }
+  })
 
 /** How many pings (`p…` payloads) a raw LISTEN session hears on `channel` for the rest of the scope. */
 const pingsHeardOn = (channel: string) =>

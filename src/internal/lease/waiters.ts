@@ -72,6 +72,8 @@ export interface WakeHub {
 /** One waiter: a count of its wake-ups, and its pending wait if any. Every change is synchronous. */
 interface Waiter {
   readonly name: string
+  /** When it was registered, on the registry's clock. */
+  readonly registeredAt: number
   wakes: number
   resume: (() => void) | undefined
   handed: Handed | undefined
@@ -85,14 +87,17 @@ export interface Waiters {
   readonly subscribeNow: (name: string, waiter: string, onSubscribe: Effect.Effect<void>) => Effect.Effect<Unsubscribable>
   /** Registers a waiter in this call, for a hub whose `onSubscribe` has nothing left to do. */
   readonly register: (name: string, waiter: string) => Unsubscribable
-  /** Wakes the waiter with this id, if it is one of this process's (then true). */
-  readonly wakeWaiter: (waiter: string) => boolean
+  /**
+   * Wakes the waiter with this id, if it is one of this process's: then returns when it was
+   * registered (`makeWaiters`'s clock), else `undefined`.
+   */
+  readonly wakeWaiter: (waiter: string) => number | undefined
   /**
    * Tells the waiter with this id that its place was handed the lease, and wakes it; a request of
    * this process that ended lately has it given back (`onHandedToEnded`); others' are ignored.
-   * True when the id is one of this process's waiters.
+   * Returns when the waiter was registered, if the id is one of this process's waiters.
    */
-  readonly handWaiter: (waiter: string, handed: Handed) => boolean
+  readonly handWaiter: (waiter: string, handed: Handed) => number | undefined
   /** See `WakeHub.onHandedToEnded`. */
   readonly onHandedToEnded: (giveBack: (name: string, waiter: string) => void) => void
   /** Wakes every waiter of the lock `name`. */
@@ -103,7 +108,8 @@ export interface Waiters {
   readonly size: () => number
 }
 
-export const makeWaiters = (): Waiters => {
+/** `now`: the clock registrations are timed on (a hub's monotonic one). */
+export const makeWaiters = (now: () => number = () => performance.now()): Waiters => {
   // Each waiter has an entry of its own, added and removed synchronously: no entry is shared,
   // so none can be replaced or counted down under a waiter still holding it.
   const byName = new Map<string, Set<Waiter>>()
@@ -178,7 +184,7 @@ export const makeWaiters = (): Waiters => {
 
   /** Registers a waiter in one synchronous step; the returned `unsubscribe` takes it off again. */
   const register = (name: string, id: string): Unsubscribable => {
-    const waiter: Waiter = { name, wakes: 0, resume: undefined, handed: undefined }
+    const waiter: Waiter = { name, registeredAt: now(), wakes: 0, resume: undefined, handed: undefined }
     byId.set(id, waiter)
     let named = byName.get(name)
     if (named === undefined) byName.set(name, named = new Set())
@@ -213,22 +219,22 @@ export const makeWaiters = (): Waiters => {
     register,
     wakeWaiter: (id) => {
       const waiter = byId.get(id)
-      if (waiter === undefined) return false
+      if (waiter === undefined) return undefined
       fire(waiter)
-      return true
+      return waiter.registeredAt
     },
     handWaiter: (id, handed) => {
       const waiter = byId.get(id)
       if (waiter !== undefined) {
         waiter.handed = handed
         fire(waiter)
-        return true
+        return waiter.registeredAt
       }
       const gone = ended.get(id)
-      if (gone === undefined || gone.until <= performance.now()) return false
+      if (gone === undefined || gone.until <= performance.now()) return undefined
       ended.delete(id)
       giveBackEnded?.(gone.name, id)
-      return false
+      return undefined
     },
     onHandedToEnded: (giveBack) => {
       giveBackEnded = giveBack

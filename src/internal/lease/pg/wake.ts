@@ -21,7 +21,7 @@ import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Queue from "effect/Queue"
 import * as Crypto from "node:crypto"
-import { clockMillis, monotonicMillis } from "../../core/clock.js"
+import { clockMillis, monotonicMillis, sleepMillis } from "../../core/clock.js"
 import { makeWaiters, type Subscription, type WakeHub } from "../waiters.js"
 import type { Owner } from "../../runtime/owner.js"
 import { HANDED_PREFIX, PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./sql.js"
@@ -38,11 +38,13 @@ const RESTART_MAX = Duration.seconds(30)
 /**
  * A first waiter after a quiet spell (the last proof older than a check interval): the ping waits
  * this long (at most half the check interval), and is not sent at all when a wake-up of one of
- * this process's waiters came through first. A ping is a statement, and a notification every
- * listener of the channel hears; sent at once, every process's first waiter of a burst pays it
- * at the burst's busiest moment (bench/README.md). Trust only sets how long waiters may sleep
- * between looks, and a waiter's first sleep after a quiet spell is the untrusted one either way
- * (a ping's echo takes a round trip), so the grace costs no waiter a look.
+ * this process's waiters came through first, or when nobody waits any more. A ping is a
+ * statement, and a notification every listener of the channel hears; sent at once, every
+ * process's first waiter of a burst pays it at the burst's busiest moment (bench/README.md).
+ * Trust only sets how long waiters may sleep between looks (at most `PLACE_RETRY_MILLIS`), and
+ * after a spell longer than the check interval and its echo timeouts a waiter's first sleep is
+ * the untrusted one either way (a ping's echo takes a round trip); after a shorter one, a
+ * listener that died in the spell is found out up to the grace later.
  */
 const IDLE_PING_GRACE = Duration.millis(200)
 /** In `auto` mode, listeners that never heard themselves this many times in a row mean "no LISTEN here". */
@@ -71,9 +73,9 @@ export type { Subscription, WakeHub } from "../waiters.js"
  */
 export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
-    const waiters = makeWaiters()
-    // The watch's clock, read synchronously where a notification is handled.
+    // The watch's clock: waiters are registered on it, so that a wake-up's proof is timed as the watch reads time.
     const clock = yield* Effect.clock
+    const waiters = makeWaiters(() => clockMillis(clock))
     const pings = new Map<string, Deferred.Deferred<void>>()
     const kick = yield* Queue.sliding<void>(1)
     const checkMillis = Duration.toMillis(options.checkInterval)
@@ -96,10 +98,13 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
     /**
      * A release found one of this process's places at the head and its notification came through:
      * the listener hears what the store that keeps this process's places sends, as a ping's echo
-     * would prove. It only renews trust a listener has earned (never restores a distrusted one).
+     * would. The proof is dated when the woken waiter was registered, not when the payload was
+     * read: the release was sent after that, but maybe long before it was read (a stalled event
+     * loop, a listener that has died since), and a ping's nonce cannot be that stale. It counts
+     * only for a listener proven since it (re)started (`healthy`): never one distrusted.
      */
-    const heardOwn = (own: boolean) => {
-      if (own && healthy) verifiedAt = clockMillis(clock)
+    const heardOwn = (registeredAt: number | undefined) => {
+      if (registeredAt !== undefined && healthy && registeredAt > verifiedAt) verifiedAt = registeredAt
     }
 
     /** Handles a payload as it arrives, synchronously: a wake-up is never queued behind anything. */
@@ -177,7 +182,7 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
           // A first waiter after a quiet spell: the ping only if no wake-up of its proves the
           // listener within the grace, and only while anyone still waits (`IDLE_PING_GRACE`).
           if (verifiedAt + checkMillis <= (yield* monotonicMillis)) {
-            yield* Effect.sleep(Duration.millis(graceMillis))
+            yield* sleepMillis(graceMillis)
             continue
           }
         }
