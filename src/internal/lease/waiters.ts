@@ -98,6 +98,8 @@ export interface Waiters {
    * Returns when the waiter was registered, if the id is one of this process's waiters.
    */
   readonly handWaiter: (waiter: string, handed: Handed) => number | undefined
+  /** Whether the id is one of this process's waiters, or of its requests that ended lately. */
+  readonly knows: (waiter: string) => boolean
   /** See `WakeHub.onHandedToEnded`. */
   readonly onHandedToEnded: (giveBack: (name: string, waiter: string) => void) => void
   /** Wakes every waiter of the lock `name`. */
@@ -236,6 +238,7 @@ export const makeWaiters = (now: () => number = () => performance.now()): Waiter
       giveBackEnded?.(gone.name, id)
       return undefined
     },
+    knows: (id) => byId.has(id) || ended.has(id),
     onHandedToEnded: (giveBack) => {
       giveBackEnded = giveBack
     },
