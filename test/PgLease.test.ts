@@ -27,7 +27,7 @@ import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import { importEntry } from "../tools/children.js"
 import pg from "pg"
-import { CROWD_BOUND_MS, freshName, HOLD_THROUGH, SHARED_CROWD, withYieldBudget } from "./support/contract.js"
+import { CROWD_BOUND_MS, freshName, holdFor, HOLD_THROUGH, SHARED_CROWD, withYieldBudget } from "./support/contract.js"
 import { eventually, untilWallClock } from "./support/eventually.js"
 import { makeFaults, withFaults } from "./support/faults.js"
 import { advisoryLocks, PgTest, scopedClient, useTestDatabase, withClient } from "./support/pg.js"
@@ -963,6 +963,43 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       // Before, a ping every check interval while anyone waited (5–6 here). One is spared for a
       // loaded machine, where a wait may go a check interval without a wake-up of its own.
       expect(busy).toBeLessThanOrEqual(1)
+    }))
+
+  it.scoped("a wake-up of another process's waiter proves nothing to a listener: a process whose own waiter hears nothing keeps pinging while others' handoffs stream past it", () =>
+    Effect.gen(function*() {
+      const channel = "effect_lock_test_pings_others"
+      const check = Duration.millis(400)
+      const { a, b, pings } = yield* pingingPair(channel, check)
+      const env = yield* Effect.context<PgClient.PgClient | SqlClient.SqlClient>()
+      const c = yield* processOn(env, { channel, listenCheckInterval: check })
+      yield* handoffWith(a, b)(freshName("others-start"))
+      yield* handoffWith(b, a)(freshName("others-start"))
+      // c's one waiter waits the whole time behind a lease of a's that is let go only at the end.
+      const held = freshName("others-held")
+      const letGo = yield* holdFor(a, held, { ttl: HOLD_THROUGH })
+      const startedAt = pings.count()
+      const waiting = yield* Effect.fork(Effect.scoped(c.acquire(held)))
+      yield* probe.waitingLong(held)
+      yield* waitFor("c's listener's start-up ping", Effect.sync(() => pings.count() > startedAt), Duration.seconds(5))
+      const before = pings.count()
+      // a and b hand a name back and forth for 5 check intervals: every handover's notification
+      // reaches c's listener too, naming places that are not c's.
+      const name = freshName("others-busy")
+      const until = (yield* Clock.currentTimeMillis) + 5 * Duration.toMillis(check)
+      const contender = (lock: DistributedLock.Service) =>
+        Effect.gen(function*() {
+          while ((yield* Clock.currentTimeMillis) < until) {
+            yield* Effect.scoped(Effect.zipRight(lock.acquire(name), Effect.sleep(Duration.millis(20))))
+          }
+        })
+      yield* Effect.all([contender(a), contender(b), contender(b)], { concurrency: "unbounded" })
+      const during = pings.count() - before
+      console.log(`PgLease pings while others' handoffs streamed past a lone waiter, 5 check intervals: ${during}`)
+      yield* letGo
+      yield* Fiber.join(waiting)
+      // c proves its listener by its own pings, about one per check interval (a and b, hearing
+      // their own wake-ups, send none or one); counted as proof, the others' would leave c at none.
+      expect(during).toBeGreaterThanOrEqual(3)
     }))
 
   it.scoped("an attempt's wait runs until the first live place ahead of it runs out: a place behind that one, running out sooner, changes nothing", () =>
