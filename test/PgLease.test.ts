@@ -27,7 +27,7 @@ import * as Url from "node:url"
 import { fileURLToPath } from "node:url"
 import { importEntry } from "../tools/children.js"
 import pg from "pg"
-import { CROWD_BOUND_MS, freshName, holdFor, HOLD_THROUGH, SHARED_CROWD, withYieldBudget } from "./support/contract.js"
+import { contendFor, CROWD_BOUND_MS, freshName, holdFor, HOLD_THROUGH, SHARED_CROWD, withYieldBudget } from "./support/contract.js"
 import { eventually, untilWallClock } from "./support/eventually.js"
 import { makeFaults, withFaults } from "./support/faults.js"
 import { advisoryLocks, PgTest, scopedClient, useTestDatabase, withClient } from "./support/pg.js"
@@ -947,16 +947,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       const before = pings.count()
       // One contender in a, two in b: b has a waiter almost all the time, for 5 check intervals,
       // each of its grants handed over by a release whose notification its listener hears.
-      const until = (yield* Clock.currentTimeMillis) + 5 * Duration.toMillis(check)
-      let grants = 0
-      const contender = (lock: DistributedLock.Service) =>
-        Effect.gen(function*() {
-          while ((yield* Clock.currentTimeMillis) < until) {
-            yield* Effect.scoped(Effect.zipRight(lock.acquire(name), Effect.sleep(Duration.millis(20))))
-            grants++
-          }
-        })
-      yield* Effect.all([contender(a), contender(b), contender(b)], { concurrency: "unbounded" })
+      const grants = yield* contendFor([a, b, b], name, 5 * Duration.toMillis(check))
       const busy = pings.count() - before
       console.log(`PgLease pings during ${grants} grants over 5 check intervals: ${busy}`)
       expect(grants).toBeGreaterThan(20)
@@ -985,14 +976,7 @@ layer(PgTest.layer(db), { excludeTestServices: true })("PgLease", (it) => {
       // a and b hand a name back and forth for 5 check intervals: every handover's notification
       // reaches c's listener too, naming places that are not c's.
       const name = freshName("others-busy")
-      const until = (yield* Clock.currentTimeMillis) + 5 * Duration.toMillis(check)
-      const contender = (lock: DistributedLock.Service) =>
-        Effect.gen(function*() {
-          while ((yield* Clock.currentTimeMillis) < until) {
-            yield* Effect.scoped(Effect.zipRight(lock.acquire(name), Effect.sleep(Duration.millis(20))))
-          }
-        })
-      yield* Effect.all([contender(a), contender(b), contender(b)], { concurrency: "unbounded" })
+      yield* contendFor([a, b, b], name, 5 * Duration.toMillis(check))
       const during = pings.count() - before
       console.log(`PgLease pings while others' handoffs streamed past a lone waiter, 5 check intervals: ${during}`)
       yield* letGo

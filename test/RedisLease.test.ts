@@ -19,7 +19,7 @@ import { shaOf } from "effect-lock/internal/redis/lane"
 import { Redis } from "ioredis"
 import * as Crypto from "node:crypto"
 import type { Lane } from "effect-lock/internal/lease/lane"
-import { CROWD_BOUND_MS, freshName, holdFor, HOLD_THROUGH, SHARED_CROWD } from "./support/contract.js"
+import { contendFor, CROWD_BOUND_MS, freshName, holdFor, HOLD_THROUGH, SHARED_CROWD } from "./support/contract.js"
 import { withRun } from "./support/laneRun.js"
 import { eventually, untilWallClock, waitFor } from "./support/eventually.js"
 import { startLineWorker } from "./support/workers.js"
@@ -285,16 +285,7 @@ describeWithRedis("RedisLease", () => {
         const before = pings.length
         // One contender in a, two in b, for 5 check intervals: each layer has a waiter almost all
         // the time, woken by releases that hand it the lease.
-        const until = performance.now() + 5 * Duration.toMillis(check)
-        let grants = 0
-        const contender = (lock: DistributedLock.Service) =>
-          Effect.gen(function*() {
-            while (performance.now() < until) {
-              yield* Effect.scoped(Effect.zipRight(lock.acquire(name), Effect.sleep(Duration.millis(20))))
-              grants++
-            }
-          })
-        yield* Effect.all([contender(a), contender(b), contender(b)], { concurrency: "unbounded" })
+        const grants = yield* contendFor([a, b, b], name, 5 * Duration.toMillis(check))
         const busy = pings.length - before
         console.log(`RedisLease pings during ${grants} grants over 5 check intervals: ${busy}`)
         expect(grants).toBeGreaterThan(20)

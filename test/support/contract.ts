@@ -278,6 +278,25 @@ export const middleOf = (values: ReadonlyArray<number>): number =>
   values.length === 0 ? Number.NaN : [...values].sort((a, b) => a - b)[Math.floor(values.length / 2)]!
 
 /** `service` holds `name` from now on; the effect returned lets it go and waits for the release. */
+/**
+ * Contenders looping on `name` (acquire, hold 20 ms, release) for `millis` of real time, one per
+ * service given (a service twice: two contenders in that process). Resolves with the grants.
+ */
+export const contendFor = (services: ReadonlyArray<DistributedLock.Service>, name: string, millis: number) =>
+  Effect.suspend(() => {
+    const until = performance.now() + millis
+    let grants = 0
+    const contender = (lock: DistributedLock.Service) =>
+      Effect.gen(function*() {
+        while (performance.now() < until) {
+          // The hold: how long each grant keeps the lock, not a wait for anything.
+          yield* Effect.scoped(Effect.zipRight(lock.acquire(name), Effect.sleep(Duration.millis(20))))
+          grants++
+        }
+      })
+    return Effect.map(Effect.all(services.map(contender), { concurrency: "unbounded" }), () => grants)
+  })
+
 export const holdFor = (service: DistributedLock.Service, name: string, options?: DistributedLock.AcquireOptions) =>
   Effect.gen(function*() {
     const letGo = yield* Effect.makeLatch(false)
