@@ -169,7 +169,7 @@ runMain(async () => {
   }
   const redis = await startRedis()
   try {
-    const specs = handoffSpecs({ url: redis.url }, seconds * 1000)
+    const specs = handoffSpecs({ url: redis.url }, seconds * 1000, true)
     const rows = [
       { label: "raw ioredis", spec: specs.find((s) => s.id === "raw")! },
       { label: "RedisLease, 8 layers", spec: specs.find((s) => s.id === "redis-lease-8")! }

@@ -63,7 +63,7 @@ const PAIRS: ReadonlyArray<Pair> = [
 
 /** The Redis handoff rows of `scenarios/redis.ts`, by id ("raw" or "redis-lease-8"). */
 const redisHandoff = (url: string, ms: number, id: "raw" | "redis-lease-8"): Subject<unknown> => {
-  const spec = redisHandoffSpecs({ url }, ms).find((s) => s.id === id)
+  const spec = redisHandoffSpecs({ url }, ms, true).find((s) => s.id === id)
   if (spec === undefined) throw new Error(`scenarios/redis.ts has no handoff row ${id}`)
   return spec.subject
 }

@@ -1,5 +1,5 @@
 /**
- * A throughput subject measured in a process of its own. The parent keeps the interleaving (a row
+ * A subject measured in a process of its own (a throughput row, or a handoff row: `isolatedRounds`). The parent keeps the interleaving (a row
  * and its baselines still run round after round, seconds apart, under the same background load),
  * but no subject's JIT state, heap or background work taxes another's: in one process, the rows of
  * every backend, the raw clients and the peers share V8's inline caches (every Effect program's
@@ -25,12 +25,16 @@ const CHILD = fileURLToPath(new URL("./isolatedChild.ts", import.meta.url))
 /** Starts every answer line of the child: any other line is the subject's own output, passed on. */
 export const ANSWER_MARK = "\u0001effect-lock-bench-answer "
 
-/** What the child is asked to build: `FACTORIES[factory]` of `module`, called with the database (or `undefined`) and `args`. */
+/** What the child is asked to build: `FACTORIES[factory]` (or `[table][factory]`) of `module`, called with the database (or `undefined`) and `args`. */
 export interface Recipe {
   readonly module: string
   readonly factory: string
+  /** The module's export that holds the factory (default `FACTORIES`). */
+  readonly table?: string | undefined
   readonly database?: Pick<Database, "name" | "url"> | undefined
   readonly args: ReadonlyArray<unknown>
+  /** "rounds": the subject's rounds are plain JSON (a handoff round) and come back as they are; default a throughput sample. */
+  readonly kind?: "throughput" | "rounds" | undefined
 }
 
 /** A trial that can also profile one round where it runs (see `profiling.ts`). */
@@ -44,6 +48,7 @@ interface Answer {
   readonly ok: boolean
   readonly error?: string
   readonly sample?: { readonly cycles: number; readonly seconds: number; readonly latencies: Array<number>; readonly cpuMs?: number }
+  readonly round?: unknown
   readonly profiled?: Profiled
   readonly allocated?: Allocated
   readonly logLines?: number
@@ -56,9 +61,19 @@ const revive = (sample: NonNullable<Answer["sample"]>): ThroughputSample => {
 }
 
 /** `subject`, measured in a child process that builds it from `recipe`. */
-export const isolated = (subject: Subject<ThroughputSample>, recipe: Recipe): Subject<ThroughputSample> => ({
+export const isolated = (subject: Subject<ThroughputSample>, recipe: Recipe): Subject<ThroughputSample> =>
+  inChild(subject, { ...recipe, kind: "throughput" }, (answer) => revive(answer.sample!))
+
+/**
+ * A subject whose rounds are plain JSON (a handoff round), measured in a child process that
+ * builds it from `recipe`: the round comes back as the child recorded it.
+ */
+export const isolatedRounds = <R>(subject: Subject<R>, recipe: Omit<Recipe, "kind">): Subject<R> =>
+  inChild(subject, { ...recipe, kind: "rounds" }, (answer) => answer.round as R)
+
+const inChild = <R>(subject: Subject<R>, recipe: Recipe, read: (answer: Answer) => R): Subject<R> => ({
   ...subject,
-  open: async (): Promise<ProfilingTrial<ThroughputSample>> => {
+  open: async (): Promise<ProfilingTrial<R>> => {
     // The parent's loaders (tsx, and the library's build when the bench runs on it) and environment.
     const child = spawn(process.execPath, [...process.execArgv, CHILD, JSON.stringify(recipe)], { stdio: ["pipe", "pipe", "inherit"] })
     const pending: Array<(answer: Answer) => void> = []
@@ -93,7 +108,7 @@ export const isolated = (subject: Subject<ThroughputSample>, recipe: Recipe): Su
       throw error
     }
     return {
-      run: async (round) => revive((await ask({ op: "run", warmup: round.warmup })).sample!),
+      run: async (round) => read(await ask({ op: "run", warmup: round.warmup })),
       profile: async () => (await ask({ op: "profile" })).profiled!,
       allocations: async () => (await ask({ op: "allocations" })).allocated!,
       close: async () => {

@@ -1,5 +1,5 @@
 /**
- * The child process of `isolated.ts`: builds one throughput subject from its recipe (argv[2]) and
+ * The child process of `isolated.ts`: builds one subject from its recipe (argv[2]) and
  * answers the parent's commands, one marked JSON line each, on stdout.
  */
 import * as Readline from "node:readline"
@@ -15,11 +15,16 @@ process.stdout.write = ((chunk: unknown, ...rest: Array<unknown>) => (process.st
 const answer = (value: object, then?: () => void) => stdout(`${ANSWER_MARK}${JSON.stringify(value)}\n`, then)
 
 const recipe = JSON.parse(process.argv[2]!) as Recipe
-const module = (await import(recipe.module)) as { readonly FACTORIES: Record<string, (...args: Array<unknown>) => Subject<ThroughputSample>> }
+const module = (await import(recipe.module)) as Record<string, Record<string, (...args: Array<unknown>) => Subject<unknown>> | undefined>
 const database = recipe.database === undefined
   ? undefined
   : { ...recipe.database, drop: () => Promise.reject(new Error("the parent drops the database")) }
-const subject = module.FACTORIES[recipe.factory]!(database, ...recipe.args)
+const table = recipe.table ?? "FACTORIES"
+const made = module[table]?.[recipe.factory]
+if (made === undefined) throw new Error(`${recipe.module} has no factory ${table}.${recipe.factory}`)
+// Which it is, the recipe says: a throughput sample (encoded below) or a plain JSON round.
+const subject = made(database, ...recipe.args) as Subject<ThroughputSample>
+const plainRounds = recipe.kind === "rounds"
 
 let trial: Trial<ThroughputSample> | undefined
 let closing = false
@@ -35,7 +40,8 @@ for await (const line of commands) {
       const before = process.cpuUsage()
       const sample = await trial!.run({ warmup: command.warmup === true })
       const cpu = process.cpuUsage(before)
-      answer({
+      if (plainRounds) answer({ ok: true, round: sample })
+      else answer({
         ok: true,
         sample: { cycles: sample.cycles, seconds: sample.seconds, latencies: sample.latencies.values(), cpuMs: (cpu.user + cpu.system) / 1000 }
       })

@@ -28,9 +28,10 @@ import { createDatabase, type Database } from "../lib/postgres.js"
 import { closeAll, connectMany } from "../lib/rawPg.js"
 import * as Report from "../lib/report.js"
 import type { Target } from "../lib/report.js"
+import { isolatedRounds } from "../lib/isolated.js"
 import { lengthOf, type Subject } from "../lib/rounds.js"
 import { openRuntime, type OpenRuntime } from "../lib/runtime.js"
-import { fencingDdl, RAW_FENCING_TABLE } from "./uncontended.js"
+import { fencingDdl, IN_PROCESS, RAW_FENCING_TABLE } from "./uncontended.js"
 
 const range = (n: number): Array<number> => Array.from({ length: n }, (_, i) => i)
 
@@ -123,19 +124,41 @@ export interface HandoffResult {
   readonly rows: ReadonlyArray<HandoffRow>
 }
 
+/** The rows' subjects by name, for the child process that measures each (`isolated.ts`). */
+export const FACTORIES = {
+  rawHandoff: (database: Database, ms: number, fenced: boolean) => rawHandoff(database, ms, fenced),
+  pgAdvisoryHandoff: (database: Database, ms: number, layers: number) => pgAdvisoryHandoff(database, ms, layers),
+  pgLeaseHandoff: (database: Database, ms: number, listen: boolean) => pgLeaseHandoff(database, ms, listen)
+}
+
+/**
+ * The row of `FACTORIES[factory]` in a process of its own, as the throughput rows are (unless
+ * BENCH_IN_PROCESS=1): a round's longest wait is one stall, and in the bench's own process it
+ * could be a collection of the garbage and heap that the scenarios before it left.
+ */
+const own = <K extends keyof typeof FACTORIES>(
+  factory: K,
+  database: Database,
+  ...args: Parameters<(typeof FACTORIES)[K]> extends [unknown, ...infer Rest] ? Rest : never
+): Subject<HandoffRound> => {
+  const local = (FACTORIES[factory] as (database: Database, ...args: Array<unknown>) => Subject<HandoffRound>)(database, ...args)
+  if (IN_PROCESS) return local
+  return isolatedRounds(local, { module: import.meta.url, factory, database: { name: database.name, url: database.url }, args })
+}
+
 const specs = (database: Database, ms: number): Array<HandoffSpec> => [
-  { id: "raw", label: "raw pg: waiters blocked in pg_advisory_lock", setup: "8 connections", subject: rawHandoff(database, ms, false) },
+  { id: "raw", label: "raw pg: waiters blocked in pg_advisory_lock", setup: "8 connections", subject: own("rawHandoff", database, ms, false) },
   {
     id: "raw-fenced",
     label: "raw pg: same, + fencing upsert in the grant's round trip",
     setup: "8 connections",
     baseline: "raw",
-    subject: rawHandoff(database, ms, true)
+    subject: own("rawHandoff", database, ms, true)
   },
-  { id: "pg-advisory-8", label: "PgAdvisory.layer", setup: "8 layers (\"processes\")", baseline: "raw", subject: pgAdvisoryHandoff(database, ms, 8) },
-  { id: "pg-advisory-1", label: "PgAdvisory.layer", setup: "1 layer, 8 fibers", baseline: "raw", subject: pgAdvisoryHandoff(database, ms, 1) },
-  { id: "pg-lease-notify", label: "PgLease.layer, listen: true", setup: "8 layers, 8 pools", baseline: "raw", subject: pgLeaseHandoff(database, ms, true) },
-  { id: "pg-lease-poll", label: "PgLease.layer, listen: false (polling)", setup: "8 layers, 8 pools", baseline: "raw", subject: pgLeaseHandoff(database, ms, false) }
+  { id: "pg-advisory-8", label: "PgAdvisory.layer", setup: "8 layers (\"processes\")", baseline: "raw", subject: own("pgAdvisoryHandoff", database, ms, 8) },
+  { id: "pg-advisory-1", label: "PgAdvisory.layer", setup: "1 layer, 8 fibers", baseline: "raw", subject: own("pgAdvisoryHandoff", database, ms, 1) },
+  { id: "pg-lease-notify", label: "PgLease.layer, listen: true", setup: "8 layers, 8 pools", baseline: "raw", subject: own("pgLeaseHandoff", database, ms, true) },
+  { id: "pg-lease-poll", label: "PgLease.layer, listen: false (polling)", setup: "8 layers, 8 pools", baseline: "raw", subject: own("pgLeaseHandoff", database, ms, false) }
 ]
 
 const run = async (context: Context): Promise<HandoffResult> => {

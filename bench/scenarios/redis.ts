@@ -37,7 +37,7 @@ import {
   type HandoffRow,
   type HandoffSpec
 } from "../lib/handoff.js"
-import { isolated } from "../lib/isolated.js"
+import { isolated, isolatedRounds } from "../lib/isolated.js"
 import { effectLoop, promiseLoop, type ThroughputSample } from "../lib/loops.js"
 import * as Report from "../lib/report.js"
 import type { Target } from "../lib/report.js"
@@ -371,22 +371,38 @@ const rawHandoff = (url: string, durationMs: number): Subject<HandoffRound> => (
   }
 })
 
-/** The handoff rows (ids "raw" and "redis-lease-8"); `bench/profile.ts` profiles their subjects too. */
-export const handoffSpecs = (redis: string | { readonly url: string }, ms: number): Array<HandoffSpec> => [
+const redisLeaseHandoff = (url: string, ms: number): Subject<HandoffRound> =>
+  lockHandoff("redis-lease-8", CONTENDERS, (i) => RedisLease.layer({ url, prefix: "bench-lease-handoff:", applicationName: `bench-handoff-${i}` }), ms)
+
+/** The handoff rows' subjects by name, for the child process that measures each (`isolated.ts`). */
+export const HANDOFF_FACTORIES = {
+  rawHandoff: (_: unknown, url: string, ms: number) => rawHandoff(url, ms),
+  redisLeaseHandoff: (_: unknown, url: string, ms: number) => redisLeaseHandoff(url, ms)
+}
+
+/** A handoff row in a process of its own, as scenario 2's (unless BENCH_IN_PROCESS=1, or `local` for `bench/profile.ts`). */
+const ownHandoff = (factory: keyof typeof HANDOFF_FACTORIES, url: string, ms: number, local: boolean): Subject<HandoffRound> => {
+  const subject = HANDOFF_FACTORIES[factory](undefined, url, ms)
+  return IN_PROCESS || local ? subject : isolatedRounds(subject, { module: import.meta.url, table: "HANDOFF_FACTORIES", factory, database: undefined, args: [url, ms] })
+}
+
+/**
+ * The handoff rows (ids "raw" and "redis-lease-8"), each in a process of its own; `bench/profile.ts`
+ * profiles their subjects in its own process (`inProcess`).
+ */
+export const handoffSpecs = (redis: string | { readonly url: string }, ms: number, inProcess = false): Array<HandoffSpec> => [
   {
     id: "raw",
     label: "raw ioredis: RedisLease's scripts, waiters woken on the channel",
     setup: "8 connections + 8 subscribers",
-    subject: typeof redis === "string" ? unavailable("raw-redis-handoff", redis) : rawHandoff(redis.url, ms)
+    subject: typeof redis === "string" ? unavailable("raw-redis-handoff", redis) : ownHandoff("rawHandoff", redis.url, ms, inProcess)
   },
   {
     id: "redis-lease-8",
     label: "RedisLease.layer",
     setup: "8 layers (\"processes\")",
     baseline: "raw",
-    subject: typeof redis === "string"
-      ? unavailable("redis-lease-handoff", redis)
-      : lockHandoff("redis-lease-8", CONTENDERS, (i) => RedisLease.layer({ url: redis.url, prefix: "bench-lease-handoff:", applicationName: `bench-handoff-${i}` }), ms)
+    subject: typeof redis === "string" ? unavailable("redis-lease-handoff", redis) : ownHandoff("redisLeaseHandoff", redis.url, ms, inProcess)
   }
 ]
 
