@@ -1,0 +1,113 @@
+/**
+ * The wake hub's proof of its listener (PgLease and RedisLease share it), on an in-memory channel:
+ * what counts as hearing. The real-server tests (PgLease.test.ts, RedisLease.test.ts) show that a
+ * waiter's wake-up heard through LISTEN / SUBSCRIBE spares the pings, and that another process's
+ * does not; these show the cases a server cannot be asked for on demand: a wake-up that did not
+ * come through the listener, and one naming a request that has ended.
+ */
+import { describe, expect, it } from "@effect/vitest"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Wake from "effect-lock/internal/lease/pg/wake"
+import { HANDED_PREFIX, WAITER_PREFIX } from "effect-lock/internal/lease/pg/sql"
+import * as Owner from "effect-lock/internal/runtime/owner"
+import { waitFor } from "./support/eventually.js"
+
+/** Short, so that a test spans several check intervals; the grace is then 150 ms. */
+const CHECK = Duration.millis(300)
+/** How long each case streams its wake-ups: five check intervals. */
+const STREAM_MS = 1_500
+/** One wake-up every this many ms, each of a newly registered waiter (as a handoff's next waiter is). */
+const EVERY_MS = 40
+
+/**
+ * A channel in memory: whatever is notified on it reaches the listener on a later turn of the
+ * event loop, as a server's echo would; `pings` counts the hub's pings.
+ */
+const memoryChannel = () => {
+  let deliver: ((payload: string) => void) | undefined
+  let pings = 0
+  const send = (payload: string) => {
+    setImmediate(() => deliver?.(payload))
+  }
+  const options: Wake.WakeOptions = {
+    channel: "test",
+    checkInterval: CHECK,
+    mode: "always",
+    listen: (_channel, onPayload) =>
+      Effect.async<void>(() => {
+        deliver = onPayload
+        return Effect.sync(() => {
+          if (deliver === onPayload) deliver = undefined
+        })
+      }),
+    notify: (_channel, payload) =>
+      Effect.sync(() => {
+        if (payload.startsWith("p")) pings++
+        send(payload)
+      })
+  }
+  return { options, send, pings: () => pings }
+}
+
+/**
+ * A hub on a memory channel with one waiter that waits throughout (so its watch keeps checking),
+ * its listener proven by its start-up ping; then, for `STREAM_MS`, a new waiter every `EVERY_MS`
+ * woken by `wakeUp`, and the pings sent meanwhile.
+ */
+const pingsWhile = (
+  wakeUp: (hub: Wake.WakeHub, channel: ReturnType<typeof memoryChannel>, waiter: string) => Effect.Effect<void>,
+  ends: "granted" | "not granted"
+) =>
+  Effect.gen(function*() {
+    const channel = memoryChannel()
+    const hub = yield* Wake.make(channel.options, yield* Owner.make)
+    const givenBack: Array<string> = []
+    // As PgLease's layer does: a lease handed to the place of a request that ended is given back.
+    hub.onHandedToEnded?.((_name, waiter) => givenBack.push(waiter))
+    yield* hub.subscribe("long", "w-long")
+    yield* waitFor("the start-up ping", Effect.sync(() => channel.pings() >= 1), Duration.seconds(5))
+    const before = channel.pings()
+    const until = Date.now() + STREAM_MS
+    for (let i = 0; Date.now() < until; i++) {
+      const id = `w-${i}`
+      const registered = yield* hub.subscribeNow("n", id)
+      if (ends === "not granted") registered.unsubscribe(false)
+      yield* wakeUp(hub, channel, id)
+      yield* Effect.sleep(Duration.millis(EVERY_MS))
+      if (ends === "granted") registered.unsubscribe(true)
+    }
+    return { pings: channel.pings() - before, givenBack }
+  })
+
+describe("the wake hub's proof of its listener", () => {
+  it.scopedLive("a wake-up of this process's waiter heard through the listener proves it: no ping while they keep coming", () =>
+    Effect.gen(function*() {
+      const { pings } = yield* pingsWhile((_hub, channel, id) => Effect.sync(() => channel.send(WAITER_PREFIX + id)), "granted")
+      // The control of the two cases below: the same stream, heard, spares every ping (one is
+      // spared for a loaded machine whose wake-ups come late).
+      expect(pings).toBeLessThanOrEqual(1)
+    }))
+
+  it.scopedLive("a waiter woken in process (this process's own give-back found it) proves nothing: the listener is still pinged every check interval", () =>
+    Effect.gen(function*() {
+      const { pings } = yield* pingsWhile((hub, _channel, id) => Effect.sync(() => hub.wake([id])), "granted")
+      // About one a check interval (5 here); counting the in-process wake-up as proof leaves 0.
+      expect(pings).toBeGreaterThanOrEqual(3)
+    }))
+
+  it.scopedLive("a wake-up or a handover naming a request that has ended proves nothing (the lease handed to it is given back)", () =>
+    Effect.gen(function*() {
+      let handed = 0
+      const { givenBack, pings } = yield* pingsWhile((_hub, channel, id) =>
+        Effect.sync(() => {
+          // Every other one a handover of the lease to the ended request's place.
+          if (handed++ % 2 === 0) channel.send(`${HANDED_PREFIX}${id}:${handed}:${Date.now() + 30_000}`)
+          else channel.send(WAITER_PREFIX + id)
+        }), "not granted")
+      expect(pings).toBeGreaterThanOrEqual(3)
+      // Each handover to an ended request's place reached the give-back, and nothing else did.
+      expect(givenBack.length).toBeGreaterThan(0)
+      expect(givenBack.every((id) => Number(id.slice(2)) % 2 === 0)).toBe(true)
+    }))
+})
