@@ -324,9 +324,9 @@ const renderReport = (
     `at least ${WARMUP_MS / 1000} s: until V8 has optimised its hot paths), then measured in ${meta.settings.rounds} rounds. ` +
     (IN_PROCESS
       ? "Every row ran in this one process (BENCH_IN_PROCESS=1). "
-      : "Each row of the uncontended and CPU tables runs in a process of its own (as an application holds one lock " +
-        "layer, not every backend, raw client and peer at once: in one process they share V8's inline caches and " +
-        "each other's garbage); the other scenarios run in this process. ") +
+      : "Each row of the uncontended and CPU tables, and of the handoff tables of scenarios 2 and 9, runs in a process " +
+        "of its own (as an application holds one lock layer, not every backend, raw client and peer at once: in one " +
+        "process they share V8's inline caches and each other's garbage); the other scenarios run in this process. ") +
     `The rows of one table are interleaved: in every round ` +
     "each row runs once, a row right next to its baselines (their order flipping every round) and the groups in a " +
     "rotating order, so a row and its baseline run seconds apart under the same background load. Tables give the " +
