@@ -6,6 +6,7 @@
  * come through the listener, and one naming a request that has ended.
  */
 import { describe, expect, it } from "@effect/vitest"
+import * as Clock from "effect/Clock"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Wake from "effect-lock/internal/lease/pg/wake"
@@ -27,6 +28,8 @@ const EVERY_MS = 40
 const memoryChannel = () => {
   let deliver: ((payload: string) => void) | undefined
   let pings = 0
+  /** While set, every notification fails to be sent (a failing pool): a ping then proves nothing either way. */
+  let failing = false
   const send = (payload: string) => {
     setImmediate(() => deliver?.(payload))
   }
@@ -42,12 +45,21 @@ const memoryChannel = () => {
         })
       }),
     notify: (_channel, payload) =>
-      Effect.sync(() => {
+      Effect.suspend(() => {
+        if (failing) return Effect.fail(new Error("the pool is failing"))
         if (payload.startsWith("p")) pings++
         send(payload)
+        return Effect.void
       })
   }
-  return { options, send, pings: () => pings }
+  return {
+    options,
+    send,
+    pings: () => pings,
+    fail: () => {
+      failing = true
+    }
+  }
 }
 
 /**
@@ -109,5 +121,31 @@ describe("the wake hub's proof of its listener", () => {
       // Each handover to an ended request's place reached the give-back, and nothing else did.
       expect(givenBack.length).toBeGreaterThan(0)
       expect(givenBack.every((id) => Number(id.slice(2)) % 2 === 0)).toBe(true)
+    }))
+
+  it.scoped("trust decays on the hub's own clock, whatever clock the waiter that asks runs on", () =>
+    Effect.gen(function*() {
+      // The layer's hub on real time; the waiter asking in a fiber on TestClock (this test's
+      // default Clock, never moved: it reads the epoch), as a test of an application's may.
+      const live = Clock.make()
+      const channel = memoryChannel()
+      const hub = yield* Effect.withClock(
+        Effect.flatMap(Owner.make, (owner) => Wake.make(channel.options, owner)),
+        live
+      )
+      yield* Effect.withClock(hub.subscribe("long", "w-long"), live)
+      yield* Effect.withClock(waitFor("the start-up ping", Effect.sync(() => channel.pings() >= 1), Duration.seconds(5)), live)
+      yield* Effect.withClock(waitFor("the listener trusted", hub.trusted, Duration.seconds(5)), live)
+      expect(yield* hub.trusted).toBe(true)
+      // From now on no ping can be sent: the listener is neither proven nor disproven, and its
+      // trust runs out a check interval and two echo timeouts (1 s each) after its last proof.
+      channel.fail()
+      const failedAt = Date.now()
+      yield* Effect.withClock(waitFor("trust to run out", Effect.map(hub.trusted, (t) => !t), Duration.seconds(6)), live)
+      // Read on real time it ran out when it should (2.3 s, later on a loaded machine) ...
+      expect(Date.now() - failedAt).toBeGreaterThanOrEqual(2_000)
+      // ... and read from the TestClock fiber it has too: before, the waiter's own clock was
+      // compared with a proof dated on the hub's, and a clock at the epoch trusted it for ever.
+      expect(yield* hub.trusted).toBe(false)
     }))
 })

@@ -272,10 +272,10 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
     const subscribeNow = (name: string, id: string) =>
       Effect.suspend(() => started && !idle ? Effect.succeed(waiters.register(name, id)) : waiters.subscribeNow(name, id, onSubscribe))
 
-    const trusted = Effect.map(
-      monotonicMillis,
-      (now) => healthy && now - verifiedAt <= checkMillis + Duration.toMillis(ECHO_TIMEOUT) * 2
-    )
+    // On the hub's clock, the one every proof is dated on: the asking waiter's fiber may run on
+    // another (a test's TestClock, read at the epoch, would trust a stale proof for ever).
+    const trustMillis = checkMillis + Duration.toMillis(ECHO_TIMEOUT) * 2
+    const trusted = Effect.sync(() => healthy && clockMillis(clock) - verifiedAt <= trustMillis)
 
     const wake = (ids: ReadonlyArray<string>) => {
       for (const id of ids) waiters.wakeWaiter(id)
