@@ -16,8 +16,8 @@ import { waitFor } from "./support/eventually.js"
 
 /** Short, so that a test spans several check intervals; the grace is then 150 ms. */
 const CHECK = Duration.millis(300)
-/** How long each case streams its wake-ups: five check intervals. */
-const STREAM_MS = 1_500
+/** How long each case streams its wake-ups: eight check intervals (the bounds below leave room for a loaded machine's stalls). */
+const STREAM_MS = 2_400
 /** One wake-up every this many ms, each of a newly registered waiter (as a handoff's next waiter is). */
 const EVERY_MS = 40
 
@@ -96,15 +96,15 @@ describe("the wake hub's proof of its listener", () => {
   it.scopedLive("a wake-up of this process's waiter heard through the listener proves it: no ping while they keep coming", () =>
     Effect.gen(function*() {
       const { pings } = yield* pingsWhile((_hub, channel, id) => Effect.sync(() => channel.send(WAITER_PREFIX + id)), "granted")
-      // The control of the two cases below: the same stream, heard, spares every ping (one is
-      // spared for a loaded machine whose wake-ups come late).
-      expect(pings).toBeLessThanOrEqual(1)
+      // The control of the two cases below: the same stream, heard, spares every ping (a stall of
+      // a loaded machine longer than a check interval may cost one each: two are allowed).
+      expect(pings).toBeLessThanOrEqual(2)
     }))
 
   it.scopedLive("a waiter woken in process (this process's own give-back found it) proves nothing: the listener is still pinged every check interval", () =>
     Effect.gen(function*() {
       const { pings } = yield* pingsWhile((hub, _channel, id) => Effect.sync(() => hub.wake([id])), "granted")
-      // About one a check interval (5 here); counting the in-process wake-up as proof leaves 0.
+      // About one a check interval (8 here); counting the in-process wake-up as proof leaves 0.
       expect(pings).toBeGreaterThanOrEqual(3)
     }))
 

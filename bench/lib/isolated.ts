@@ -69,7 +69,20 @@ export const isolated = (subject: Subject<ThroughputSample>, recipe: Recipe): Su
  * builds it from `recipe`: the round comes back as the child recorded it.
  */
 export const isolatedRounds = <R>(subject: Subject<R>, recipe: Omit<Recipe, "kind">): Subject<R> =>
-  inChild(subject, { ...recipe, kind: "rounds" }, (answer) => answer.round as R)
+  inChild(subject, { ...recipe, kind: "rounds" }, (answer) => nonFinite(answer.round) as R)
+
+/**
+ * A round as the child recorded it: JSON wrote its non-finite numbers (a round without handoffs
+ * has no percentiles: NaN) as `null`, which the summaries would read as 0.
+ */
+const nonFinite = (value: unknown): unknown =>
+  value === null
+    ? Number.NaN
+    : Array.isArray(value)
+    ? value.map(nonFinite)
+    : typeof value === "object" && value !== undefined
+    ? Object.fromEntries(Object.entries(value).map(([key, field]) => [key, nonFinite(field)]))
+    : value
 
 const inChild = <R>(subject: Subject<R>, recipe: Recipe, read: (answer: Answer) => R): Subject<R> => ({
   ...subject,
@@ -109,8 +122,11 @@ const inChild = <R>(subject: Subject<R>, recipe: Recipe, read: (answer: Answer) 
     }
     return {
       run: async (round) => read(await ask({ op: "run", warmup: round.warmup })),
-      profile: async () => (await ask({ op: "profile" })).profiled!,
-      allocations: async () => (await ask({ op: "allocations" })).allocated!,
+      // Profiling counts a throughput sample's cycles: a rounds subject has none to count.
+      ...(recipe.kind === "rounds" ? {} : {
+        profile: async () => (await ask({ op: "profile" })).profiled!,
+        allocations: async () => (await ask({ op: "allocations" })).allocated!
+      }),
       close: async () => {
         const answer = await ask({ op: "close" }).catch(() => undefined)
         countLogLines(answer?.logLines ?? 0)
