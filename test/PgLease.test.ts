@@ -2568,18 +2568,13 @@ const pingingPair = (channel: string, check: Duration.Duration) =>
     return { a, b, pings: yield* pingsHeardOn(channel) }
   })
 
-/** Until `pings` has heard none for `stretch` (at most 5 s). */
-const pingsQuiet = (pings: { readonly count: () => number }, stretch: Duration.Duration) =>
-  Effect.gen(function*() {
-    const bound = (yield* Clock.currentTimeMillis) + 5_000
-    while (true) {
-      const seen = pings.count()
-      // The stretch is the condition observed (no ping within it), not a synchronisation.
-      yield* Effect.sleep(stretch)
-      if (pings.count() === seen) return
-      if ((yield* Clock.currentTimeMillis) > bound) return yield* Effect.dieMessage("pings did not quiet down within 5 s")
-    }
-  })
+/** Until `pings` has heard none for `stretch`: its last ping is that old (at most 5 s). */
+const pingsQuiet = (pings: { readonly lastAt: () => number }, stretch: Duration.Duration) =>
+  waitFor(
+    `a stretch of ${Duration.format(stretch)} without a ping`,
+    Effect.sync(() => performance.now() - pings.lastAt() >= Duration.toMillis(stretch)),
+    Duration.seconds(5)
+  )
 
 /** How many pings (`p…` payloads) a raw LISTEN session hears on `channel` for the rest of the scope. */
 const pingsHeardOn = (channel: string) =>
@@ -2589,11 +2584,15 @@ const pingsHeardOn = (channel: string) =>
       client.on("error", () => {})
       await client.connect()
       let count = 0
+      // When the latest was heard (performance.now()); the LISTEN's start before any.
+      let lastAt = performance.now()
       client.on("notification", (message) => {
-        if (message.channel === channel && message.payload?.startsWith("p") === true) count++
+        if (message.channel !== channel || message.payload?.startsWith("p") !== true) return
+        count++
+        lastAt = performance.now()
       })
       await client.query(`listen ${channel}`)
-      return { client, count: () => count }
+      return { client, count: () => count, lastAt: () => lastAt }
     }),
     ({ client }) => Effect.promise(() => client.end().catch(() => {}))
   )

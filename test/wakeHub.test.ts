@@ -86,8 +86,13 @@ const pingsWhile = (
       const registered = yield* hub.subscribeNow("n", id)
       if (ends === "not granted") registered.unsubscribe(false)
       yield* wakeUp(hub, channel, id)
+      if (ends === "granted") {
+        // It ends once its wake-up reached it (a grant follows the wake-up it was handed by).
+        yield* waitFor("the wake-up reached its waiter", Effect.map(registered.subscription.mark, (wakes) => wakes > 0), Duration.seconds(5))
+        registered.unsubscribe(true)
+      }
+      // The stream's pace: the next waiter comes this much later (a workload, not a wait).
       yield* Effect.sleep(Duration.millis(EVERY_MS))
-      if (ends === "granted") registered.unsubscribe(true)
     }
     return { pings: channel.pings() - before, givenBack }
   })
