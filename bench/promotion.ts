@@ -51,6 +51,7 @@ const runChild = async (id: string): Promise<void> => {
   const measure = async (on: On) => {
     const trial = await row.subject(on, seconds * 1000).open()
     try {
+      console.log("PROMOTION-WARMUP")
       await trial.run({ warmup: true })
       for (let r = 0; r < rounds; r++) {
         // A second with nobody waiting, as between the bench's interleaved rows.
