@@ -21,7 +21,7 @@ import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as Queue from "effect/Queue"
 import * as Crypto from "node:crypto"
-import { clockMillis, monotonicMillis, sleepMillis } from "../../core/clock.js"
+import { clockMillis, sleepMillis } from "../../core/clock.js"
 import { makeWaiters, type Subscription, type WakeHub } from "../waiters.js"
 import type { Owner } from "../../runtime/owner.js"
 import { HANDED_PREFIX, PING_PREFIX, RELEASED_PREFIX, WAITER_PREFIX } from "./sql.js"
@@ -73,7 +73,7 @@ export type { Subscription, WakeHub } from "../waiters.js"
  */
 export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub> =>
   Effect.gen(function*() {
-    // The watch's clock: waiters are registered on it, so that a wake-up's proof is timed as the watch reads time.
+    // The hub's one clock: every proof, registration and check is dated on it, whichever fiber asks.
     const clock = yield* Effect.clock
     const waiters = makeWaiters(() => clockMillis(clock))
     const pings = new Map<string, Deferred.Deferred<void>>()
@@ -150,12 +150,11 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
     }
 
     let heardThisRound = false
-    const markVerified = Effect.flatMap(monotonicMillis, (now) =>
-      Effect.sync(() => {
-        verifiedAt = now
-        healthy = true
-        heardThisRound = true
-      }))
+    const markVerified = Effect.sync(() => {
+      verifiedAt = clockMillis(clock)
+      healthy = true
+      heardThisRound = true
+    })
 
     /**
      * Pings a fresh listener until it hears itself (the LISTEN runs asynchronously after
@@ -185,13 +184,12 @@ export const make = (options: WakeOptions, owner: Owner): Effect.Effect<WakeHub>
           }))
           // A first waiter after a quiet spell: the ping only if no wake-up of its proves the
           // listener within the grace, and only while anyone still waits (`IDLE_PING_GRACE`).
-          if (verifiedAt + checkMillis <= (yield* monotonicMillis)) {
+          if (verifiedAt + checkMillis <= clockMillis(clock)) {
             yield* sleepMillis(graceMillis)
             continue
           }
         }
-        const now = yield* monotonicMillis
-        const due = verifiedAt + checkMillis - now
+        const due = verifiedAt + checkMillis - clockMillis(clock)
         if (due > 0) {
           yield* Effect.raceFirst(Effect.sleep(Duration.millis(due)), kick.take)
           continue
