@@ -117,9 +117,8 @@ const parse = (output: string): Array<Round> => {
 const runRow = (id: string): Promise<Array<Round>> =>
   new Promise((resolve, reject) => {
     const script = fileURLToPath(import.meta.url)
-    const proc = spawn(process.execPath, ["--trace-gc-nvp", ...v8Flags, "--import", "tsx", "--import", "./bench/lib/built.mjs", script, `--child=${id}`, `--rounds=${rounds}`, `--seconds=${seconds}`], {
-      // The build the parent made (built.mjs exported its path): the children only register it.
-      env: process.env,
+    // The parent's loaders (tsx, the library's build), as `lib/isolated.ts` starts its children.
+    const proc = spawn(process.execPath, [...process.execArgv, "--trace-gc-nvp", ...v8Flags, script, `--child=${id}`, `--rounds=${rounds}`, `--seconds=${seconds}`], {
       stdio: ["ignore", "pipe", "inherit"]
     })
     let output = ""
